@@ -1,0 +1,113 @@
+"""Pair stats (one thread, inside a worker): single-token decode time of target and draft with a
+KV cache of a ~128-token context, their ratio, and the draft's greedy per-token acceptance along
+the target's greedy path (teacher forcing) on held-out prompts, with the greedy SD rounds that
+path implies."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+PAIR_CONTEXT_TOKENS = 128  # context length of the decode-latency measurement
+
+
+def _pair_stats(spec: dict) -> dict:
+    import torch
+
+    from ssd.loader import load_model, load_tokenizer
+
+    device = torch.device(spec["device"])
+    tokenizer = load_tokenizer(spec["target"])
+    target = load_model(spec["target"], spec["dtype"], spec["device"])
+    draft = load_model(spec["draft"], spec["dtype"], spec["device"])
+    encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in spec["prompts"]]
+
+    # A ~128-token context from the prompts themselves.
+    context: list[int] = []
+    while len(context) < PAIR_CONTEXT_TOKENS:
+        for ids in encoded:
+            context.extend(ids)
+    context_ids = torch.tensor([context[:PAIR_CONTEXT_TOKENS]], device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
+    def decode_ms(model) -> float:
+        out = model(input_ids=context_ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for rep in range(spec["pair_reps"] + 5):
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            sync()
+            if rep >= 5:  # the first few are warm-up
+                times.append(time.perf_counter() - t0)
+            _crop(cache, PAIR_CONTEXT_TOKENS)
+        return 1000 * statistics.median(times)
+
+    target_ms, draft_ms = decode_ms(target), decode_ms(draft)
+
+    @torch.inference_mode()
+    def greedy_path(ids: list[int], n: int) -> list[int]:
+        out = target(input_ids=torch.tensor([ids], device=device), use_cache=True)
+        path = []
+        for _ in range(n):
+            nxt = out.logits[:, -1:].argmax(-1)
+            path.append(int(nxt))
+            out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        return path
+
+    n, k = spec["max_tokens"], spec["k"]
+    per_prompt, matches_all = [], []
+    sim_rounds = sim_accepted = 0
+    for ids in encoded:
+        # K extra path tokens: the engine drafts a full K even in the last round.
+        full = torch.tensor([ids + greedy_path(ids, n + k)], device=device)
+        start = len(ids) - 1  # logits at positions start.. predict the continuation
+        with torch.inference_mode():
+            t_arg = target(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
+            d_arg = draft(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
+        matches = (t_arg == d_arg).tolist()  # n + k positions
+        per_prompt.append(round(sum(matches[:n]) / n, 4))
+        matches_all.extend(matches[:n])
+        # Greedy SD along this path: a round starting at p accepts the run of matches from p
+        # (at most K) and adds the bonus token; rounds continue until n tokens are out.
+        p = 0
+        while p < n:
+            m = 0
+            while m < k and matches[p + m]:
+                m += 1
+            sim_rounds += 1
+            sim_accepted += m
+            p += m + 1
+    accept = sum(matches_all) / len(matches_all)
+    iid = (1 - accept ** (k + 1)) / (1 - accept) if accept < 1 else float(k + 1)
+    return {
+        "threads": 1,
+        "context_tokens": PAIR_CONTEXT_TOKENS,
+        "reps": spec["pair_reps"],
+        "target_decode_ms": round(target_ms, 4),
+        "draft_decode_ms": round(draft_ms, 4),
+        "draft_to_target_ratio": round(draft_ms / target_ms, 4),
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "greedy_acceptance": round(accept, 4),
+        "greedy_acceptance_per_prompt": per_prompt,
+        "acceptance_positions": len(matches_all),
+        "k": k,
+        "greedy_sd_mean_accepted_per_round": round(sim_accepted / sim_rounds, 4),
+        "greedy_sd_tokens_per_round": round(n * len(encoded) / sim_rounds, 4),
+        "iid_tokens_per_round": round(iid, 4),
+    }
+
+
+def _crop(cache, length: int) -> None:
+    """Cut a Hugging Face cache back to `length` tokens (a negative count to remove works in
+    transformers 4 and 5; a positive length to keep only in 4)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,112 @@
+"""The flags of `ssd bench` and their validation into a `BenchPlan`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssd.bench.modes import MODES, SETTINGS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `ssd bench` (also accepted by `python -m ssd.bench`)."""
+    parser.add_argument("--target", default=None, help="Target model (local directory or hub id). Default: the bundled demo target.")
+    parser.add_argument("--draft", default=None, help="Draft model with the target's vocabulary. Default: the bundled demo draft (only with the demo target).")
+    parser.add_argument("--k", type=int, default=6, help="Speculation length K (draft tokens per round) for every speculative mode, hf-assisted included.")
+    parser.add_argument("--num-prompts", type=int, default=8, help="Held-out code-completion prompts per run (cycled to fill a batch when fewer).")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Tokens generated per prompt (EOS ignored, so every run generates exactly this many).")
+    parser.add_argument("--temperatures", default="0,1", help="Comma-separated sampling temperatures; 0 = greedy.")
+    parser.add_argument("--settings", default="paper,machine", help=f"Comma-separated thread settings, from: {', '.join(f'{s.name} ({s.description})' for s in SETTINGS.values())}.")
+    parser.add_argument("--modes", default="ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default", help=f"Comma-separated decoding modes, from: {', '.join(MODES)}. `ar` is the baseline of the ratio column.")
+    parser.add_argument("--batch-sizes", default="1", help="Comma-separated batch sizes (prompts decoded together); hf-assisted runs at batch size 1 only.")
+    parser.add_argument("--out-dir", default="bench_results", help="Directory for bench.json and bench.png (created if missing).")
+    parser.add_argument("--pair-stats-only", action="store_true", help="Only measure and print the pair stats (decode times, greedy acceptance).")
+    parser.add_argument("--pair-reps", type=int, default=50, help="Timed repetitions of the single-token decode for the pair stats (median reported).")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"], help="dtype of both models in every mode.")
+    parser.add_argument("--device", default="cpu", help="torch device of both models in every mode (cpu, cuda, cuda:1, ...).")
+    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i is sampled with seed+i in every mode.")
+
+
+def _split(text: str, name: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{name} must list at least one value")
+    return list(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    target: str
+    draft: str | None
+    k: int
+    num_prompts: int
+    max_tokens: int
+    temperatures: list[float]
+    settings: list[str]
+    modes: list[str]
+    batch_sizes: list[int]
+    out_dir: Path
+    pair_stats_only: bool
+    pair_reps: int
+    dtype: str
+    device: str
+    progress: bool
+    seed: int
+
+
+def _plan(args: argparse.Namespace) -> BenchPlan:
+    from ssd.config import DEMO_MODELS_DIR
+
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 (the CLI may omit optional flags)
+    target, draft = get("target"), get("draft")
+    if target is None:
+        if draft is not None:
+            raise ValueError("--draft was given without --target: pass --target too (or neither for the demo pair)")
+        target, draft = str(DEMO_MODELS_DIR / "target"), str(DEMO_MODELS_DIR / "draft")
+        missing = [p for p in (target, draft) if not Path(p).exists()]
+        if missing:
+            raise ValueError(f"the bundled demo pair is missing ({', '.join(missing)}): run `ssd build-demo-models` first, or pass --target/--draft")
+    try:
+        temperatures = [float(t) for t in _split(get("temperatures", "0,1"), "temperatures")]
+        batch_sizes = [int(b) for b in _split(get("batch_sizes", "1"), "batch-sizes")]
+    except ValueError as err:
+        raise ValueError(f"--temperatures takes numbers and --batch-sizes integers, comma-separated: {err}") from None
+    if any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be finite and >= 0, got {temperatures}")
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    settings = _split(get("settings", "paper,machine"), "settings")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}: choose from {list(SETTINGS)}")
+    modes = _split(get("modes", "ar,sd,hf-assisted"), "modes")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
+    if draft is None and any(MODES[m].needs_draft for m in modes):
+        raise ValueError(f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar")
+    k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
+    for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    return BenchPlan(
+        target=str(target),
+        draft=None if draft is None else str(draft),
+        k=k,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        temperatures=temperatures,
+        settings=settings,
+        modes=modes,
+        batch_sizes=batch_sizes,
+        out_dir=Path(get("out_dir", "bench_results")),
+        pair_stats_only=bool(get("pair_stats_only", False)),
+        pair_reps=reps,
+        dtype=get("dtype", "float32"),
+        device=get("device", "cpu"),
+        progress=not get("no_progress", False),
+        seed=get("seed", 0) or 0,
+    )

@@ -1,0 +1,55 @@
+"""How the target reaches its drafter: one interface, several transports.
+
+`DraftClient` is what the SSD proposer calls. `InProcessClient` runs the drafter in the caller's
+thread (unit tests, debugging: no overlap with verification). The process transport
+(ssd/draft_process.py) runs it in its own process behind a torch.distributed pair group.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ssd.drafter import Drafter
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter died, stalled past its deadline, or answered out of protocol."""
+
+
+class DraftClient(Protocol):
+    def admit(self, msg: AdmitMsg) -> None: ...
+
+    def release(self, msg: ReleaseMsg) -> None: ...
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        """Start building the next cache; returns at once on transports that overlap."""
+
+    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply: ...
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessClient:
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def admit(self, msg: AdmitMsg) -> None:
+        self.drafter.admit(msg)
+
+    def release(self, msg: ReleaseMsg) -> None:
+        self.drafter.release(msg.seq_ids)
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        self.drafter.begin_round(msg)
+
+    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
+        return self.drafter.resolve(msg)
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+        return self.drafter.draft_reply(msg)
+
+    def close(self) -> None:
+        pass

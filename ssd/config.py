@@ -1,0 +1,96 @@
+"""Engine configuration: a pydantic model at the user boundary, a frozen dataclass inside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MODES = ("ar", "sd", "ssd")
+
+# The bundled demo pair lives beside the package in the source tree (models/ at the repo root).
+DEMO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+class EngineArgs(BaseModel):
+    """Everything a user sets for an engine (Python `LLM(...)`, CLI flags, Serve YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str | None = Field(None, description="Target model: local directory or hub id. None = bundled demo target.")
+    draft: str | None = Field(None, description="Draft model (same vocabulary). None = bundled demo draft (when the target is the demo too).")
+    mode: Literal["ar", "sd", "ssd"] = Field("sd", description="ar: target only; sd: ordinary speculative decoding; ssd: speculative speculative decoding (Saguaro).")
+    k: int = Field(6, ge=1, le=32, description="Speculation length K: draft tokens verified per round.")
+    max_num_seqs: int = Field(16, ge=1, description="Most sequences decoded together (continuous batching).")
+    max_model_len: int | None = Field(None, ge=2, description="Context length cap; None = the smaller of the two models' limits.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", description="Weights/activations dtype; auto = the checkpoint's.")
+    device: str = Field("cpu", description="torch device for both models, e.g. cpu, cuda, cuda:1.")
+    draft_device: str | None = Field(None, description="torch device for the draft; None = same as device.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process; None = torch's default.")
+    seed: int = Field(0, description="Seed for requests that carry no seed of their own.")
+    ssd_budget: int = Field(16, ge=1, le=4096, description="SSD: speculation-cache budget B (branches per sequence per round).")
+    ssd_autobudget: bool = Field(True, description="SSD: lower B below ssd_budget while the drafter cannot build the cache within one verification.")
+    ssd_fanout: Literal["geometric", "uniform"] = Field("geometric", description="SSD: fan-out over outcomes k (Saguaro's geometric, or uniform).")
+    saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling.")
+    ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
+    draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
+    draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
+    draft_deadline_s: float = Field(30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
+
+    def to_config(self) -> "EngineConfig":
+        if self.target is None and self.draft is not None:
+            raise ValueError("draft was given without target: pass target too (or neither for the demo pair)")
+        demo = self.target is None
+        target = str(DEMO_MODELS_DIR / "target") if demo else self.target
+        draft = str(DEMO_MODELS_DIR / "draft") if demo else self.draft
+        if self.mode != "ar" and draft is None:
+            raise ValueError(f"mode={self.mode!r} needs a draft model: pass draft=... or use mode='ar'")
+        return EngineConfig(
+            target=target,
+            draft=draft if self.mode != "ar" else None,
+            mode=self.mode,
+            k=self.k,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            draft_device=self.draft_device or self.device,
+            num_threads=self.num_threads,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            ssd_budget=self.ssd_budget,
+            ssd_autobudget=self.ssd_autobudget,
+            ssd_fanout=self.ssd_fanout,
+            saguaro_c=self.saguaro_c,
+            ssd_backup=self.ssd_backup,
+            draft_transport=self.draft_transport,
+            draft_num_threads=self.draft_num_threads,
+            draft_deadline_s=self.draft_deadline_s,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str
+    draft: str | None
+    mode: str
+    k: int
+    max_num_seqs: int
+    max_model_len: int | None
+    dtype: str
+    device: str
+    draft_device: str
+    num_threads: int | None
+    seed: int
+    trust_remote_code: bool
+    ssd_budget: int = 16
+    ssd_autobudget: bool = True
+    ssd_fanout: str = "geometric"
+    saguaro_c: float = 1.0
+    ssd_backup: str = "auto"
+    draft_transport: str = "process"
+    draft_num_threads: int = 1
+    draft_deadline_s: float = 30.0

@@ -1,0 +1,228 @@
+"""The drafter in its own process, reached over a torch.distributed pair group.
+
+The pair group is stateless: created from a private FileStore (no port to choose, none fixed)
+with ProcessGroupGloo on loopback, never the default group, so several pairs can live in one
+process. On GPUs the same layout would travel over NCCL; this CPU build uses gloo.
+
+Lifetime: the worker asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), the
+client shuts it down on close() or interpreter exit, and kills it if it will not go. A worker
+that fails sends an ERROR message before exiting; the client turns errors, deadlines and broken
+pipes into DrafterUnavailable, which the SSD proposer answers by going on alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from ssd.channel import DrafterUnavailable
+from ssd.config import EngineConfig
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.wire import HEADER, MAGIC, MsgType, decode, encode, fingerprint
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
+# The group's own timeout bounds every blocking op without an explicit deadline (the worker's
+# wait for the next message between requests can be long).
+GROUP_TIMEOUT = datetime.timedelta(days=7)
+_TAG = 0
+
+
+def pair_group(store_dir: str, rank: int) -> dist.ProcessGroup:
+    store = dist.FileStore(os.path.join(store_dir, "store"), 2)
+    store.set_timeout(CONNECT_TIMEOUT)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = GROUP_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+class _Endpoint:
+    """Typed send/recv over a pair group; peer = the other rank."""
+
+    def __init__(self, group: dist.ProcessGroup, peer: int, fp: int) -> None:
+        self.group, self.peer, self.fp = group, peer, fp
+
+    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), self.fp, 0, 0], dtype=torch.long)
+        for t in (header, ints.contiguous(), floats.contiguous().float()):
+            if t.numel():
+                self.group.send([t], self.peer, _TAG).wait()
+
+    def send(self, msg) -> None:
+        self.send_raw(*encode(msg))
+
+    def recv(self, timeout: datetime.timedelta | None = None):
+        """-> (MsgType, message or None for bodiless control messages, ints)"""
+        header = torch.zeros(HEADER, dtype=torch.long)
+        self._recv(header, timeout)
+        magic, kind, round_id, n_ints, n_floats, fp = header[:6].tolist()
+        if magic != MAGIC or fp != self.fp:
+            raise DrafterUnavailable(f"foreign message on the drafter channel (magic {magic:#x}, fingerprint {fp})")
+        ints = torch.zeros(n_ints, dtype=torch.long)
+        floats = torch.zeros(n_floats, dtype=torch.float32)
+        for t in (ints, floats):
+            if t.numel():
+                self._recv(t, timeout)
+        kind = MsgType(kind)
+        if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN):
+            return kind, None, ints
+        return kind, decode(kind, round_id, ints, floats), ints
+
+    def _recv(self, t: torch.Tensor, timeout: datetime.timedelta | None) -> None:
+        work = self.group.recv([t], self.peer, _TAG)
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+
+
+def _config_fingerprint(config: EngineConfig, vocab: int) -> int:
+    return fingerprint(vocab, config.k, config.draft, config.dtype, config.saguaro_c)
+
+
+class ProcessClient:
+    """DraftClient whose drafter runs in a child process (rank 1 of a private pair group)."""
+
+    def __init__(self, process, endpoint: _Endpoint, store_dir: str) -> None:
+        self.process, self.endpoint, self.store_dir = process, endpoint, store_dir
+        self.closed = False
+        atexit.register(self.close)
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, vocab: int) -> "ProcessClient":
+        store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
+        ctx = mp.get_context("spawn")
+        process = ctx.Process(target=worker_main, args=(asdict(config), vocab, store_dir), daemon=True, name="ssd-drafter")
+        process.start()
+        try:
+            endpoint = _Endpoint(pair_group(store_dir, 0), 1, _config_fingerprint(config, vocab))
+            kind, _, ints = endpoint.recv(CONNECT_TIMEOUT)
+            if kind != MsgType.READY:
+                raise DrafterUnavailable(f"draft worker failed to start: {_text(ints)}")
+        except BaseException:
+            process.kill()
+            process.join(5)
+            shutil.rmtree(store_dir, ignore_errors=True)
+            raise
+        logger.info("draft worker pid %d ready", process.pid)
+        return cls(process, endpoint, store_dir)
+
+    def _guard(self, fn):
+        if self.closed:
+            raise DrafterUnavailable("draft worker was closed")
+        try:
+            return fn()
+        except DrafterUnavailable:
+            self._kill()
+            raise
+        except RuntimeError as err:  # gloo: peer gone, read error, deadline passed
+            self._kill()
+            alive = "exited with code %s" % self.process.exitcode if not self.process.is_alive() else "stalled"
+            raise DrafterUnavailable(f"draft worker {alive}: {err}") from err
+
+    def _request(self, msg, deadline_s: float | None) -> SpeculationReply:
+        self.endpoint.send(msg)
+        timeout = datetime.timedelta(seconds=deadline_s) if deadline_s is not None else None
+        kind, reply, ints = self.endpoint.recv(timeout)
+        if kind == MsgType.ERROR:
+            raise DrafterUnavailable(f"draft worker error: {_text(ints)}")
+        if kind != MsgType.REPLY or reply.round_id != msg.round_id or reply.seq_ids != list(msg.seq_ids):
+            raise DrafterUnavailable(f"out-of-protocol reply {kind.name} for round {msg.round_id}")
+        return reply
+
+    def admit(self, msg: AdmitMsg) -> None:
+        self._guard(lambda: self.endpoint.send(msg))
+
+    def release(self, msg: ReleaseMsg) -> None:
+        self._guard(lambda: self.endpoint.send(msg))
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        self._guard(lambda: self.endpoint.send(msg))
+
+    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
+        return self._guard(lambda: self._request(msg, deadline_s))
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+        return self._guard(lambda: self._request(msg, CONNECT_TIMEOUT.total_seconds()))
+
+    def _kill(self) -> None:
+        self.closed = True
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.endpoint.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            self.process.join(10)
+        except RuntimeError as err:
+            logger.warning("draft worker did not take the shutdown message: %s", err)
+        self._kill()
+
+
+def _text(ints: torch.Tensor) -> str:
+    return bytes(ints.tolist()).decode("utf-8", errors="replace")
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        logger.warning("PR_SET_PDEATHSIG unavailable: the draft worker may outlive a killed parent")
+
+
+def worker_main(config: dict, vocab: int, store_dir: str) -> None:
+    """Entry point of the draft process: load the draft, then serve messages until SHUTDOWN."""
+    _die_with_parent()
+    cfg = EngineConfig(**config)
+    torch.set_num_threads(cfg.draft_num_threads)
+    from ssd.drafter import Drafter
+    from ssd.loader import load_model
+    from ssd.runner import ModelRunner
+
+    endpoint = _Endpoint(pair_group(store_dir, 1), 0, _config_fingerprint(cfg, vocab))
+    try:
+        model = load_model(cfg.draft, cfg.dtype, cfg.draft_device, cfg.trust_remote_code)
+        drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device)), vocab, cfg.k, cfg.saguaro_c)
+        endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        while True:
+            kind, msg, _ = endpoint.recv()
+            if kind == MsgType.SHUTDOWN:
+                return
+            if kind == MsgType.ADMIT:
+                drafter.admit(msg)
+            elif kind == MsgType.RELEASE:
+                drafter.release(msg.seq_ids)
+            elif kind == MsgType.BEGIN_ROUND:
+                drafter.begin_round(msg)
+            elif kind == MsgType.RESOLVE:
+                endpoint.send(drafter.resolve(msg))
+            elif kind == MsgType.DRAFT_NOW:
+                endpoint.send(drafter.draft_reply(msg))
+            else:
+                raise ValueError(f"draft worker got unexpected {kind.name}")
+    except Exception as err:
+        logging.getLogger(__name__).exception("draft worker failed")
+        text = torch.tensor(list(f"{type(err).__name__}: {err}".encode()[:4000]), dtype=torch.long)
+        try:
+            endpoint.send_raw(MsgType.ERROR, 0, text, torch.zeros(0))
+        except RuntimeError as send_err:
+            logging.getLogger(__name__).error("could not report the failure to the target: %s", send_err)
+        raise SystemExit(1) from err

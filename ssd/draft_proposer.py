@@ -1,0 +1,84 @@
+"""Ordinary speculative decoding's proposer: the draft model drafts K tokens just in time."""
+
+from __future__ import annotations
+
+import torch
+
+from ssd.runner import ModelRunner
+from ssd.sampling import BatchSampling, process_logits, sample_from
+from ssd.sequence import Sequence
+from ssd.speculation import RoundOutcome, Speculation
+
+
+class DraftModelProposer:
+    """Keeps a draft KV cache per running sequence and drafts autoregressively.
+
+    Invariant between rounds: the draft cache of row r holds the first cache.lengths()[r]
+    tokens of its sequence (fewer than num_tokens); the rest are fed at the start of the next
+    proposal. The engine calls propose() only with k >= 1.
+    """
+
+    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+        self.runner = runner
+        self.target_vocab = target_vocab
+        self.cache = runner.new_cache()
+
+    def add(self, seqs: list[Sequence]) -> None:
+        prefix = [s.prompt_ids[:-1] for s in seqs]
+        cache = self.runner.new_cache()
+        tokens, valid = pad_rows(prefix)
+        self.runner.forward(cache, tokens, valid)
+        self.cache.extend(cache)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+
+    def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+        """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab)."""
+        v_t = self.target_vocab
+        logits = logits[..., :v_t]
+        probs = process_logits(logits, sampling)
+        if probs.shape[-1] < v_t:
+            probs = torch.nn.functional.pad(probs, (0, v_t - probs.shape[-1]))
+        return probs
+
+    def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
+        b = len(seqs)
+        uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs])  # [b, K]
+        synced = self.cache.lengths().tolist()
+        pending = [s.tokens_from(synced[r]) for r, s in enumerate(seqs)]
+        tokens, valid = pad_rows(pending)
+        logits = self.runner.forward(self.cache, tokens, valid)
+        last = valid.long().sum(1) - 1
+        step_logits = logits[torch.arange(b), last].unsqueeze(1)  # [b, 1, V]
+        drafted, probs = [], []
+        for i in range(k):
+            p = self.draft_probs(step_logits, sampling)[:, 0]  # [b, V]
+            tok = sample_from(p, uniforms[:, i])
+            drafted.append(tok)
+            probs.append(p)
+            if i < k - 1:
+                step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))
+        return Speculation(
+            torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long)
+        )
+
+    def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
+        # The cache holds the old committed tokens and drafts 1..K-1; the accepted ones stay.
+        keep = outcome.tokens_before + outcome.num_accepted.clamp(max=speculation.k - 1)
+        self.cache.drop_last(self.cache.lengths() - keep)
+
+    def close(self) -> None:
+        self.cache = self.runner.new_cache()
+
+
+def pad_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: -> tokens [b, n], valid [b, n]; n >= 1 (an all-padding column
+    keeps every cache layer initialized even when each row is empty)."""
+    n = max(1, max((len(r) for r in rows), default=0))
+    tokens = torch.zeros(len(rows), n, dtype=torch.long)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        valid[i, : len(r)] = True
+    return tokens, valid

@@ -1,0 +1,239 @@
+"""The draft side of SSD: build the speculation cache while the target verifies.
+
+For each round the target announces the speculation s_T it is verifying (`begin_round`). The
+drafter then, for every sequence of the batch:
+  1. glue-decodes [tokens committed since last round, s_T] in one forward, which gives its
+     K+1 next-token distributions, one per possible number k of accepted tokens;
+  2. forks: at each k takes the top F_k tokens (by raw draft logits) as bonus candidates,
+     excluding s_T[k] (had it been right, k would be larger);
+  3. tree-decodes all B = sum F_k branches together, K forwards of B tokens each, every branch
+     attending to the committed prefix, s_T[:k], its candidate and its own earlier tokens only;
+  4. keeps each branch's K tokens and draft distributions under (k, candidate).
+When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
+answered just in time by the draft (neural backup) or left to the target's fast backup.
+
+Shapes: b sequences, N = B branches per sequence, K speculation length, V target vocab.
+The drafter keeps its own KV cache of committed tokens only; tree columns live for one round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import time
+
+import torch
+
+from ssd.draft_proposer import DraftModelProposer, pad_rows
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ResolveMsg, SpeculationReply
+from ssd.runner import ModelRunner
+from ssd.sampling import BatchSampling, sample_from
+from ssd.saguaro import saguaro_probs
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int]  # committed tokens (prompt + output) as the drafter knows them
+    generator: torch.Generator
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+@dataclass
+class _Round:
+    """The speculation cache of one round."""
+
+    seq_ids: list[int]
+    spec_tokens: list[list[int]]  # s_T per row (real tokens only)
+    branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n
+    tokens: torch.Tensor  # [b, N, K]
+    probs: torch.Tensor  # [b, N, K, V]
+    fanout: list[int] = field(default_factory=list)
+    build_seconds: float = 0.0
+
+
+class Drafter:
+    """Plain class (no Ray, no process): the channel layer decides where it runs."""
+
+    def __init__(self, runner: ModelRunner, target_vocab: int, k: int, saguaro_c: float = 1.0) -> None:
+        self.runner = runner
+        self.k = k
+        self.saguaro_c = saguaro_c
+        self.jit = DraftModelProposer(runner, target_vocab)  # shares probs handling and padding
+        self.cache = self.jit.cache
+        self.states: dict[int, _SeqState] = {}
+        self.order: list[int] = []  # seq id of each cache row
+        self.round: _Round | None = None
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def admit(self, msg: AdmitMsg) -> None:
+        new_rows = []
+        for i, seq_id in enumerate(msg.seq_ids):
+            gen = torch.Generator().manual_seed(int(msg.seeds[i]))
+            self.states[seq_id] = _SeqState(
+                list(msg.prompts[i]), gen, float(msg.temperature[i]), int(msg.top_k[i]), float(msg.top_p[i])
+            )
+            new_rows.append(msg.prompts[i][:-1])
+        cache = self.runner.new_cache()
+        tokens, valid = pad_rows(new_rows)
+        self.runner.forward(cache, tokens, valid)
+        self.cache.extend(cache)
+        self.order.extend(msg.seq_ids)
+
+    def release(self, seq_ids: list[int]) -> None:
+        gone = set(seq_ids)
+        keep = [i for i, s in enumerate(self.order) if s not in gone]
+        self.cache.select(torch.tensor(keep, dtype=torch.long))
+        self.order = [self.order[i] for i in keep]
+        for s in gone:
+            self.states.pop(s, None)
+
+    def _rows(self, seq_ids: list[int]) -> None:
+        """Bring the cache rows into the order of seq_ids (the target's running batch)."""
+        if seq_ids != self.order:
+            index = {s: i for i, s in enumerate(self.order)}
+            assert set(seq_ids) == set(self.order), "drafter and target disagree on the batch"
+            self.cache.select(torch.tensor([index[s] for s in seq_ids], dtype=torch.long))
+            self.order = list(seq_ids)
+
+    def _sampling(self, seq_ids: list[int]) -> BatchSampling:
+        st = [self.states[s] for s in seq_ids]
+        return BatchSampling(
+            torch.tensor([s.temperature for s in st], dtype=torch.float32),
+            torch.tensor([s.top_k for s in st], dtype=torch.long),
+            torch.tensor([s.top_p for s in st], dtype=torch.float32),
+        )
+
+    # ---- the round ----------------------------------------------------------------------------
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        """Glue decode, fork and tree decode for every row; fills the speculation cache."""
+        started = time.perf_counter()
+        seq_ids = list(msg.seq_ids)
+        self._rows(seq_ids)
+        b, k = len(seq_ids), self.k
+        fanout = list(msg.fanout)
+        n_branches = sum(fanout)
+        sampling = self._sampling(seq_ids)
+        synced = self.cache.lengths().tolist()
+        spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(b)]
+        pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
+        assert all(pending), "the last committed token is always pending"
+        tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
+        glue_start = self.cache.num_columns
+        logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
+        # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
+        base = torch.tensor([len(p) - 1 for p in pending])
+        cols = base.unsqueeze(1) + torch.arange(k + 1).unsqueeze(0)  # [b, K+1]
+        cols = torch.minimum(cols, torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1))
+        glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
+        glue_logits = glue_logits[..., : self.jit.target_vocab]
+
+        # Fork: branch n belongs to outcome j_n and starts with candidate token t_n.
+        j_of = torch.tensor([j for j, f in enumerate(fanout) for _ in range(f)], dtype=torch.long)  # [N]
+        cand = torch.zeros(b, n_branches, dtype=torch.long)
+        branch_index: list[dict[tuple[int, int], int]] = []
+        for r in range(b):
+            index: dict[tuple[int, int], int] = {}
+            n = 0
+            for j, f in enumerate(fanout):
+                if f == 0:
+                    continue
+                scores = glue_logits[r, j].clone()
+                if j < len(spec[r]):
+                    scores[spec[r][j]] = float("-inf")
+                top = scores.topk(f).indices
+                cand[r, n : n + f] = top
+                for t in top.tolist():
+                    index[(j, t)] = n
+                    n += 1
+            branch_index.append(index)
+
+        # Tree decode: depth d feeds the branch tokens at depth d (the candidate at d = 0).
+        committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
+        spec_lens = torch.tensor([len(s) for s in spec])
+        tree_start = self.cache.num_columns
+        # History visibility of the glue columns: pending always; s_T[i] only for branches with i < j_n.
+        col = torch.arange(tree_start)
+        rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
+        is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
+        glue_vis = ~is_spec | (rel < j_of.view(1, -1, 1))  # [b, N, tree_start]
+        eye = torch.eye(n_branches, dtype=torch.bool).expand(b, n_branches, n_branches)
+        uniforms = torch.stack([torch.rand(k, n_branches, generator=self.states[s].generator) for s in seq_ids])
+        feed = cand
+        out_tokens, out_probs = [], []
+        fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
+        for d in range(k):
+            own_tree = eye.repeat(1, 1, d) if d > 0 else torch.zeros(b, n_branches, 0, dtype=torch.bool)
+            history = torch.cat([glue_vis, own_tree], dim=-1)
+            positions = committed.view(b, 1) + j_of.view(1, -1) + d
+            step = self.runner.forward(self.cache, feed, positions=positions, within=eye, history=history)
+            probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
+            probs = saguaro_probs(probs, fan_t[d].expand(b, n_branches), self.saguaro_c) if self.saguaro_c < 1 else probs
+            feed = sample_from(probs, uniforms[:, d])  # [b, N]
+            out_tokens.append(feed)
+            out_probs.append(probs)
+        self.cache.drop_last(spec_lens + k * n_branches)
+        self.round = _Round(
+            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout,
+            time.perf_counter() - started,
+        )
+
+    def resolve(self, msg: ResolveMsg) -> SpeculationReply:
+        """Record the outcome of every row; return cached branches for hits and, when asked,
+        neural-backup speculations for misses."""
+        rnd = self.round
+        seq_ids = list(msg.seq_ids)
+        b, k = len(seq_ids), self.k
+        hit = torch.zeros(b, dtype=torch.bool)
+        tokens = torch.zeros(b, k, dtype=torch.long)
+        probs = torch.zeros(b, k, self.jit.target_vocab)
+        for r, s in enumerate(seq_ids):
+            acc, bonus = int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
+            if rnd is not None and s in rnd.seq_ids:
+                i = rnd.seq_ids.index(s)
+                self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
+                n = rnd.branch_index[i].get((acc, bonus))
+                if n is not None:
+                    hit[r] = True
+                    tokens[r] = rnd.tokens[i, n]
+                    probs[r] = rnd.probs[i, n]
+        build_seconds = rnd.build_seconds if rnd is not None else 0.0
+        self.round = None
+        num_draft = torch.where(hit, k, 0)
+        if msg.neural_backup and not bool(hit.all()):
+            spec = self.draft_now(seq_ids)
+            tokens[~hit], probs[~hit] = spec.tokens[~hit], spec.probs[~hit]
+            num_draft = torch.full((b,), k, dtype=torch.long)
+        return SpeculationReply(msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds)
+
+    def draft_reply(self, msg: DraftNowMsg) -> SpeculationReply:
+        """Speculations drafted just in time for every row (sequences with no cached one)."""
+        spec = self.draft_now(list(msg.seq_ids))
+        b = len(msg.seq_ids)
+        return SpeculationReply(
+            round_id=msg.round_id, seq_ids=msg.seq_ids, hit=torch.zeros(b, dtype=torch.bool),
+            tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft,
+        )
+
+    def draft_now(self, seq_ids: list[int]):
+        """Neural backup: ordinary just-in-time drafting (all rows drafted; callers use `rows`)."""
+        self._rows(list(seq_ids))
+
+        class _View:  # the attributes DraftModelProposer.propose reads from a sequence
+            def __init__(self, st: _SeqState):
+                self.generator = st.generator
+                self.num_tokens = len(st.tokens)
+                self._tokens = st.tokens
+
+            def tokens_from(self, start: int) -> list[int]:
+                return self._tokens[start:]
+
+        views = [_View(self.states[s]) for s in seq_ids]
+        spec = self.jit.propose(views, self.k, self._sampling(list(seq_ids)))
+        # Keep only committed tokens in the cache: the drafts are rolled back at once.
+        committed = torch.tensor([v.num_tokens for v in views])
+        self.cache.drop_last(self.cache.lengths() - committed + 1)
+        return spec

@@ -1,0 +1,252 @@
+"""The round loop: continuous batching over running sequences, one verification per round.
+
+A round, for the b running sequences:
+    speculation = proposer.propose(...)        # [b, K] tokens + [b, K, V] draft_probs
+    target forward over [last token, speculation]  -> target_probs [b, K+1, V]
+    verify(...)                                 -> num_accepted [b], bonus_tokens [b]
+    roll back rejected columns of the target cache; append accepted + bonus under stop rules
+Mode ar has no proposer (K = 0: the "bonus" is the next token). Between rounds the target cache
+of every running sequence holds all its tokens but the last one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.config import EngineConfig
+from ssd.draft_proposer import DraftModelProposer, pad_rows
+from ssd.runner import ModelRunner
+from ssd.sampling import BatchSampling, process_logits
+from ssd.sampling_params import SamplingParams
+from ssd.sequence import CompletionOutput, Sequence, SpecMetrics
+from ssd.speculation import Proposer, RoundOutcome, Source, Speculation
+from ssd.stopping import StopChecker
+from ssd.verify import verify
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over the engine's life (finished and running sequences)."""
+
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    extra: dict = field(default_factory=dict)  # proposer-specific figures (SSD: fan-out, backup, ...)
+
+    def as_dict(self) -> dict:
+        rounds = max(self.spec.rounds, 1)
+        return {
+            **({"ssd": self.extra} if self.extra else {}),
+            **self.spec.as_dict(),
+            "generated_tokens": self.generated_tokens,
+            "finished_requests": self.finished_requests,
+            "draft_ms_per_round": round(1000 * self.draft_seconds / rounds, 3),
+            "verify_ms_per_round": round(1000 * self.verify_seconds / rounds, 3),
+        }
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, target_model, draft_model, tokenizer, max_model_len: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.target = ModelRunner(target_model, torch.device(config.device))
+        self.vocab_size = self.target.vocab_size
+        self.cache = self.target.new_cache()
+        self.proposer: Proposer | None = None
+        if config.mode == "sd":
+            self.proposer = DraftModelProposer(ModelRunner(draft_model, torch.device(config.draft_device)), self.vocab_size)
+        elif config.mode == "ssd":
+            self.proposer = build_ssd_proposer(config, draft_model, self.vocab_size)
+        eos = getattr(target_model.generation_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.stopper = StopChecker(tokenizer, eos, max_model_len)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must not be empty (got an empty list of token ids)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty (it tokenized to no tokens)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - len(ids)} or shorten the prompt"
+            )
+        seq_id = next(self._ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed))
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Drop requests wherever they are (one cache re-pack however many are aborted)."""
+        gone = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        self.waiting = [s for s in self.waiting if s.request_id not in gone]
+        rows = [i for i, s in enumerate(self.running) if s.request_id not in gone]
+        if len(rows) != len(self.running):
+            self._keep(rows)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the round --------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        room = self.config.max_num_seqs - len(self.running)
+        if room <= 0 or not self.waiting:
+            return
+        new, self.waiting = self.waiting[:room], self.waiting[room:]
+        cache = self.target.new_cache()
+        tokens, valid = pad_rows([s.prompt_ids[:-1] for s in new])
+        self.target.forward(cache, tokens, valid)
+        self.cache.extend(cache)
+        if self.proposer is not None:
+            self.proposer.add(new)
+        self.running.extend(new)
+
+    def _keep(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.long)
+        self.cache.select(index)
+        if self.proposer is not None:
+            self.proposer.keep(index)
+        self.running = [self.running[i] for i in rows]
+
+    def _round_k(self) -> int:
+        if self.proposer is None:
+            return 0
+        # Positions of the verified tokens must stay inside the context.
+        room = min(self.max_model_len - s.num_tokens for s in self.running)
+        return max(0, min(self.config.k, room))
+
+    def _sampling(self) -> BatchSampling:
+        params = [s.params for s in self.running]
+        return BatchSampling(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        )
+
+    def step(self) -> list[CompletionOutput]:
+        """Run one round; return an output (with deltas) for every sequence that progressed."""
+        self._admit()
+        if not self.running:
+            return []
+        seqs, b = self.running, len(self.running)
+        sampling = self._sampling()
+        k = self._round_k()
+        t0 = time.perf_counter()
+        spec = self.proposer.propose(seqs, k, sampling) if k > 0 else Speculation.empty(b, self.vocab_size)
+        t1 = time.perf_counter()
+        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
+        tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
+        valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
+        target_probs = process_logits(self.target.forward(self.cache, tokens, valid), sampling)  # [b, K+1, V]
+        uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
+        result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
+        self.cache.drop_last(spec.num_draft - result.num_accepted)
+        t2 = time.perf_counter()
+        self.metrics.draft_seconds += t1 - t0
+        self.metrics.verify_seconds += t2 - t1
+
+        before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        accepted = result.num_accepted.tolist()
+        bonus = result.bonus_tokens.tolist()
+        drafted = spec.tokens.tolist()
+        num_draft = spec.num_draft.tolist()
+        sources = spec.source.tolist() if spec.source is not None else [int(Source.DRAFT)] * b
+        round_metrics = SpecMetrics()
+        outputs = []
+        for r, seq in enumerate(seqs):
+            new_tokens = drafted[r][: accepted[r]] + [bonus[r]]
+            for m in (seq.metrics, round_metrics):
+                m.record(num_draft[r], accepted[r], len(new_tokens), sources[r])
+            self.metrics.generated_tokens += self.stopper.append(seq, new_tokens)
+            outputs.append(self._output(seq))
+        self.metrics.spec.add(round_metrics)
+        if self.proposer is not None and k > 0:
+            t3 = time.perf_counter()
+            self.proposer.observe(seqs, spec, RoundOutcome(result.num_accepted, result.bonus_tokens, before))
+            self.metrics.draft_seconds += time.perf_counter() - t3
+        keep = [i for i, s in enumerate(seqs) if not s.finished]
+        if len(keep) < b:
+            self.metrics.finished_requests += b - len(keep)
+            self._keep(keep)
+        return outputs
+
+    def engine_metrics(self) -> dict:
+        stats = getattr(self.proposer, "stats", None)
+        if stats is not None:
+            self.metrics.extra = stats()
+        return self.metrics.as_dict()
+
+    def _output(self, seq: Sequence) -> CompletionOutput:
+        text = self.stopper.text(seq)
+        sendable = self.stopper.streamable_text(seq, text)
+        delta_text = sendable[seq.sent_text :] if len(sendable) > seq.sent_text else ""
+        delta_tokens = seq.output_ids[seq.sent_tokens :]
+        seq.sent_text = max(seq.sent_text, len(sendable))
+        seq.sent_tokens = len(seq.output_ids)
+        return CompletionOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=text,
+            finish_reason=seq.finish_reason.value if seq.finished else None,
+            metrics=seq.metrics.as_dict(),
+            delta_token_ids=delta_tokens,
+            delta_text=delta_text,
+        )
+
+    def close(self) -> None:
+        if self.proposer is not None:
+            self.proposer.close()
+
+
+def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
+    from ssd.channel import InProcessClient
+    from ssd.drafter import Drafter
+    from ssd.ssd_proposer import SSDConfig, SSDProposer
+
+    ssd_config = SSDConfig(
+        k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
+        backup=config.ssd_backup, deadline_s=config.draft_deadline_s,
+    )
+    if config.draft_transport == "inprocess":
+        drafter = Drafter(ModelRunner(draft_model, torch.device(config.draft_device)), vocab_size, config.k, config.saguaro_c)
+        client = InProcessClient(drafter)
+    else:
+        from ssd.draft_process import ProcessClient
+
+        client = ProcessClient.spawn(config, vocab_size)
+    return SSDProposer(client, ssd_config, vocab_size)

@@ -1,0 +1,86 @@
+"""Loading a target/draft pair of Hugging Face causal LMs (local directory or hub id)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ssd.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
+
+
+@dataclass
+class LoadedPair:
+    target: object  # PreTrainedModel
+    draft: object | None
+    tokenizer: object  # PreTrainedTokenizerBase (the target's)
+    max_model_len: int
+
+
+def _source_kwargs(name: str) -> dict:
+    # A path that exists is read offline; anything else is a hub id (fetching is the user's business).
+    return {"local_files_only": True} if Path(name).exists() else {}
+
+
+def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        name,
+        dtype=_DTYPES[dtype],
+        attn_implementation="sdpa",
+        trust_remote_code=trust_remote_code,
+        **_source_kwargs(name),
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **_source_kwargs(name))
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
+        only_d = len(set(d_vocab.items()) - set(t_vocab.items()))
+        raise ValueError(
+            f"draft vocabulary does not match the target's: {draft_name!r} has {len(d_vocab)} tokens, "
+            f"{target_name!r} has {len(t_vocab)} ({only_d} draft and {only_t} target entries differ); "
+            "choose a draft trained with the target's tokenizer"
+        )
+
+
+def context_limit(model) -> int:
+    cfg = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot tell the context length of {cfg.__class__.__name__}: set max_model_len")
+
+
+def load_pair(config: EngineConfig) -> LoadedPair:
+    tokenizer = load_tokenizer(config.target, config.trust_remote_code)
+    draft = None
+    if config.draft is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft)
+    target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
+    limit = context_limit(target)
+    if config.draft is not None:
+        draft = load_model(config.draft, config.dtype, config.draft_device, config.trust_remote_code)
+        limit = min(limit, context_limit(draft))
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the models' context length {limit}")
+        limit = config.max_model_len
+    logger.info("loaded target %s%s, context %d", config.target, f" and draft {config.draft}" if draft else "", limit)
+    return LoadedPair(target, draft, tokenizer, limit)

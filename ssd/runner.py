@@ -1,0 +1,55 @@
+"""Runs a Hugging Face causal LM over a BatchKVCache: batched, padded, masked forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from ssd.kv_cache import BatchKVCache
+
+
+class ModelRunner:
+    """One model (target or draft) and the forward pass the engine needs from it.
+
+    Every forward appends n columns to the cache: tokens [b, n] with new_valid [b, n] marking the
+    real ones (padding is masked out forever). Positions default to each row's next positions.
+    """
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.vocab_size
+
+    def new_cache(self) -> BatchKVCache:
+        return BatchKVCache(self.model.config)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: BatchKVCache,
+        tokens: torch.Tensor,
+        new_valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        within: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens [b, n] -> logits [b, n, V] (float32, on CPU)."""
+        b, n = tokens.shape
+        if new_valid is None:
+            new_valid = torch.ones(b, n, dtype=torch.bool)
+        if cache.batch_size == 0 and cache.num_columns == 0:
+            cache.valid = torch.zeros(b, 0, dtype=torch.bool)
+        assert cache.batch_size == b, (cache.batch_size, b)
+        if positions is None:
+            positions = cache.lengths().unsqueeze(1) + new_valid.long().cumsum(1) - 1
+            positions.clamp_(min=0)
+        mask = cache.attention_mask(new_valid, within, self.dtype, history)
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache.hf_cache,
+            use_cache=True,
+        )
+        cache.commit_columns(new_valid)
+        return out.logits.float().cpu()

@@ -1,0 +1,76 @@
+"""Turning logits into the distributions that drafting and verification use.
+
+Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
+    logits          # [b, n, V] raw model outputs (float32)
+    probs           # [b, n, V] processed distribution: temperature, then top-k, then top-p.
+                    #   Greedy rows (temperature 0) are one-hot on the argmax, so the general
+                    #   acceptance rule reduces to "accept while equal to the argmax".
+    uniforms        # [b, n] in [0, 1): every random choice is an inverse-CDF lookup of a
+                    #   uniform drawn from the sequence's own generator, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """Per-row sampling settings of one batch, as tensors."""
+
+    temperature: torch.Tensor  # [b] float, 0 = greedy
+    top_k: torch.Tensor  # [b] long, 0 = disabled
+    top_p: torch.Tensor  # [b] float, 1 = disabled
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [b] bool
+        return self.temperature == 0
+
+    def select(self, rows: torch.Tensor) -> "BatchSampling":
+        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+    def repeat_interleave(self, counts: torch.Tensor) -> "BatchSampling":
+        return BatchSampling(
+            self.temperature.repeat_interleave(counts),
+            self.top_k.repeat_interleave(counts),
+            self.top_p.repeat_interleave(counts),
+        )
+
+
+def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """logits [b, n, V] -> probs [b, n, V] (float32), rows processed with their own settings."""
+    logits = logits.float()
+    b, n, vocab = logits.shape
+    greedy = sampling.greedy
+    temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    scaled = logits / temperature.view(b, 1, 1)
+
+    needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
+    if bool(needs_filter.any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
+        rank = torch.arange(vocab, device=logits.device).view(1, 1, vocab)
+        top_k = torch.where(sampling.top_k > 0, sampling.top_k, torch.full_like(sampling.top_k, vocab))
+        drop_sorted = (rank >= top_k.view(b, 1, 1)).expand(b, n, vocab).clone()
+        sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted |= mass_before >= sampling.top_p.view(b, 1, 1)
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.view(b, 1, 1), one_hot, probs)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] (need not be normalized), uniforms [...] -> ids [...]."""
+    cdf = probs.cumsum(-1)
+    threshold = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    # First index whose cumulative mass exceeds u * total; that token has positive mass.
+    ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,231 @@
+"""The target side of SSD: speculations come from the drafter's cache, or from a backup.
+
+Per round (engine order): propose() returns for every row the speculation prepared last round
+(a cache hit, or a backup) and announces it to the drafter, which starts building the next
+cache while the engine verifies; observe() sends the outcomes and receives the speculations for
+the next round. A drafter that fails or misses its deadline is dropped with one log line and
+the target goes on alone with the fast backup: fewer tokens per round, never wrong ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ssd.channel import DraftClient, DrafterUnavailable
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
+from ssd.ngram import fast_speculation
+from ssd.saguaro import OnlineEstimates, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
+from ssd.sampling import BatchSampling
+from ssd.sequence import Sequence
+from ssd.speculation import RoundOutcome, Source, Speculation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    k: int
+    budget: int  # B: cached branches per sequence and round (the most, when autobudget)
+    autobudget: bool  # shrink/grow B so the drafter finishes within one verification
+    fanout: str  # "geometric" | "uniform"
+    saguaro_c: float
+    backup: str  # "auto" | "neural" | "fast"
+    deadline_s: float  # how long observe() waits for the drafter's reply
+
+
+@dataclass
+class _Prepared:
+    tokens: list[int]
+    probs: torch.Tensor  # [K, V]
+    source: Source
+
+
+class _Ema:
+    """Exponential moving average; a prior value, or (prior None) the first observation."""
+
+    def __init__(self, value: float | None, weight: float = 0.05) -> None:
+        self.value, self.weight, self.seen = (value or 0.0), weight, value is not None
+
+    def update(self, x: float) -> None:
+        self.value = self.value + self.weight * (x - self.value) if self.seen else x
+        self.seen = True
+
+
+class SSDProposer:
+    def __init__(self, client: DraftClient, config: SSDConfig, target_vocab: int) -> None:
+        self.client = client
+        self.config = config
+        self.vocab = target_vocab
+        self.estimates = OnlineEstimates()
+        self.prepared: dict[int, _Prepared] = {}
+        self.order: list[int] = []
+        self.backup_rng: dict[int, torch.Generator] = {}
+        self.round_id = 0
+        self.dead = False
+        self.fanout: list[int] = []
+        self.last_backup = config.backup if config.backup != "auto" else "neural"
+        # Live figures for the backup choice (tokens per round; latency / verification time).
+        self.p_hit, self.e_hit, self.e_neural, self.e_fast = _Ema(0.7), _Ema(3.0), _Ema(3.0), _Ema(1.5)
+        self.t_primary, self.t_neural, self.t_fast = _Ema(1.0), _Ema(0.5), _Ema(0.01)
+        self.verify_s = _Ema(None, weight=0.1)
+        self._sent_at = 0.0
+        self.budget = float(config.budget)
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.backup_rng[s.seq_id] = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=s.generator)))
+        self.order.extend(s.seq_id for s in seqs)
+        if self.dead:
+            return
+        p = [s.params for s in seqs]
+        msg = AdmitMsg(
+            [s.seq_id for s in seqs], [list(s.prompt_ids) for s in seqs],
+            [int(torch.randint(2**62, (1,), generator=self.backup_rng[s.seq_id])) for s in seqs],
+            [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
+        )
+        self._call(lambda: self.client.admit(msg))
+
+    def keep(self, rows: torch.Tensor) -> None:
+        kept = [self.order[i] for i in rows.tolist()]
+        gone = [s for s in self.order if s not in set(kept)]
+        for s in gone:
+            self.prepared.pop(s, None)
+            self.backup_rng.pop(s, None)
+        self.order = kept
+        if gone and not self.dead:
+            self._call(lambda: self.client.release(ReleaseMsg(gone)))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _call(self, fn):
+        """Run a drafter call; on failure drop the drafter for good and return None."""
+        if self.dead:
+            return None
+        try:
+            return fn()
+        except DrafterUnavailable as err:
+            self.dead = True
+            self.prepared = {s: p for s, p in self.prepared.items() if p.source == Source.FAST}
+            logger.warning("draft worker unavailable (%s): continuing with the fast backup speculator only", err)
+            return None
+
+    # ---- the round ----------------------------------------------------------------------------
+
+    def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
+        self.round_id += 1
+        ids = [s.seq_id for s in seqs]
+        missing = [r for r, s in enumerate(seqs) if s.seq_id not in self.prepared]
+        if missing and not self.dead and self.last_backup == "neural":
+            reply = self._call(lambda: self.client.draft_now(DraftNowMsg(self.round_id, ids)))
+            if reply is not None:
+                for r in missing:
+                    self.prepared[ids[r]] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
+        for r, s in enumerate(seqs):
+            if s.seq_id not in self.prepared:
+                self.prepared[s.seq_id] = self._fast(s)
+        chosen = [self.prepared.pop(i) for i in ids]
+        tokens = torch.tensor([c.tokens[:k] for c in chosen], dtype=torch.long)  # [b, k]
+        probs = torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
+        spec = Speculation(tokens, probs, torch.full((len(seqs),), k, dtype=torch.long),
+                           torch.tensor([int(c.source) for c in chosen]))
+        if not self.dead:
+            self.fanout = self._fanout()
+            msg = BeginRoundMsg(self.round_id, ids, tokens, spec.num_draft, self.fanout)
+            self._call(lambda: self.client.begin_round(msg))
+        self._sent_at = time.perf_counter()
+        return spec
+
+    def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
+        verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
+        self.verify_s.update(verify_s)
+        k = speculation.k
+        accepted = outcome.num_accepted.tolist()
+        for r, src in enumerate(speculation.source.tolist()):
+            self.estimates.observe_round(accepted[r], k)
+            emitted = accepted[r] + 1
+            {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(Source(src), self.e_hit).update(emitted)
+            if self.fanout and accepted[r] < len(self.fanout):
+                self.estimates.observe_hit(self.fanout[accepted[r]], src == int(Source.CACHE))
+        batch = len(seqs)
+        self.last_backup = self._choose_backup(batch)
+        ids = [s.seq_id for s in seqs]
+        t0 = time.perf_counter()
+        msg = ResolveMsg(self.round_id, ids, outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural")
+        reply = self._call(lambda: self.client.resolve(msg, self.config.deadline_s))
+        wait = time.perf_counter() - t0
+        hits = 0
+        for r, s in enumerate(seqs):
+            if reply is not None and bool(reply.hit[r]):
+                hits += 1
+                self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.CACHE)
+            elif reply is not None and int(reply.num_draft[r]) > 0:
+                self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
+        if reply is not None:
+            self._adapt_budget(reply.build_seconds / verify_s)
+            self.p_hit.update(hits / max(batch, 1))
+            if hits == batch:
+                self.t_primary.update(1.0 + wait / verify_s)
+            elif self.last_backup == "neural":
+                self.t_neural.update(wait / verify_s)
+        t1 = time.perf_counter()
+        for s in seqs:
+            if s.seq_id not in self.prepared and not s.finished:
+                self.prepared[s.seq_id] = self._fast(s)
+        if self.last_backup == "fast" and len(seqs) > hits:
+            self.t_fast.update((time.perf_counter() - t1) / verify_s)
+
+    def _fast(self, seq: Sequence) -> _Prepared:
+        tokens = seq.prompt_ids + seq.output_ids
+        found, probs = fast_speculation(tokens, self.config.k, self.vocab, self.backup_rng[seq.seq_id])
+        return _Prepared(found, probs, Source.FAST)
+
+    def _adapt_budget(self, build_ratio: float) -> None:
+        """Keep the drafter's cache build at about 90% of a verification: tree cost grows
+        roughly linearly with B, so scale B by target/actual (damped, within [1, max])."""
+        if not self.config.autobudget or build_ratio <= 0:
+            return
+        scale = min(1.5, max(0.5, 0.9 / build_ratio))
+        self.budget = min(float(self.config.budget), max(1.0, self.budget * scale ** 0.5))
+
+    def _fanout(self) -> list[int]:
+        k, budget = self.config.k, max(1, int(round(self.budget)))
+        caps = [self.vocab - 1] * k + [self.vocab]
+        if self.config.fanout == "uniform":
+            return uniform_fanout(budget, k, caps)
+        return geometric_fanout(budget, k, self.estimates.a, self.estimates.r, caps)
+
+    def _choose_backup(self, batch: int) -> str:
+        if self.config.backup != "auto":
+            return self.config.backup
+        fast = prefer_fast_backup(
+            batch, self.p_hit.value, self.e_hit.value, self.e_neural.value, self.t_neural.value,
+            self.e_fast.value, self.t_fast.value, self.t_primary.value,
+        )
+        return "fast" if fast else "neural"
+
+    def stats(self) -> dict:
+        live = (self.p_hit.value, self.e_hit.value, self.e_neural.value, self.t_neural.value,
+                self.e_fast.value, self.t_fast.value, self.t_primary.value)
+        # Theorem 7 with p_hit = 1: every round a hit, at the measured E_hit and T_p.
+        bound = self.e_hit.value / (self.verify_s.value * max(1.0, self.t_primary.value)) if self.verify_s.value else 0.0
+        return {
+            "b_star": backup_threshold(*live),
+            "tokens_per_round_on_hit": round(self.e_hit.value, 4),
+            "upper_bound_tokens_per_s": round(bound, 2),
+            "fanout": self.fanout,
+            "budget": sum(self.fanout),
+            "acceptance_estimate": round(self.estimates.a, 4),
+            "miss_exponent_estimate": round(self.estimates.r, 4),
+            "backup": self.last_backup,
+            "drafter_alive": not self.dead,
+            "p_hit": round(self.p_hit.value, 4),
+            "T_primary": round(self.t_primary.value, 4),
+            "T_neural": round(self.t_neural.value, 4),
+        }

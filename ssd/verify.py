@@ -1,0 +1,93 @@
+"""Verification of a speculation by the target: the lossless rejection-sampling rule.
+
+Glossary (b = batch, K = speculation length this round, V = vocab):
+    draft_tokens      # [b, K]      the speculation
+    draft_probs       # [b, K, V]   the distribution each draft token was sampled from (after
+                      #             temperature/top-k/top-p and, for Saguaro, the C-scaling);
+                      #             a deterministic proposer (n-gram, random) passes one-hot rows
+    target_probs      # [b, K+1, V] processed target distributions at the K+1 positions
+    num_draft         # [b]         how many of the K tokens are real for each row (<= K)
+    accept_uniforms   # [b, K]      u_i in [0, 1)
+    bonus_uniforms    # [b]         u in [0, 1)
+Returns num_accepted [b] (k in 0..num_draft) and bonus_tokens [b].
+
+Token i is accepted iff u_i * draft_prob < target_prob (that is u_i < target/draft, and always
+when draft_prob is 0 but target_prob is not). At the first rejection k the bonus token comes from
+norm(max(0, target_probs[k] - draft_probs[k])); after num_draft acceptances it comes from
+target_probs[num_draft]. This makes every emitted token exactly target-distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd.sampling import sample_from
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: torch.Tensor  # [b] long
+    bonus_tokens: torch.Tensor  # [b] long
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    bonus_uniforms: torch.Tensor,
+) -> VerifyResult:
+    b, k_max = draft_tokens.shape
+    assert target_probs.shape[:2] == (b, k_max + 1), (target_probs.shape, draft_tokens.shape)
+    if k_max == 0:
+        return VerifyResult(torch.zeros(b, dtype=torch.long), sample_from(target_probs[:, 0], bonus_uniforms))
+    index = draft_tokens.unsqueeze(-1)
+    target_tok = target_probs[:, :k_max].gather(-1, index).squeeze(-1)  # [b, K]
+    draft_tok = draft_probs.gather(-1, index).squeeze(-1)  # [b, K]
+    in_spec = torch.arange(k_max).unsqueeze(0) < num_draft.unsqueeze(1)  # [b, K]
+    accepted = (accept_uniforms * draft_tok < target_tok) & in_spec
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # [b]
+
+    rows = torch.arange(b)
+    at_k = target_probs[rows, num_accepted]  # [b, V]
+    rejected = num_accepted < num_draft
+    draft_at_k = draft_probs[rows, num_accepted.clamp(max=k_max - 1)]  # [b, V]
+    residual = (at_k - draft_at_k).clamp_(min=0)
+    # A residual with no mass can only come from rounding when target == draft; the rejection
+    # it follows has probability ~0, and the target distribution is then the right fallback.
+    has_mass = residual.sum(-1, keepdim=True) > 0
+    residual = torch.where(has_mass, residual, at_k)
+    bonus_dist = torch.where(rejected.unsqueeze(-1), residual, at_k)
+    return VerifyResult(num_accepted, sample_from(bonus_dist, bonus_uniforms))
+
+
+def verify_reference(
+    draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms
+) -> VerifyResult:
+    """Row-by-row, position-by-position statement of the same rule, for tests."""
+    b = draft_tokens.shape[0]
+    num_accepted, bonus = [], []
+    for r in range(b):
+        k = 0
+        dist = None
+        while k < int(num_draft[r]):
+            tok = int(draft_tokens[r, k])
+            p = float(target_probs[r, k, tok])
+            q = float(draft_probs[r, k, tok])
+            if q == 0.0 and p > 0.0 or q > 0.0 and float(accept_uniforms[r, k]) < p / q:
+                k += 1
+                continue
+            resid = (target_probs[r, k] - draft_probs[r, k]).clamp(min=0)
+            dist = resid if float(resid.sum()) > 0 else target_probs[r, k]
+            break
+        if dist is None:
+            dist = target_probs[r, k]
+        cdf = torch.cumsum(dist, 0)
+        u = float(bonus_uniforms[r]) * float(cdf[-1])
+        tok = next(i for i in range(len(cdf)) if float(cdf[i]) > u)
+        num_accepted.append(k)
+        bonus.append(tok)
+    return VerifyResult(torch.tensor(num_accepted), torch.tensor(bonus))

@@ -1,0 +1,108 @@
+"""Fixed tensor layout of drafter messages on a torch.distributed pair (no pickle).
+
+Each message is a header int64[8] followed by an int64 body and a float32 body whose lengths
+the header gives (a body of length 0 is not sent):
+    header = [MAGIC, type, round_id, n_ints, n_floats, fingerprint, 0, 0]
+The fingerprint ties both ends to one configuration (target vocabulary, K, draft model), so a
+message from a foreign or stale peer is refused. Body layouts per type are in _encode/_decode.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+
+import torch
+
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+
+MAGIC = 0x55D0_0001
+HEADER = 8
+
+
+class MsgType(enum.IntEnum):
+    ADMIT = 1
+    RELEASE = 2
+    BEGIN_ROUND = 3
+    RESOLVE = 4
+    DRAFT_NOW = 5
+    REPLY = 6
+    READY = 7
+    ERROR = 8
+    SHUTDOWN = 9
+
+
+def fingerprint(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+class _Reader:
+    def __init__(self, ints: torch.Tensor) -> None:
+        self.ints, self.pos = ints, 0
+
+    def take(self, n: int) -> torch.Tensor:
+        out = self.ints[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def one(self) -> int:
+        return int(self.take(1))
+
+
+def _i(*parts) -> torch.Tensor:
+    flat = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in parts]
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
+
+
+def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
+    """-> (type, round_id, ints [n], floats [m])"""
+    none = torch.zeros(0)
+    if isinstance(msg, AdmitMsg):
+        b = len(msg.seq_ids)
+        ints = _i([b], msg.seq_ids, msg.seeds, msg.top_k, [len(p) for p in msg.prompts], *msg.prompts)
+        return MsgType.ADMIT, 0, ints, torch.tensor(list(msg.temperature) + list(msg.top_p), dtype=torch.float32)
+    if isinstance(msg, ReleaseMsg):
+        return MsgType.RELEASE, 0, _i(msg.seq_ids), none
+    if isinstance(msg, BeginRoundMsg):
+        b, k = msg.spec_tokens.shape
+        ints = _i([b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, msg.spec_tokens)
+        return MsgType.BEGIN_ROUND, msg.round_id, ints, none
+    if isinstance(msg, ResolveMsg):
+        ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens)
+        return MsgType.RESOLVE, msg.round_id, ints, none
+    if isinstance(msg, DraftNowMsg):
+        return MsgType.DRAFT_NOW, msg.round_id, _i(msg.seq_ids), none
+    if isinstance(msg, SpeculationReply):
+        b, k = msg.tokens.shape
+        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), msg.num_draft, msg.tokens)
+        floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), msg.probs.reshape(-1).float()])
+        return MsgType.REPLY, msg.round_id, ints, floats
+    raise TypeError(f"not a drafter message: {type(msg).__name__}")
+
+
+def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor):
+    r = _Reader(ints)
+    if kind == MsgType.ADMIT:
+        b = r.one()
+        seq_ids, seeds, top_k, lens = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
+        prompts = [r.take(n).tolist() for n in lens]
+        return AdmitMsg(seq_ids, prompts, seeds, floats[:b].tolist(), top_k, floats[b : 2 * b].tolist())
+    if kind == MsgType.RELEASE:
+        return ReleaseMsg(ints.tolist())
+    if kind == MsgType.BEGIN_ROUND:
+        b, k = r.one(), r.one()
+        seq_ids, num_draft = r.take(b).tolist(), r.take(b).clone()
+        fanout = r.take(r.one()).tolist()
+        return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout)
+    if kind == MsgType.RESOLVE:
+        b, neural = r.one(), bool(r.one())
+        return ResolveMsg(round_id, r.take(b).tolist(), r.take(b).clone(), r.take(b).clone(), neural)
+    if kind == MsgType.DRAFT_NOW:
+        return DraftNowMsg(round_id, ints.tolist())
+    if kind == MsgType.REPLY:
+        b, k, v = r.one(), r.one(), r.one()
+        seq_ids, hit, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).clone()
+        tokens = r.take(b * k).view(b, k).clone()
+        probs = floats[1:].view(b, k, v).clone()
+        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]))
+    raise ValueError(f"unexpected message type {kind!r}")

@@ -1,0 +1,203 @@
+"""`ssd bench` end to end on a tiny random pair (both settings, both temperatures), plus its
+argument checks and output helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd import bench
+from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MODES = ["ar", "sd", "ssd", "hf-assisted"]
+SETTINGS = ["paper", "machine"]
+TEMPERATURES = [0.0, 1.0]
+MAX_TOKENS = 8
+NUM_PROMPTS = 2
+K = 3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random target/draft pair (embeddings scaled up so the outputs vary and the draft
+    disagrees with the target sometimes)."""
+    root = tmp_path_factory.mktemp("bench_pair")
+    paths = []
+    for seed, (name, shape) in enumerate([("target", ModelShape(64, 2, 2, 128)), ("draft", ModelShape(32, 1, 2, 64))]):
+        torch.manual_seed(seed)
+        model = make_model(shape, DemoTrainingConfig())
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(4.0)
+        model.save_pretrained(root / name)
+        build_tokenizer().save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths[0], paths[1]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def bench_run(pair, tmp_path_factory) -> tuple[dict, Path]:
+    target, draft = pair
+    out_dir = tmp_path_factory.mktemp("bench_out")
+    args = parse(
+        [
+            "--target", target, "--draft", draft, "--k", str(K),
+            "--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS),
+            "--temperatures", "0,1", "--settings", "paper,machine", "--modes", ",".join(MODES),
+            "--batch-sizes", "1,2", "--pair-reps", "10", "--out-dir", str(out_dir), "--no-progress",
+        ]
+    )
+    return bench.run(args), out_dir
+
+
+def test_every_flag_has_help():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    flags = {a.dest: a for a in parser._actions if a.dest != "help"}
+    for required in ["target", "draft", "k", "num_prompts", "max_tokens", "temperatures", "settings", "modes",
+                     "batch_sizes", "out_dir", "pair_stats_only", "no_progress", "seed"]:
+        assert required in flags, required
+    assert all(a.help for a in flags.values())
+    defaults = parse([])
+    assert (defaults.target, defaults.draft, defaults.k, defaults.num_prompts, defaults.max_tokens) == (None, None, 6, 8, 128)
+    assert (defaults.temperatures, defaults.settings, defaults.modes, defaults.batch_sizes) == ("0,1", "paper,machine", "ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default", "1")
+    assert defaults.out_dir == "bench_results"
+
+
+def test_end_to_end_json_png_and_ratios(bench_run, capsys):
+    results, out_dir = bench_run
+    on_disk = json.loads((out_dir / "bench.json").read_text())
+    assert on_disk["runs"] == results["runs"]
+    assert (out_dir / "bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert on_disk["environment"]["torch_version"] == torch.__version__
+    assert on_disk["environment"]["cpu_count"] >= 1
+    assert on_disk["config"]["settings"]["paper"]["threads"] == 1
+    assert on_disk["config"]["settings"]["machine"]["threads"] == bench.available_cpus()
+
+    runs = {(r["setting"], r["temperature"], r["batch_size"], r["mode"]): r for r in on_disk["runs"]}
+    assert len(runs) == len(on_disk["runs"]) == len(SETTINGS) * len(TEMPERATURES) * 2 * len(MODES)
+    for setting in SETTINGS:
+        for temperature in TEMPERATURES:
+            ar = runs[(setting, temperature, 1, "ar")]
+            assert ar["threads"] == on_disk["config"]["settings"][setting]["threads"]
+            for mode in MODES:
+                r = runs[(setting, temperature, 1, mode)]
+                assert r["supported"], r
+                assert r["tokens_per_s"] > 0
+                assert r["generated_tokens"] == NUM_PROMPTS * MAX_TOKENS
+                assert math.isclose(r["ratio_to_ar"], r["tokens_per_s"] / ar["tokens_per_s"], rel_tol=1e-3)
+                assert r["rounds"] > 0
+                assert 0 <= r["mean_accepted_per_round"] <= K
+                assert 1 <= r["tokens_per_round"] <= K + 1
+            for mode in ("ar", "sd"):  # engine modes also report the engine's own counters
+                r = runs[(setting, temperature, 1, mode)]
+                assert r["counters"]["generated_tokens"] == r["generated_tokens"]
+                assert r["counters"]["rounds"] == r["rounds"] and r["counters"]["finished_requests"] == NUM_PROMPTS
+            assert ar["ratio_to_ar"] == 1.0
+            assert ar["mean_accepted_per_round"] == 0 and ar["tokens_per_round"] == 1
+            # Batch 2: the engine modes run; HF assisted generation is reported unsupported.
+            for mode in ("ar", "sd"):
+                r = runs[(setting, temperature, 2, mode)]
+                assert r["supported"] and r["tokens_per_s"] > 0 and r["num_requests"] == 2
+            unsupported = runs[(setting, temperature, 2, "hf-assisted")]
+            assert not unsupported["supported"] and "batch size 1" in unsupported["reason"]
+            assert unsupported["ratio_to_ar"] is None
+
+    pair = on_disk["pair_stats"]
+    assert pair["target_decode_ms"] > 0 and pair["draft_decode_ms"] > 0
+    assert math.isclose(pair["draft_to_target_ratio"], pair["draft_decode_ms"] / pair["target_decode_ms"], rel_tol=1e-2)
+    assert 0 <= pair["greedy_acceptance"] <= 1
+    assert pair["acceptance_positions"] == NUM_PROMPTS * MAX_TOKENS
+    assert 1 <= pair["greedy_sd_tokens_per_round"] <= K + 1
+
+    # Greedy SD follows the target's greedy path, so the engine's acceptance is what the
+    # teacher-forced simulation along that path predicts (up to argmax near-ties).
+    for setting in SETTINGS:
+        sd_greedy = runs[(setting, 0.0, 1, "sd")]
+        assert math.isclose(sd_greedy["mean_accepted_per_round"], pair["greedy_sd_mean_accepted_per_round"], abs_tol=0.2)
+        assert math.isclose(sd_greedy["tokens_per_round"], pair["greedy_sd_tokens_per_round"], abs_tol=0.2)
+
+
+def test_table_lists_every_run(bench_run):
+    results, _ = bench_run
+    table = bench.format_table(results["runs"])
+    lines = [line for line in table.splitlines()[2:] if line.strip()]
+    assert len(lines) == len(results["runs"])
+    assert sum("unsupported" in line for line in lines) == len(SETTINGS) * len(TEMPERATURES)
+    assert "pair stats" in bench.format_pair_stats(results["pair_stats"])
+
+
+def test_pair_stats_only(pair, tmp_path, capsys):
+    target, draft = pair
+    results = bench.run(
+        parse(["--target", target, "--draft", draft, "--pair-stats-only", "--num-prompts", "1", "--max-tokens", "4",
+               "--pair-reps", "5", "--out-dir", str(tmp_path), "--no-progress"])
+    )
+    assert results["runs"] == [] and results["pair_stats"]["acceptance_positions"] == 4
+    assert json.loads((tmp_path / "bench.json").read_text())["pair_stats"] == results["pair_stats"]
+    assert not (tmp_path / "bench.png").exists()
+    out = capsys.readouterr().out
+    assert "pair stats" in out and "tok/s" not in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--modes", "ar,nope"], "unknown mode"),
+        (["--settings", "laptop"], "unknown setting"),
+        (["--temperatures", "-1"], "temperatures"),
+        (["--batch-sizes", "0"], "batch sizes"),
+        (["--batch-sizes", "x"], "batch-sizes"),
+        (["--k", "0"], "--k"),
+    ],
+)
+def test_bad_arguments_raise_value_error(pair, tmp_path, argv, message):
+    target, draft = pair
+    with pytest.raises(ValueError, match=message):
+        bench.run(parse(["--target", target, "--draft", draft, "--out-dir", str(tmp_path), *argv]))
+
+
+def test_modes_needing_a_draft_are_refused_without_one(pair, tmp_path):
+    with pytest.raises(ValueError, match="need a draft"):
+        bench.run(parse(["--target", pair[0], "--modes", "ar,sd", "--out-dir", str(tmp_path)]))
+
+
+def test_worker_failure_is_reported(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(RuntimeError, match="bench worker"):
+        bench.run(parse(["--target", missing, "--draft", missing, "--out-dir", str(tmp_path), "--no-progress"]))
+
+
+def test_modes_are_data_driven():
+    assert set(MODES) | {"ssd-uniform", "hf-assisted-default"} <= set(bench.MODES)
+    mode = bench.BenchMode("sd-again", "test entry", bench.engine_mode("sd"))
+    try:
+        bench.register_mode(mode)
+        assert bench.MODES["sd-again"] is mode and mode.supports(64)
+        assert not bench.MODES["hf-assisted"].supports(2)
+    finally:
+        bench.MODES.pop("sd-again", None)
+
+
+def test_ratios_and_order():
+    records = [
+        {"setting": "s", "temperature": 0.0, "batch_size": 1, "mode": "sd", "supported": True, "tokens_per_s": 30.0},
+        {"setting": "s", "temperature": 0.0, "batch_size": 1, "mode": "ar", "supported": True, "tokens_per_s": 10.0},
+        {"setting": "s", "temperature": 0.0, "batch_size": 2, "mode": "sd", "supported": True, "tokens_per_s": 5.0},
+        {"setting": "s", "temperature": 0.0, "batch_size": 2, "mode": "hf-assisted", "supported": False},
+    ]
+    bench._add_ratios(records)
+    assert [r["ratio_to_ar"] for r in records] == [3.0, 1.0, None, None]  # no ar at batch 2
+    ordered = bench._ordered(records)
+    assert [(r["batch_size"], r["mode"]) for r in ordered] == [(1, "sd"), (1, "ar"), (2, "sd"), (2, "hf-assisted")]

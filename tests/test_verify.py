@@ -1,0 +1,544 @@
+"""The verification rule (ssd/verify.py) and the sampling primitives it rests on (ssd/sampling.py).
+
+1. `verify` (vectorized) equals `verify_reference` (row by row) on many random batches.
+2. Hand-built cases whose outcome is known exactly.
+3. Statistical losslessness, modelled on vLLM's rejection-sampler test: with draft tokens drawn from
+   draft_probs, the emitted tokens follow target_probs (chi-square, fixed seeds).
+4. process_logits (temperature, top-k, top-p, greedy; per-row settings) against an independent
+   numpy statement of the same rules, and sample_from never picking a zero-probability token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ssd.sampling import BatchSampling, process_logits, sample_from
+from ssd.verify import verify, verify_reference
+
+P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)
+ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Small tensors: intra-op threads only add synchronization on a busy machine. One thread for
+    this module; the previous setting comes back afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
+    """p-value of observed counts against expected probabilities; categories with expected count
+    below min_expected are merged into one bin. A positive count where the expected probability
+    is exactly zero fails at once (that token must never be emitted)."""
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
+    impossible = (probs == 0) & (counts > 0)
+    assert not impossible.any(), f"emitted categories with zero probability: {np.nonzero(impossible)[0].tolist()}"
+    total = counts.sum()
+    expected = probs / probs.sum() * total
+    big = expected >= min_expected
+    obs_bins, exp_bins = list(counts[big]), list(expected[big])
+    if (~big).any():
+        small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
+        if small_exp >= min_expected or not obs_bins:
+            obs_bins.append(small_obs)
+            exp_bins.append(small_exp)
+        else:  # too little mass for a bin of its own: fold it into the smallest big bin
+            i = int(np.argmin(exp_bins))
+            obs_bins[i] += small_obs
+            exp_bins[i] += small_exp
+    if len(obs_bins) < 2:
+        return 1.0
+    return float(chisquare(obs_bins, exp_bins).pvalue)
+
+
+def random_dists(gen: torch.Generator, shape, kinds: torch.Tensor | None = None) -> torch.Tensor:
+    """Random distributions [..., V]: per row dense, sparse (random zeros) or one-hot."""
+    *lead, vocab = shape
+    logits = torch.randn(shape, generator=gen) * 2.0
+    probs = logits.softmax(-1)
+    if kinds is None:
+        kinds = torch.randint(0, 3, tuple(lead), generator=gen)
+    sparse_mask = torch.rand(shape, generator=gen) < 0.5
+    sparse_mask.scatter_(-1, logits.argmax(-1, keepdim=True), False)  # keep at least one entry
+    sparse = probs.masked_fill(sparse_mask, 0.0)
+    sparse = sparse / sparse.sum(-1, keepdim=True)
+    one_hot = torch.zeros(shape).scatter_(-1, torch.randint(0, vocab, (*lead, 1), generator=gen), 1.0)
+    out = torch.where((kinds == 0).unsqueeze(-1), probs, sparse)
+    return torch.where((kinds == 2).unsqueeze(-1), one_hot, out)
+
+
+def run_both(*args):
+    fast = verify(*args)
+    ref = verify_reference(*args)
+    return fast, ref
+
+
+def uniforms_grid(n: int) -> torch.Tensor:
+    """n evenly spread uniforms in [0, 1): (i + 0.5) / n."""
+    return (torch.arange(n, dtype=torch.float64) + 0.5).div(n).float()
+
+
+# ---- 1. vectorized == reference ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_matches_reference_on_random_batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    for K, vocab in [(1, 5), (3, 8), (4, 17), (6, 3), (2, 50)]:
+        b = 48
+        target_probs = random_dists(gen, (b, K + 1, vocab))  # [b, K+1, V]
+        draft_probs = random_dists(gen, (b, K, vocab))  # [b, K, V]
+        # Some rows draft with exactly the target's distribution.
+        same = torch.rand(b, generator=gen) < 0.2
+        draft_probs = torch.where(same.view(b, 1, 1), target_probs[:, :K], draft_probs)
+        # Draft tokens mostly sampled from draft_probs, sometimes arbitrary (possibly zero-probability
+        # under the draft, the target or both, as a deterministic proposer might produce).
+        sampled = sample_from(draft_probs, torch.rand(b, K, generator=gen))
+        arbitrary = torch.randint(0, vocab, (b, K), generator=gen)
+        draft_tokens = torch.where(torch.rand(b, K, generator=gen) < 0.75, sampled, arbitrary)
+        num_draft = torch.randint(0, K + 1, (b,), generator=gen)
+        num_draft[:3] = torch.tensor([0, K, 0]) if K > 0 else 0
+        accept_uniforms = torch.rand(b, K, generator=gen)
+        bonus_uniforms = torch.rand(b, generator=gen)
+        # Extreme uniforms on a few rows.
+        accept_uniforms[3] = 0.0
+        accept_uniforms[4] = ONE_MINUS
+        bonus_uniforms[5] = 0.0
+        bonus_uniforms[6] = ONE_MINUS
+        fast, ref = run_both(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms)
+        assert torch.equal(fast.num_accepted, ref.num_accepted), (K, vocab)
+        assert torch.equal(fast.bonus_tokens, ref.bonus_tokens), (K, vocab)
+        assert bool((fast.num_accepted <= num_draft).all())
+        assert bool((fast.num_accepted >= 0).all())
+        # The bonus token always has positive mass in the distribution it is drawn from.
+        rows = torch.arange(b)
+        assert bool((target_probs[rows, fast.num_accepted, fast.bonus_tokens] > 0).all())
+
+
+def test_verify_padding_past_num_draft_is_ignored():
+    """Columns past num_draft (padding, garbage probabilities) never change the outcome."""
+    gen = torch.Generator().manual_seed(11)
+    b, K, vocab = 64, 4, 9
+    target_probs = random_dists(gen, (b, K + 1, vocab))
+    draft_probs = random_dists(gen, (b, K, vocab))
+    draft_tokens = sample_from(draft_probs, torch.rand(b, K, generator=gen))
+    num_draft = torch.randint(0, K + 1, (b,), generator=gen)
+    acc_u, bonus_u = torch.rand(b, K, generator=gen), torch.rand(b, generator=gen)
+    base = verify(draft_tokens, draft_probs, target_probs, num_draft, acc_u, bonus_u)
+    pad = torch.arange(K).unsqueeze(0) >= num_draft.unsqueeze(1)  # [b, K]
+    garbage_tokens = torch.where(pad, torch.randint(0, vocab, (b, K), generator=gen), draft_tokens)
+    garbage_probs = torch.where(pad.unsqueeze(-1), torch.zeros_like(draft_probs), draft_probs)
+    garbage_u = torch.where(pad, torch.zeros_like(acc_u), acc_u)
+    other = verify(garbage_tokens, garbage_probs, target_probs, num_draft, garbage_u, bonus_u)
+    assert torch.equal(base.num_accepted, other.num_accepted)
+    assert torch.equal(base.bonus_tokens, other.bonus_tokens)
+
+
+# ---- 2. hand-built cases -------------------------------------------------------------------
+
+
+def _single_position(target_row, draft_row, token, accept_u, bonus_u):
+    """One row per uniform pair, K = 1, the same distributions on every row."""
+    n = len(accept_u)
+    target = torch.tensor(target_row, dtype=torch.float32)
+    draft = torch.tensor(draft_row, dtype=torch.float32)
+    target_probs = target.expand(n, 2, -1).clone()  # [n, 2, V]
+    draft_probs = draft.expand(n, 1, -1).clone()  # [n, 1, V]
+    draft_tokens = torch.full((n, 1), token, dtype=torch.long)
+    args = (draft_tokens, draft_probs, target_probs, torch.ones(n, dtype=torch.long), accept_u.view(n, 1), bonus_u)
+    fast, ref = run_both(*args)
+    assert torch.equal(fast.num_accepted, ref.num_accepted)
+    assert torch.equal(fast.bonus_tokens, ref.bonus_tokens)
+    return fast
+
+
+def test_one_hot_draft_on_unlikely_token():
+    """Accepted with probability target[t]; after a rejection the bonus follows target with t removed."""
+    target = [0.4, 0.1, 0.3, 0.2]
+    n = 1000
+    # Accept uniforms on a grid: exactly those below target[1] = 0.1 accept.
+    u = uniforms_grid(n)
+    out = _single_position(target, [0.0, 1.0, 0.0, 0.0], 1, u, u)
+    assert torch.equal(out.num_accepted, (u < 0.1).long())
+    accepted = out.num_accepted == 1
+    # Accepted rows: bonus from target_probs[:, 1] (the same target row here) by inverse CDF.
+    expected_all = sample_from(torch.tensor(target).expand(n, -1), u)
+    assert torch.equal(out.bonus_tokens[accepted], expected_all[accepted])
+    # Rejected rows: residual = [0.4, 0, 0.3, 0.2] / 0.9, inverse CDF of the bonus uniform.
+    residual = torch.tensor([0.4, 0.0, 0.3, 0.2]) / 0.9
+    expected_rej = sample_from(residual.expand(n, -1), u)
+    assert torch.equal(out.bonus_tokens[~accepted], expected_rej[~accepted])
+    assert not bool((out.bonus_tokens[~accepted] == 1).any())
+    # Separate the two uniforms: with a rejection forced, the bonus spans the residual's quantiles.
+    rejected = _single_position(target, [0.0, 1.0, 0.0, 0.0], 1, torch.full((n,), 0.5), u)
+    assert not bool(rejected.num_accepted.any())
+    counts = torch.bincount(rejected.bonus_tokens, minlength=4).float() / n
+    assert torch.allclose(counts, residual, atol=2.0 / n)
+
+
+def test_draft_zero_where_target_positive_always_accepts():
+    u = torch.tensor([0.0, 0.3, 0.999, ONE_MINUS])
+    out = _single_position([0.5, 0.5, 0.0], [1.0, 0.0, 0.0], 1, u, u)
+    assert out.num_accepted.tolist() == [1, 1, 1, 1]
+
+
+def test_draft_and_target_both_zero_rejects():
+    u = torch.tensor([0.0, 0.5, ONE_MINUS])
+    out = _single_position([0.5, 0.5, 0.0], [0.7, 0.3, 0.0], 2, u, u)
+    assert out.num_accepted.tolist() == [0, 0, 0]
+    # residual = max(0, target - draft) = [0, 0.2, 0] -> the bonus is token 1
+    assert out.bonus_tokens.tolist() == [1, 1, 1]
+
+
+def test_draft_equal_to_target_always_accepts():
+    gen = torch.Generator().manual_seed(3)
+    b, K, vocab = 200, 3, 12
+    target_probs = random_dists(gen, (b, K + 1, vocab))
+    draft_probs = target_probs[:, :K].clone()
+    draft_tokens = sample_from(draft_probs, torch.rand(b, K, generator=gen))
+    acc_u = torch.rand(b, K, generator=gen)
+    acc_u[:20] = ONE_MINUS
+    bonus_u = torch.rand(b, generator=gen)
+    out = verify(draft_tokens, draft_probs, target_probs, torch.full((b,), K), acc_u, bonus_u)
+    assert bool((out.num_accepted == K).all())
+    assert torch.equal(out.bonus_tokens, sample_from(target_probs[:, K], bonus_u))
+
+
+def test_greedy_one_hot_rows():
+    """One-hot target and draft rows: accept while the draft equals the target's argmax; the bonus
+    is the target's argmax at the first mismatch (or after the last draft token)."""
+    gen = torch.Generator().manual_seed(4)
+    b, K, vocab = 300, 4, 6
+    argmax = torch.randint(0, vocab, (b, K + 1), generator=gen)
+    target_probs = torch.zeros(b, K + 1, vocab).scatter_(-1, argmax.unsqueeze(-1), 1.0)
+    agree = torch.rand(b, K, generator=gen) < 0.7
+    draft_tokens = torch.where(agree, argmax[:, :K], (argmax[:, :K] + 1 + torch.randint(0, vocab - 1, (b, K), generator=gen)) % vocab)
+    draft_probs = torch.zeros(b, K, vocab).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    num_draft = torch.randint(0, K + 1, (b,), generator=gen)
+    args = (draft_tokens, draft_probs, target_probs, num_draft, torch.rand(b, K, generator=gen), torch.rand(b, generator=gen))
+    fast, ref = run_both(*args)
+    assert torch.equal(fast.num_accepted, ref.num_accepted)
+    assert torch.equal(fast.bonus_tokens, ref.bonus_tokens)
+    for r in range(b):
+        k = 0
+        while k < int(num_draft[r]) and int(draft_tokens[r, k]) == int(argmax[r, k]):
+            k += 1
+        assert int(fast.num_accepted[r]) == k
+        assert int(fast.bonus_tokens[r]) == int(argmax[r, k])
+
+
+def test_k_zero_samples_bonus_from_first_target_distribution():
+    gen = torch.Generator().manual_seed(5)
+    b, vocab = 100, 7
+    target_probs = random_dists(gen, (b, 1, vocab))
+    bonus_u = torch.rand(b, generator=gen)
+    args = (torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, vocab), target_probs, torch.zeros(b, dtype=torch.long), torch.zeros(b, 0), bonus_u)
+    fast, ref = run_both(*args)
+    assert fast.num_accepted.tolist() == [0] * b
+    assert torch.equal(fast.bonus_tokens, sample_from(target_probs[:, 0], bonus_u))
+    assert torch.equal(fast.bonus_tokens, ref.bonus_tokens)
+
+
+def test_num_draft_zero_rows_in_a_k_batch_use_first_target_distribution():
+    gen = torch.Generator().manual_seed(6)
+    b, K, vocab = 50, 3, 7
+    target_probs = random_dists(gen, (b, K + 1, vocab))
+    draft_probs = target_probs[:, :K].clone()  # would always accept if counted
+    draft_tokens = sample_from(draft_probs, torch.rand(b, K, generator=gen))
+    bonus_u = torch.rand(b, generator=gen)
+    out = verify(draft_tokens, draft_probs, target_probs, torch.zeros(b, dtype=torch.long), torch.rand(b, K, generator=gen), bonus_u)
+    assert out.num_accepted.tolist() == [0] * b
+    assert torch.equal(out.bonus_tokens, sample_from(target_probs[:, 0], bonus_u))
+
+
+# ---- 3. statistical losslessness ---------------------------------------------------------
+
+VOCAB = 8
+
+
+def _fixed_pair(seed: int, vocab: int = VOCAB):
+    """A target and a draft distribution that differ a lot, with zeros on both sides."""
+    gen = torch.Generator().manual_seed(seed)
+    target = (torch.randn(vocab, generator=gen) * 1.2).softmax(-1)
+    draft = (torch.randn(vocab, generator=gen) * 1.2).softmax(-1)
+    target[int(torch.randint(0, vocab, (1,), generator=gen))] = 0.0  # some token only the draft proposes
+    draft[int(target.argmax())] = 0.0  # the target's favourite never drafted (accepted if proposed)
+    return target / target.sum(), draft / draft.sum()
+
+
+def _residual(target, draft):
+    r = (target - draft).clamp(min=0)
+    return r / r.sum()
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_acceptance_law_and_bonus_distributions(K):
+    """Position-wise independent target_probs[j] / draft_probs[j]: the number accepted follows
+    P(k) = prod_{j<k} a_j * (1 - a_k) with a_j = sum(min(target_j, draft_j)); after a rejection at k
+    the bonus follows the residual norm(max(0, target_k - draft_k)) (k = 0 is the all-rejected
+    path); after K acceptances it follows target_K; the first emitted token follows target_0."""
+    n = 20000
+    pairs = [_fixed_pair(10 * K + j) for j in range(K + 1)]
+    target = torch.stack([t for t, _ in pairs])  # [K+1, V]
+    draft = torch.stack([d for _, d in pairs[:K]])  # [K, V]
+    gen = torch.Generator().manual_seed(100 + K)
+    target_probs = target.expand(n, -1, -1).contiguous()  # [n, K+1, V]
+    draft_probs = draft.expand(n, -1, -1).contiguous()  # [n, K, V]
+    draft_tokens = sample_from(draft_probs, torch.rand(n, K, generator=gen))
+    out = verify(draft_tokens, draft_probs, target_probs, torch.full((n,), K), torch.rand(n, K, generator=gen), torch.rand(n, generator=gen))
+
+    alpha = torch.minimum(target[:K], draft).sum(-1).double()  # [K]
+    law = [float(alpha[:k].prod() * (1 - alpha[k])) for k in range(K)] + [float(alpha.prod())]
+    counts = torch.bincount(out.num_accepted, minlength=K + 1)
+    assert chi_square_p(counts, law) > P_MIN, (counts.tolist(), law)
+
+    for k in range(K + 1):
+        rows = out.num_accepted == k
+        assert int(rows.sum()) > 200  # enough samples on every path for the test to mean something
+        expected = _residual(target[k], draft[k]) if k < K else target[K]
+        got = torch.bincount(out.bonus_tokens[rows], minlength=VOCAB)
+        assert chi_square_p(got, expected) > P_MIN, (k, got.tolist(), expected.tolist())
+
+    first = torch.where(out.num_accepted > 0, draft_tokens[:, 0], out.bonus_tokens)
+    assert chi_square_p(torch.bincount(first, minlength=VOCAB), target[0]) > P_MIN
+    # Power check: the draft's own distribution is clearly rejected by the same test.
+    assert chi_square_p(torch.bincount(draft_tokens[:, 0], minlength=VOCAB), target[0] + 1e-9) < 1e-6
+
+
+def _markov_pair(seed: int, vocab: int = VOCAB):
+    """Transition matrices [V, V] for a target and a (quite different) draft 'language model'."""
+    gen = torch.Generator().manual_seed(seed)
+    target = (torch.randn(vocab, vocab, generator=gen) * 1.5).softmax(-1)
+    draft = (0.5 * target.log() + torch.randn(vocab, vocab, generator=gen) * 1.5).softmax(-1)
+    # Zeros: each target row forbids one token; each draft row never proposes the target's favourite.
+    target.scatter_(-1, torch.randint(0, vocab, (vocab, 1), generator=gen), 0.0)
+    draft.scatter_(-1, target.argmax(-1, keepdim=True), 0.0)
+    return target / target.sum(-1, keepdim=True), draft / draft.sum(-1, keepdim=True)
+
+
+def _generate_markov(target_T, draft_T, start: int, n: int, K: int, length: int, seed: int):
+    """Speculative decoding of a Markov chain, rounds of K drafts, vectorized over n sequences.
+    Returns emitted tokens [n, length] and how many rounds accepted nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((n, length), -1, dtype=torch.long)
+    filled = torch.zeros(n, dtype=torch.long)
+    context = torch.full((n,), start, dtype=torch.long)
+    all_rejected_rounds = 0
+    while bool((filled < length).any()):
+        rows = torch.nonzero(filled < length).squeeze(1)
+        m = len(rows)
+        prev = context[rows]
+        tokens, dprobs, tprobs = [], [], []
+        for _ in range(K):
+            q = draft_T[prev]  # [m, V]
+            tok = sample_from(q, torch.rand(m, generator=gen))
+            tprobs.append(target_T[prev])
+            dprobs.append(q)
+            tokens.append(tok)
+            prev = tok
+        tprobs.append(target_T[prev])
+        draft_tokens = torch.stack(tokens, 1)  # [m, K]
+        res = verify(draft_tokens, torch.stack(dprobs, 1), torch.stack(tprobs, 1), torch.full((m,), K), torch.rand(m, K, generator=gen), torch.rand(m, generator=gen))
+        all_rejected_rounds += int((res.num_accepted == 0).sum())
+        emitted = torch.cat([draft_tokens, torch.zeros(m, 1, dtype=torch.long)], 1)
+        emitted[torch.arange(m), res.num_accepted] = res.bonus_tokens
+        for i in range(K + 1):  # copy emitted[:, :num_accepted + 1] into the free slots
+            take = (i <= res.num_accepted) & (filled[rows] < length)
+            r = rows[take]
+            out[r, filled[r]] = emitted[take, i]
+            filled[r] += 1
+        context[rows] = res.bonus_tokens
+    return out, all_rejected_rounds
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_emitted_sequence_follows_target_chain(K):
+    """Draft tokens drawn from the draft's chain, verified by the target's chain, emitted over
+    several rounds: the first token follows target[start] and the pair (first, second) follows
+    target[start][t1] * target[t1][t2], whichever rounds and paths produced them."""
+    target_T, draft_T = _markov_pair(7)
+    n, start = 20000, 0
+    out, all_rejected = _generate_markov(target_T, draft_T, start, n, K, 2, seed=200 + K)
+    assert all_rejected > n // 10  # the all-rejected path is exercised often
+    first, second = out[:, 0], out[:, 1]
+    assert chi_square_p(torch.bincount(first, minlength=VOCAB), target_T[start]) > P_MIN
+    joint = target_T[start].unsqueeze(1) * target_T  # [V, V]: P(t1) * P(t2 | t1)
+    pair_counts = torch.bincount(first * VOCAB + second, minlength=VOCAB * VOCAB)
+    assert chi_square_p(pair_counts, joint) > P_MIN
+    # Second token conditional on the most common first token.
+    top = int(torch.bincount(first, minlength=VOCAB).argmax())
+    cond = torch.bincount(second[first == top], minlength=VOCAB)
+    assert chi_square_p(cond, target_T[top]) > P_MIN
+
+
+# ---- 4. process_logits and sample_from ---------------------------------------------------
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent statement: temperature, then keep the top_k largest, then (renormalized) the
+    smallest prefix of the sorted distribution whose mass reaches top_p; greedy = one-hot argmax."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        out = np.zeros_like(logits)
+        out[np.argmax(logits)] = 1.0
+        return out
+    z = logits / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(len(z), dtype=bool)
+    k = top_k if top_k > 0 else len(z)
+    keep[order[:k]] = True
+    p = np.where(keep, probs, 0.0)
+    p /= p.sum()
+    if top_p < 1:
+        cum = np.cumsum(p[order])
+        n_keep = int(np.searchsorted(cum, top_p - 1e-12) + 1)  # first prefix with mass >= top_p
+        nucleus = np.zeros(len(z), dtype=bool)
+        nucleus[order[:n_keep]] = True
+        p = np.where(nucleus, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def _sampling(temps, top_ks, top_ps) -> BatchSampling:
+    return BatchSampling(
+        torch.tensor(temps, dtype=torch.float32), torch.tensor(top_ks, dtype=torch.long), torch.tensor(top_ps, dtype=torch.float32)
+    )
+
+
+def test_process_logits_greedy_rows_are_one_hot_at_argmax():
+    gen = torch.Generator().manual_seed(20)
+    logits = torch.randn(3, 4, 30, generator=gen) * 3
+    probs = process_logits(logits, _sampling([0.0, 0.0, 0.0], [0, 5, 3], [1.0, 0.9, 0.2]))
+    expected = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    assert torch.equal(probs, expected)
+
+
+def test_process_logits_temperature_only():
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(3, 2, 40, generator=gen) * 3
+    temps = [1.0, 0.5, 2.0]
+    probs = process_logits(logits, _sampling(temps, [0, 0, 0], [1.0, 1.0, 1.0]))
+    for r, t in enumerate(temps):
+        assert torch.allclose(probs[r], (logits[r] / t).softmax(-1), atol=1e-6)
+    assert bool((probs > 0).all())
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 39, 40, 100])
+def test_process_logits_top_k_keeps_exactly_k(k):
+    gen = torch.Generator().manual_seed(22 + k)
+    vocab = 40
+    logits = torch.randn(4, 3, vocab, generator=gen) * 2
+    probs = process_logits(logits, _sampling([1.0, 0.7, 1.3, 1.0], [k] * 4, [1.0] * 4))
+    kept = (probs > 0).sum(-1)
+    assert bool((kept == min(k, vocab)).all()), kept
+    # The kept tokens are the k largest logits, renormalized.
+    top = logits.topk(min(k, vocab), dim=-1).indices
+    assert bool(probs.gather(-1, top).gt(0).all())
+    assert torch.allclose(probs.sum(-1), torch.ones(4, 3), atol=1e-5)
+    for r, t in enumerate([1.0, 0.7, 1.3, 1.0]):
+        for j in range(3):
+            ref = reference_probs(logits[r, j].numpy(), t, k, 1.0)
+            assert np.allclose(probs[r, j].numpy(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.8, 0.95, 0.999])
+def test_process_logits_top_p_keeps_smallest_prefix_reaching_top_p(top_p):
+    gen = torch.Generator().manual_seed(int(top_p * 1000))
+    vocab = 50
+    logits = torch.randn(6, 2, vocab, generator=gen) * 2.5
+    probs = process_logits(logits, _sampling([1.0] * 6, [0] * 6, [top_p] * 6))
+    full = logits.softmax(-1)
+    for r in range(6):
+        for j in range(2):
+            keep = probs[r, j] > 0
+            order = full[r, j].argsort(descending=True)
+            n_keep = int(keep.sum())
+            # A prefix of the sorted order ...
+            assert bool(keep[order[:n_keep]].all())
+            # ... whose mass reaches top_p, and that is the smallest such prefix.
+            mass = full[r, j][order].double().cumsum(0)
+            assert float(mass[n_keep - 1]) >= top_p - 1e-6
+            if n_keep > 1:
+                assert float(mass[n_keep - 2]) < top_p + 1e-6
+            ref = reference_probs(logits[r, j].numpy(), 1.0, 0, top_p)
+            assert np.allclose(probs[r, j].numpy(), ref, atol=1e-6)
+
+
+def test_process_logits_top_k_then_top_p():
+    """top-p applies to the distribution renormalized after top-k."""
+    logits = torch.log(torch.tensor([[[0.4, 0.3, 0.2, 0.1]]]))
+    probs = process_logits(logits, _sampling([1.0], [2], [0.6]))
+    # After top-2: [4/7, 3/7, 0, 0]; 4/7 = 0.571 < 0.6, so both stay.
+    assert torch.allclose(probs[0, 0], torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]), atol=1e-6)
+    probs = process_logits(logits, _sampling([1.0], [3], [0.5]))
+    # After top-3: [4/9, 3/9, 2/9]; 4/9 < 0.5, 7/9 >= 0.5 -> two stay.
+    assert torch.allclose(probs[0, 0], torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]), atol=1e-6)
+
+
+def test_process_logits_rows_with_different_settings_are_independent():
+    gen = torch.Generator().manual_seed(23)
+    vocab = 64
+    settings = [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.8, 5, 1.0), (1.2, 0, 0.7), (0.5, 10, 0.9), (1.0, 1, 1.0), (2.0, 0, 0.3), (0.0, 3, 0.5)]
+    b = len(settings)
+    logits = torch.randn(b, 3, vocab, generator=gen) * 2
+    temps, ks, ps = zip(*settings)
+    batched = process_logits(logits, _sampling(list(temps), list(ks), list(ps)))
+    for r, (t, k, p) in enumerate(settings):
+        alone = process_logits(logits[r : r + 1], _sampling([t], [k], [p]))[0]
+        assert torch.equal(batched[r] > 0, alone > 0)
+        assert torch.allclose(batched[r], alone, atol=1e-6)
+        for j in range(3):
+            assert np.allclose(batched[r, j].numpy(), reference_probs(logits[r, j].numpy(), t, k, p), atol=1e-6)
+    # The same batch through select() and repeat_interleave() keeps each row's settings.
+    sampling = _sampling(list(temps), list(ks), list(ps))
+    rows = torch.tensor([6, 2, 2, 0])
+    assert torch.allclose(process_logits(logits[rows], sampling.select(rows)), batched[rows], atol=1e-6)
+    counts = torch.tensor([1, 0, 2, 1, 0, 0, 1, 1])
+    rep = sampling.repeat_interleave(counts)
+    assert torch.allclose(process_logits(logits.repeat_interleave(counts, 0), rep), batched.repeat_interleave(counts, 0), atol=1e-6)
+
+
+def test_sample_from_never_returns_zero_probability_token():
+    gen = torch.Generator().manual_seed(24)
+    for vocab in [2, 7, 258, 32000]:
+        b = 512
+        probs = torch.rand(b, vocab, generator=gen)
+        probs = probs.masked_fill(torch.rand(b, vocab, generator=gen) < 0.7, 0.0)
+        probs[:, 0] = 0.0  # leading zero
+        probs[:, -1] = 0.0  # trailing zero
+        probs[torch.arange(b), torch.randint(1, vocab - 1, (b,), generator=gen) if vocab > 2 else torch.zeros(b, dtype=torch.long)] = 0.3
+        probs[:16] = 0.0
+        probs[:16, 1 if vocab > 2 else 0] = 1.0  # single-token rows
+        probs[16:32] *= 1000.0  # unnormalized
+        probs[32:48] *= 1e-20  # tiny total mass
+        u = torch.rand(b, generator=gen)
+        u[::4] = 0.0
+        u[1::4] = ONE_MINUS
+        ids = sample_from(probs, u)
+        assert bool((probs[torch.arange(b), ids] > 0).all()), vocab
+
+
+def test_sample_from_is_inverse_cdf():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]]).expand(7, -1)
+    u = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.74, 0.75, ONE_MINUS])
+    assert sample_from(probs, u).tolist() == [1, 1, 3, 3, 3, 4, 4]
+    # Unnormalized: the same answer.
+    assert sample_from(probs * 8, u).tolist() == [1, 1, 3, 3, 3, 4, 4]
+    # Batched leading dims.
+    many = torch.rand(3, 5, 9, generator=torch.Generator().manual_seed(1))
+    uu = torch.rand(3, 5, generator=torch.Generator().manual_seed(2))
+    ids = sample_from(many, uu)
+    assert ids.shape == (3, 5)
+    assert torch.equal(ids.view(-1), sample_from(many.view(15, 9), uu.view(15)))
