@@ -55,14 +55,20 @@ class _Endpoint:
     def __init__(self, group: dist.ProcessGroup, peer: int, fp: int) -> None:
         self.group, self.peer, self.fp = group, peer, fp
 
-    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor) -> None:
+    def send_raw(
+        self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        """A gloo send completes only once the peer posts its receive, so a stalled peer
+        blocks the sender: callers that must not hang pass a timeout."""
         header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), self.fp, 0, 0], dtype=torch.long)
         for t in (header, ints.contiguous(), floats.contiguous().float()):
             if t.numel():
-                self.group.send([t], self.peer, _TAG).wait()
+                work = self.group.send([t], self.peer, _TAG)
+                work.wait() if timeout is None else work.wait(timeout)
 
-    def send(self, msg) -> None:
-        self.send_raw(*encode(msg))
+    def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
+        self.send_raw(*encode(msg), timeout=timeout)
 
     def recv(self, timeout: datetime.timedelta | None = None):
         """-> (MsgType, message or None for bodiless control messages, ints)"""
@@ -96,8 +102,9 @@ def _config_fingerprint(config: EngineConfig, vocab: int) -> int:
 class ProcessClient:
     """DraftClient whose drafter runs in a child process (rank 1 of a private pair group)."""
 
-    def __init__(self, process, endpoint: _Endpoint, store_dir: str) -> None:
+    def __init__(self, process, endpoint: _Endpoint, store_dir: str, deadline_s: float) -> None:
         self.process, self.endpoint, self.store_dir = process, endpoint, store_dir
+        self.deadline = datetime.timedelta(seconds=deadline_s)
         self.closed = False
         atexit.register(self.close)
 
@@ -118,7 +125,7 @@ class ProcessClient:
             shutil.rmtree(store_dir, ignore_errors=True)
             raise
         logger.info("draft worker pid %d ready", process.pid)
-        return cls(process, endpoint, store_dir)
+        return cls(process, endpoint, store_dir, config.draft_deadline_s)
 
     def _guard(self, fn):
         if self.closed:
@@ -134,7 +141,7 @@ class ProcessClient:
             raise DrafterUnavailable(f"draft worker {alive}: {err}") from err
 
     def _request(self, msg, deadline_s: float | None) -> SpeculationReply:
-        self.endpoint.send(msg)
+        self.endpoint.send(msg, self.deadline)
         timeout = datetime.timedelta(seconds=deadline_s) if deadline_s is not None else None
         kind, reply, ints = self.endpoint.recv(timeout)
         if kind == MsgType.ERROR:
@@ -144,13 +151,13 @@ class ProcessClient:
         return reply
 
     def admit(self, msg: AdmitMsg) -> None:
-        self._guard(lambda: self.endpoint.send(msg))
+        self._guard(lambda: self.endpoint.send(msg, self.deadline))
 
     def release(self, msg: ReleaseMsg) -> None:
-        self._guard(lambda: self.endpoint.send(msg))
+        self._guard(lambda: self.endpoint.send(msg, self.deadline))
 
     def begin_round(self, msg: BeginRoundMsg) -> None:
-        self._guard(lambda: self.endpoint.send(msg))
+        self._guard(lambda: self.endpoint.send(msg, self.deadline))
 
     def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
         return self._guard(lambda: self._request(msg, deadline_s))
@@ -169,7 +176,7 @@ class ProcessClient:
         if self.closed:
             return
         try:
-            self.endpoint.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            self.endpoint.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0), self.deadline)
             self.process.join(10)
         except RuntimeError as err:
             logger.warning("draft worker did not take the shutdown message: %s", err)

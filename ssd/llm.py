@@ -56,9 +56,11 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate")
         try:
+            wanted = set(ids)
             while len(done) < len(ids):
                 for out in self.engine.step():
-                    if out.finished:
+                    # Other requests may share the engine (added directly): only ours count.
+                    if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

@@ -73,3 +73,13 @@ def test_stream_holds_back_partial_stop_string(llm):
         sent += chunk.delta_text
         assert stop not in sent
     assert sent == free.text[: free.text.find(stop)]
+
+
+def test_generate_returns_only_its_own_requests(llm):
+    """Regression: requests added to the engine directly used to count toward generate()'s
+    completion, which then failed looking up its own unfinished outputs."""
+    llm.engine.add_request("other", SamplingParams(max_tokens=2, temperature=0))
+    outs = llm.generate("mine", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert len(outs) == 1 and outs[0].prompt_token_ids == list(b"mine") and len(outs[0].token_ids) == 20
+    while llm.engine.has_unfinished():
+        llm.engine.step()
