@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ssd import LLM, SamplingParams
+from refimpl import hf_greedy
 from ssd.demo_models import heldout_prompts
 
 MAX_TOKENS = 48
-
-
-def hf_greedy(path: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens)
-        outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

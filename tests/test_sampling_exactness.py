@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
+from refimpl import reference_probs
 from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
 
 P_MIN = 1e-3  # chi-square threshold; seeds are fixed, so a pass is reproducible
@@ -94,27 +95,6 @@ def hf_models(model_dirs) -> dict:
 
 
 # ---- exact distributions -------------------------------------------------------------------
-
-
-def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Temperature, then the top_k largest, then (renormalized) the smallest sorted prefix whose
-    mass reaches top_p. Written independently of ssd.sampling on purpose."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    order = np.argsort(-z, kind="stable")
-    keep = np.zeros(len(z), dtype=bool)
-    keep[order[: top_k if top_k > 0 else len(z)]] = True
-    probs = np.where(keep, probs, 0.0)
-    probs /= probs.sum()
-    if top_p < 1:
-        cum = np.cumsum(probs[order])
-        n_keep = int(np.searchsorted(cum, top_p - 1e-12) + 1)
-        nucleus = np.zeros(len(z), dtype=bool)
-        nucleus[order[:n_keep]] = True
-        probs = np.where(nucleus, probs, 0.0)
-        probs /= probs.sum()
-    return probs
 
 
 @torch.no_grad()
