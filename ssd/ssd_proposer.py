@@ -94,7 +94,8 @@ class SSDProposer:
 
     def keep(self, rows: torch.Tensor) -> None:
         kept = [self.order[i] for i in rows.tolist()]
-        gone = [s for s in self.order if s not in set(kept)]
+        kept_set = set(kept)
+        gone = [s for s in self.order if s not in kept_set]
         for s in gone:
             self.prepared.pop(s, None)
             self.backup_rng.pop(s, None)

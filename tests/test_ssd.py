@@ -149,6 +149,53 @@ def test_greedy_matches_hf_demo_pair_process_transport(demo_pair):
     assert 0 < m["cache_hit_rate"], m
 
 
+def test_greedy_matches_hf_at_the_context_limit(tiny_pair):
+    """Near max_model_len the engine shortens K for the round; the drafter still builds K-token
+    branches and the proposer trims them."""
+    target, draft = tiny_pair
+    prompts = ["def f(x):", "hello there my friend", "x"]
+    with ssd_llm(target, draft, draft_transport="inprocess", max_model_len=30, max_num_seqs=3) as llm:
+        lengths = [30 - len(llm.engine.tokenize(p)) for p in prompts]
+        outs = llm.generate(prompts, [greedy(n) for n in lengths])
+        m = llm.metrics()
+    expected = hf_greedy(target, prompts, max(lengths))
+    for out, exp, n in zip(outs, expected, lengths):
+        assert out.token_ids == exp[:n]
+    assert m["cache_hit_rate"] > 0
+
+
+def seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_tokens=40, seed=seed, ignore_eos=True)
+
+
+def test_seeded_sample_reproducible_on_a_fresh_engine(tiny_pair):
+    """Fixed fan-out and budget, in-process drafter: a seeded request reproduces exactly."""
+    target, draft = tiny_pair
+    kw = dict(draft_transport="inprocess", ssd_fanout="uniform", ssd_backup="neural")
+    runs = []
+    for _ in range(2):
+        with ssd_llm(target, draft, **kw) as llm:
+            runs.append(llm.generate("def f(x):", seeded(7))[0].token_ids)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a seeded ssd request's stream depends on the batch: every neural-backup call "
+    "drafts all rows (ssd_proposer.propose sends DraftNowMsg with every id; Drafter.resolve calls "
+    "draft_now(seq_ids) for all rows), consuming the drafter generators of rows that had a "
+    "speculation already; the geometric fan-out and the adaptive budget add dependence on other "
+    "requests and on timing. SamplingParams.seed promises the same output for the same seed.",
+)
+def test_seeded_sample_independent_of_batch(tiny_pair):
+    target, draft = tiny_pair
+    kw = dict(draft_transport="inprocess", ssd_fanout="uniform", ssd_backup="neural")
+    with ssd_llm(target, draft, **kw) as llm:
+        alone = llm.generate("def f(x):", seeded(7))[0].token_ids
+        batched = llm.generate(["def f(x):", "hello", "x"], [seeded(7), seeded(8), seeded(9)])[0].token_ids
+    assert alone == batched
+
+
 # ---- 2. draft == target ------------------------------------------------------------------------
 
 
@@ -172,7 +219,10 @@ def test_draft_equal_to_target_accepts_and_hits_nearly_always(tiny_pair, prompts
 
 # ---- 3. statistical exactness --------------------------------------------------------------------
 
-P_MIN = 1e-3  # seeds are fixed, so a pass is reproducible
+# Seeds are fixed, so a pass is reproducible. About 17 p-values are checked in all; the injected
+# bugs this file was tried against (verifier given the wrong draft distribution on cache hits,
+# on neural-backup rounds, or on fast-backup rounds) gave p < 1e-14.
+P_MIN = 1e-4
 N_SAMPLES = 3000
 STAT_K = 2
 STAT_PROMPT = "def f(x):"
@@ -325,7 +375,6 @@ def test_sampled_tokens_follow_target_distribution(peaked_pair, peaked_target, f
         samples = sample_with_sources(llm, prompt_ids, params, seed_base=1_000_000 * (1 + list(STAT_CASES).index(case)))
         m = llm.metrics()
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
-    print("\nRESULT", case, result, {k: m[k] for k in ("cache_hit_rate", "acceptance_rate", "backup_neural_rounds", "backup_fast_rounds", "rounds")})
     for subset in required:
         assert result.get(subset, (1.0, 0, 0))[1] >= 0.1 * N_SAMPLES, (subset, result)
         assert result[subset][2] >= 2, (subset, result)  # the test has something to compare
@@ -395,7 +444,7 @@ def test_stalled_draft_worker_is_dropped_after_deadline(tiny_pair, prompts, tiny
         os.kill(process.pid, signal.SIGSTOP)
         try:
             t0 = time.perf_counter()
-            done, thread, box = run_bounded(lambda: llm.generate(prompts[2:], params), 30.0)
+            done, thread, box = run_bounded(lambda: llm.generate(prompts[2:], params), 15.0)
             elapsed = time.perf_counter() - t0
             if not done:
                 process.kill()  # unblocks the target so the test can end
@@ -543,7 +592,11 @@ def test_online_acceptance_estimate_tracks_a_change():
     assert est.a == pytest.approx(0.4, abs=0.05)
 
 
-def test_online_miss_exponent_estimate():
+def test_online_miss_exponent_estimate(monkeypatch):
+    """r from simulated hits with 1 - p_hit(F) = F^(-r). observe_hit refits r on every call
+    (slow); the fit is run once, on the final window of observations."""
+    fit = OnlineEstimates._fit_r
+    monkeypatch.setattr(OnlineEstimates, "_fit_r", lambda self: self.r)
     gen = torch.Generator().manual_seed(3)
     estimates = {}
     for r_true in (0.3, 1.2):
@@ -552,9 +605,14 @@ def test_online_miss_exponent_estimate():
             fan = int(torch.randint(2, 20, (1,), generator=gen))
             hit = float(torch.rand(1, generator=gen)) < 1 - fan ** (-r_true)
             est.observe_hit(fan, hit)
-        estimates[r_true] = est.r
-        assert est.r == pytest.approx(r_true, abs=0.25), (r_true, est.r)
+        estimates[r_true] = fit(est)
+        assert estimates[r_true] == pytest.approx(r_true, abs=0.25), (r_true, estimates[r_true])
     assert estimates[0.3] < estimates[1.2]
+    # fan-outs of 0 or 1 carry no information about r
+    est = OnlineEstimates()
+    est.observe_hit(1, False)
+    est.observe_hit(0, True)
+    assert est.r == OnlineEstimates().r
 
 
 def test_ssd_speedup_theorem_7():
