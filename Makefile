@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/ssd generate --prompt "def fibonacci(n):" --max-tokens 128 --mode sd
+	$(BIN)/ssd generate --prompt "def fibonacci(n):" --max-tokens 128 --mode sd --stream
 
 test: install
 	$(BIN)/python -m pytest -q
