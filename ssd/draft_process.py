@@ -163,7 +163,7 @@ class ProcessClient:
         return self._guard(lambda: self._request(msg, deadline_s))
 
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
-        return self._guard(lambda: self._request(msg, CONNECT_TIMEOUT.total_seconds()))
+        return self._guard(lambda: self._request(msg, self.deadline.total_seconds()))
 
     def _kill(self) -> None:
         self.closed = True
