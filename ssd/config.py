@@ -38,6 +38,7 @@ class EngineArgs(BaseModel):
     draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
     draft_deadline_s: float = Field(30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it.")
+    lean_forward: bool = Field(True, description="Run Llama-architecture models (llama, qwen2, mistral without sliding window) through the built-in lean forward: the same math as Hugging Face's, with less Python per call. False = always the Hugging Face forward.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
 
     def to_config(self) -> "EngineConfig":
@@ -69,6 +70,7 @@ class EngineArgs(BaseModel):
             draft_transport=self.draft_transport,
             draft_num_threads=self.draft_num_threads,
             draft_deadline_s=self.draft_deadline_s,
+            lean_forward=self.lean_forward,
         )
 
 
@@ -94,3 +96,4 @@ class EngineConfig:
     draft_transport: str = "process"
     draft_num_threads: int = 1
     draft_deadline_s: float = 30.0
+    lean_forward: bool = True

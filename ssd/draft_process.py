@@ -207,7 +207,7 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
     endpoint = _Endpoint(pair_group(store_dir, 1), 0, _config_fingerprint(cfg, vocab))
     try:
         model = load_model(cfg.draft, cfg.dtype, cfg.draft_device, cfg.trust_remote_code)
-        drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device)), vocab, cfg.k, cfg.saguaro_c)
+        drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
         endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         while True:
             kind, msg, _ = endpoint.recv()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from ssd.fast_forward import FastLlamaForward, unsupported_reason
 from ssd.kv_cache import BatchKVCache
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -12,13 +17,22 @@ class ModelRunner:
 
     Every forward appends n columns to the cache: tokens [b, n] with new_valid [b, n] marking the
     real ones (padding is masked out forever). Positions default to each row's next positions.
+    With lean=True, Llama-architecture models run through FastLlamaForward (same math, less
+    Python per call); other models, or lean=False, run the Hugging Face forward.
     """
 
-    def __init__(self, model, device: torch.device) -> None:
+    def __init__(self, model, device: torch.device, lean: bool = True) -> None:
         self.model = model
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
+        self.lean: FastLlamaForward | None = None
+        if lean:
+            reason = unsupported_reason(model)
+            if reason is None:
+                self.lean = FastLlamaForward(model)
+            else:
+                logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
 
     def new_cache(self) -> BatchKVCache:
         return BatchKVCache(self.model.config)
@@ -44,6 +58,10 @@ class ModelRunner:
             positions = cache.lengths().unsqueeze(1) + new_valid.long().cumsum(1) - 1
             positions.clamp_(min=0)
         mask = cache.attention_mask(new_valid, within, self.dtype, history)
+        if self.lean is not None:
+            logits = self.lean(tokens.to(self.device), mask.to(self.device), positions.to(self.device), cache.hf_cache)
+            cache.commit_columns(new_valid)
+            return logits.float().cpu()
         out = self.model(
             input_ids=tokens.to(self.device),
             attention_mask=mask.to(self.device),

@@ -1,0 +1,141 @@
+"""A lean forward pass for Llama-architecture Hugging Face models.
+
+Speculative decoding runs many small forwards (one token per draft step, a few per tree depth),
+where a Hugging Face forward spends more time in Python (module dispatch, output capture,
+mask preparation, cache bookkeeping) than in arithmetic: about 2 ms per call for the bundled
+2-layer draft, of which the matrix products take 0.7 ms. This module runs the same weights with
+the same operations in the same order as Hugging Face's `sdpa` path, without that framework
+layer. It reads the model's parameters in place (no copy), writes keys and values into the
+same `DynamicCache` layers the Hugging Face path uses, so the two paths are interchangeable
+call by call; tests compare their logits and the engine's greedy output with `generate`.
+
+Supported: `LlamaForCausalLM`-shaped models (llama, mistral without a sliding window, qwen2)
+with SiLU MLPs and a static RoPE (any rope type whose inverse frequencies do not change with
+the sequence length). Anything else runs through the Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot use the lean forward, or None when it can."""
+    config = model.config
+    if getattr(config, "model_type", None) not in _ARCHITECTURES:
+        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {_ARCHITECTURES}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in _DYNAMIC_ROPE:
+        return f"rope_type {rope.get('rope_type')!r} changes with the sequence length"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "not a *ForCausalLM with model.rotary_emb and lm_head"
+    return None
+
+
+class _Layer:
+    """One decoder layer's parameters (references, not copies)."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm_in, self.eps_in = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.norm_post, self.eps_post = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Hugging Face's LlamaRMSNorm, op for op (float32 statistics, weight applied last).
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(x: torch.Tensor, module) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+class FastLlamaForward:
+    """forward(input_ids [b, n], mask [b, 1, n, L+n] additive, positions [b, n], cache) -> logits [b, n, V].
+
+    `cache` is the Hugging Face DynamicCache of a BatchKVCache; each layer's keys and values
+    [b, kv_heads, L, head_dim] grow by the n new columns, exactly as Hugging Face's update does.
+    """
+
+    def __init__(self, model) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward does not support this model: {reason}")
+        config = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.layers = [_Layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.lm_head = model.lm_head
+        self.inv_freq = inner.rotary_emb.inv_freq
+        self.rope_scaling = inner.rotary_emb.attention_scaling
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.groups = self.heads // self.kv_heads
+        self.scaling = self.head_dim**-0.5
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype).unsqueeze(1)  # [b, 1, n, head_dim]
+        sin = (emb.sin() * self.rope_scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        b, n = input_ids.shape
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope(positions, x.dtype)
+        cache_layers = cache.layers
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.norm_in, layer.eps_in)
+            q = _linear(h, layer.q).view(b, n, -1, self.head_dim).transpose(1, 2)
+            k = _linear(h, layer.k).view(b, n, -1, self.head_dim).transpose(1, 2)
+            v = _linear(h, layer.v).view(b, n, -1, self.head_dim).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = _append(cache_layers[i], k, v)
+            if self.groups > 1:
+                keys = keys.repeat_interleave(self.groups, dim=1)
+                values = values.repeat_interleave(self.groups, dim=1)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            a = a.transpose(1, 2).reshape(b, n, -1)
+            x = x + _linear(a, layer.o)
+            h = _rms_norm(x, layer.norm_post, layer.eps_post)
+            x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
+        x = _rms_norm(x, self.norm, self.norm_eps)
+        return _linear(x, self.lm_head)
+
+
+def _append(layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grow one DynamicLayer by the new columns (what DynamicLayer.update does)."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    if layer.keys.numel() == 0:
+        layer.keys, layer.values = k, v
+    else:
+        layer.keys = torch.cat([layer.keys, k], dim=-2)
+        layer.values = torch.cat([layer.values, v], dim=-2)
+    return layer.keys, layer.values

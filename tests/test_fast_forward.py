@@ -1,0 +1,78 @@
+"""The lean forward computes what the Hugging Face forward computes, call by call, and the two
+paths can share one cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ssd.demo_models import VOCAB_SIZE
+from ssd.fast_forward import FastLlamaForward, unsupported_reason
+from ssd.runner import ModelRunner
+
+# Same weights, same ops; the only differences are ulp-level (kernel blocking), far below this.
+ATOL = 2e-5
+
+
+def _tiny(kind: str):
+    torch.manual_seed(1)
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+    )
+    if kind == "qwen2":  # q/k/v biases and grouped-query attention
+        return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)).eval()
+
+
+def _script(runner: ModelRunner, cache) -> list[torch.Tensor]:
+    """Padded prefill, a rollback, a plain step and a tree step with a custom mask."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 250, (2, 7), generator=gen)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    out = [runner.forward(cache, tokens, valid)]
+    out.append(runner.forward(cache, torch.randint(0, 250, (2, 3), generator=gen)))
+    cache.drop_last(torch.tensor([2, 1]))
+    out.append(runner.forward(cache, torch.randint(0, 250, (2, 1), generator=gen)))
+    eye = torch.eye(4, dtype=torch.bool).expand(2, 4, 4)
+    history = torch.ones(2, 4, cache.num_columns, dtype=torch.bool)
+    history[:, 2:, -1] = False  # branches 2 and 3 do not see the newest column
+    positions = cache.lengths().view(2, 1) + torch.tensor([0, 0, -1, -1])
+    out.append(runner.forward(cache, torch.randint(0, 250, (2, 4), generator=gen), positions=positions, within=eye, history=history))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lean_forward_matches_hugging_face(kind):
+    model = _tiny(kind)
+    assert unsupported_reason(model) is None
+    lean, hf = ModelRunner(model, torch.device("cpu")), ModelRunner(model, torch.device("cpu"), lean=False)
+    assert lean.lean is not None and hf.lean is None
+    got, want = _script(lean, lean.new_cache()), _script(hf, hf.new_cache())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+
+
+def test_paths_share_one_cache(demo_pair):
+    """Columns written by one path are read correctly by the other."""
+    model = AutoModelForCausalLM.from_pretrained(demo_pair[1], local_files_only=True, dtype=torch.float32).eval()
+    lean, hf = ModelRunner(model, torch.device("cpu")), ModelRunner(model, torch.device("cpu"), lean=False)
+    ids = torch.tensor([list(b"def add(a, b):\n    return")])
+    mixed = lean.new_cache()
+    lean.forward(mixed, ids[:, :-3])
+    hf.forward(mixed, ids[:, -3:-1])
+    got = lean.forward(mixed, ids[:, -1:])
+    want = hf.forward(hf.new_cache(), ids)[:, -1:]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_unsupported_models_fall_back():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, hidden_act="gelu")).eval()
+    assert "hidden_act" in unsupported_reason(model)
+    assert ModelRunner(model, torch.device("cpu")).lean is None
+    with pytest.raises(ValueError, match="does not support"):
+        FastLlamaForward(model)
