@@ -59,29 +59,39 @@ class _Endpoint:
         self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        """A gloo send completes only once the peer posts its receive, so a stalled peer
-        blocks the sender: callers that must not hang pass a timeout."""
+        """Two transfers per message: the header, then one byte body (ints, then floats), both
+        posted before waiting (each gloo transfer costs a round trip with the peer). A gloo send
+        completes only once the peer posts its receive, so a stalled peer blocks the sender:
+        callers that must not hang pass a timeout."""
         header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), self.fp, 0, 0], dtype=torch.long)
-        for t in (header, ints.contiguous(), floats.contiguous().float()):
-            if t.numel():
-                work = self.group.send([t], self.peer, _TAG)
-                work.wait() if timeout is None else work.wait(timeout)
+        works = [self.group.send([header], self.peer, _TAG)]
+        if ints.numel() or floats.numel():
+            body = torch.cat([ints.contiguous().view(torch.uint8), floats.contiguous().float().view(torch.uint8)])
+            works.append(self.group.send([body], self.peer, _TAG))
+        for work in works:
+            work.wait() if timeout is None else work.wait(timeout)
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
 
-    def recv(self, timeout: datetime.timedelta | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints)"""
+    def post_header(self) -> tuple[torch.Tensor, dist.Work]:
+        """Post the receive of the next message's header without waiting for it; its Work's
+        is_completed() tells a busy drafter that the target has sent something."""
         header = torch.zeros(HEADER, dtype=torch.long)
-        self._recv(header, timeout)
+        return header, self.group.recv([header], self.peer, _TAG)
+
+    def recv(self, timeout: datetime.timedelta | None = None, posted: tuple[torch.Tensor, dist.Work] | None = None):
+        """-> (MsgType, message or None for bodiless control messages, ints)"""
+        header, work = posted or self.post_header()
+        work.wait() if timeout is None else work.wait(timeout)
         magic, kind, round_id, n_ints, n_floats, fp = header[:6].tolist()
         if magic != MAGIC or fp != self.fp:
             raise DrafterUnavailable(f"foreign message on the drafter channel (magic {magic:#x}, fingerprint {fp})")
-        ints = torch.zeros(n_ints, dtype=torch.long)
-        floats = torch.zeros(n_floats, dtype=torch.float32)
-        for t in (ints, floats):
-            if t.numel():
-                self._recv(t, timeout)
+        body = torch.zeros(n_ints * 8 + n_floats * 4, dtype=torch.uint8)
+        if body.numel():
+            self._recv(body, timeout)
+        ints = body[: n_ints * 8].view(torch.long)
+        floats = body[n_ints * 8 :].view(torch.float32)
         kind = MsgType(kind)
         if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN):
             return kind, None, ints
@@ -209,8 +219,10 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
         model = load_model(cfg.draft, cfg.dtype, cfg.draft_device, cfg.trust_remote_code)
         drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
         endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        posted = None
         while True:
-            kind, msg, _ = endpoint.recv()
+            kind, msg, _ = endpoint.recv(posted=posted)
+            posted = None
             if kind == MsgType.SHUTDOWN:
                 return
             if kind == MsgType.ADMIT:
@@ -218,7 +230,10 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
             elif kind == MsgType.RELEASE:
                 drafter.release(msg.seq_ids)
             elif kind == MsgType.BEGIN_ROUND:
-                drafter.begin_round(msg)
+                # The next message (the round's outcome) cuts the tree decode short: the target
+                # is waiting, and branches of the depth reached are still usable speculations.
+                posted = endpoint.post_header()
+                drafter.begin_round(msg, interrupted=posted[1].is_completed)
             elif kind == MsgType.RESOLVE:
                 endpoint.send(drafter.resolve(msg))
             elif kind == MsgType.DRAFT_NOW:

@@ -8,7 +8,9 @@ drafter then, for every sequence of the batch:
      excluding s_T[k] (had it been right, k would be larger);
   3. tree-decodes all B = sum F_k branches together, K forwards of B tokens each, every branch
      attending to the committed prefix, s_T[:k], its candidate and its own earlier tokens only;
-  4. keeps each branch's K tokens and draft distributions under (k, candidate).
+  4. keeps each branch's K tokens and draft distributions under (k, candidate). When the outcome
+     arrives before the tree is done, the tree stops at the depth reached and the branches
+     hold that many tokens (a shorter speculation beats making the target wait).
 When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
 answered just in time by the draft (neural backup) or left to the target's fast backup.
 
@@ -18,9 +20,9 @@ The drafter keeps its own KV cache of committed tokens only; tree columns live f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,7 +52,8 @@ class _Round:
     tokens: torch.Tensor  # [b, N, K]
     probs: torch.Tensor  # [b, N, K, V]
     fanout: list[int] = field(default_factory=list)
-    build_seconds: float = 0.0
+    build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
+    depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
 
 
 class Drafter:
@@ -108,8 +111,11 @@ class Drafter:
 
     # ---- the round ----------------------------------------------------------------------------
 
-    def begin_round(self, msg: BeginRoundMsg) -> None:
-        """Glue decode, fork and tree decode for every row; fills the speculation cache."""
+    def begin_round(self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None) -> None:
+        """Glue decode, fork and tree decode for every row; fills the speculation cache.
+
+        `interrupted` is polled after each tree depth: once it is true (the outcome has
+        arrived), the tree stops at that depth and the cache holds shorter speculations."""
         started = time.perf_counter()
         seq_ids = list(msg.seq_ids)
         self._rows(seq_ids)
@@ -163,6 +169,7 @@ class Drafter:
         eye = torch.eye(n_branches, dtype=torch.bool).expand(b, n_branches, n_branches)
         uniforms = torch.stack([torch.rand(k, n_branches, generator=self.states[s].generator) for s in seq_ids])
         feed = cand
+        tree_started = time.perf_counter()
         out_tokens, out_probs = [], []
         fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
         for d in range(k):
@@ -175,10 +182,14 @@ class Drafter:
             feed = sample_from(probs, uniforms[:, d])  # [b, N]
             out_tokens.append(feed)
             out_probs.append(probs)
-        self.cache.drop_last(spec_lens + k * n_branches)
+            if d < k - 1 and interrupted is not None and interrupted():
+                break
+        depth = len(out_tokens)
+        self.cache.drop_last(spec_lens + depth * n_branches)
+        now = time.perf_counter()
+        build = (tree_started - started) + (now - tree_started) * k / depth
         self.round = _Round(
-            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout,
-            time.perf_counter() - started,
+            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, build, depth,
         )
 
     def resolve(self, msg: ResolveMsg) -> SpeculationReply:
@@ -198,15 +209,15 @@ class Drafter:
                 n = rnd.branch_index[i].get((acc, bonus))
                 if n is not None:
                     hit[r] = True
-                    tokens[r] = rnd.tokens[i, n]
-                    probs[r] = rnd.probs[i, n]
+                    tokens[r, : rnd.depth] = rnd.tokens[i, n]
+                    probs[r, : rnd.depth] = rnd.probs[i, n]
         build_seconds = rnd.build_seconds if rnd is not None else 0.0
+        num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         self.round = None
-        num_draft = torch.where(hit, k, 0)
         if msg.neural_backup and not bool(hit.all()):
             spec = self.draft_now(seq_ids)
             tokens[~hit], probs[~hit] = spec.tokens[~hit], spec.probs[~hit]
-            num_draft = torch.full((b,), k, dtype=torch.long)
+            num_draft = torch.where(hit, num_draft, k)
         return SpeculationReply(msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds)
 
     def draft_reply(self, msg: DraftNowMsg) -> SpeculationReply:

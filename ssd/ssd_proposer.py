@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd.budget import BudgetSizer
 from ssd.channel import DraftClient, DrafterUnavailable
 from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.ngram import fast_speculation
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class SSDConfig:
     k: int
     budget: int  # B: cached branches per sequence and round (the most, when autobudget)
-    autobudget: bool  # shrink/grow B so the drafter finishes within one verification
+    autobudget: bool  # size B so the drafter finishes within one verification (BudgetSizer)
     fanout: str  # "geometric" | "uniform"
     saguaro_c: float
     backup: str  # "auto" | "neural" | "fast"
@@ -39,8 +40,8 @@ class SSDConfig:
 
 @dataclass
 class _Prepared:
-    tokens: list[int]
-    probs: torch.Tensor  # [K, V]
+    tokens: list[int]  # the speculation: K tokens, or fewer when the drafter's tree was cut short
+    probs: torch.Tensor  # [K, V] (rows past len(tokens) unused)
     source: Source
 
 
@@ -49,10 +50,14 @@ class _Ema:
 
     def __init__(self, value: float | None, weight: float = 0.05) -> None:
         self.value, self.weight, self.seen = (value or 0.0), weight, value is not None
+        self.observed = False  # True once a real observation arrived (not just the prior)
 
     def update(self, x: float) -> None:
         self.value = self.value + self.weight * (x - self.value) if self.seen else x
-        self.seen = True
+        self.seen = self.observed = True
+
+    def or_else(self, fallback: float) -> float:
+        return self.value if self.observed else fallback
 
 
 class SSDProposer:
@@ -74,6 +79,8 @@ class SSDProposer:
         self.verify_s = _Ema(None, weight=0.1)
         self.batch = _Ema(None, weight=0.1)
         self._sent_at = 0.0
+        self.build_ratio = _Ema(None, weight=0.1)  # drafter build time / verification time
+        self.sizer = BudgetSizer(config.budget, min_budget=min(config.budget, config.k + 1))
         self.budget = float(config.budget)
 
     # ---- membership -------------------------------------------------------------------------
@@ -133,10 +140,10 @@ class SSDProposer:
             if s.seq_id not in self.prepared:
                 self.prepared[s.seq_id] = self._fast(s)
         chosen = [self.prepared.pop(i) for i in ids]
-        tokens = torch.tensor([c.tokens[:k] for c in chosen], dtype=torch.long)  # [b, k]
+        num_draft = torch.tensor([min(len(c.tokens), k) for c in chosen], dtype=torch.long)  # [b]
+        tokens = torch.tensor([c.tokens[:k] + [0] * (k - len(c.tokens[:k])) for c in chosen], dtype=torch.long)  # [b, k]
         probs = torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
-        spec = Speculation(tokens, probs, torch.full((len(seqs),), k, dtype=torch.long),
-                           torch.tensor([int(c.source) for c in chosen]))
+        spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         if not self.dead:
             self.fanout = self._fanout()
             msg = BeginRoundMsg(self.round_id, ids, tokens, spec.num_draft, self.fanout)
@@ -149,8 +156,9 @@ class SSDProposer:
         self.verify_s.update(verify_s)
         k = speculation.k
         accepted = outcome.num_accepted.tolist()
+        drafted = speculation.num_draft.tolist()
         for r, src in enumerate(speculation.source.tolist()):
-            self.estimates.observe_round(accepted[r], k)
+            self.estimates.observe_round(accepted[r], drafted[r])
             emitted = accepted[r] + 1
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(Source(src), self.e_hit).update(emitted)
             if self.fanout and accepted[r] < len(self.fanout):
@@ -167,11 +175,13 @@ class SSDProposer:
         for r, s in enumerate(seqs):
             if reply is not None and bool(reply.hit[r]):
                 hits += 1
-                self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.CACHE)
+                self.prepared[s.seq_id] = _Prepared(reply.tokens[r, : int(reply.num_draft[r])].tolist(), reply.probs[r], Source.CACHE)
             elif reply is not None and int(reply.num_draft[r]) > 0:
                 self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
         if reply is not None:
-            self._adapt_budget(reply.build_seconds / verify_s)
+            self.build_ratio.update(reply.build_seconds / verify_s)
+            if self.config.autobudget and self.fanout:
+                self.budget = self.sizer.observe(sum(self.fanout), reply.build_seconds / verify_s)
             self.p_hit.update(hits / max(batch, 1))
             if hits == batch:
                 self.t_primary.update(1.0 + wait / verify_s)
@@ -189,14 +199,6 @@ class SSDProposer:
         found, probs = fast_speculation(tokens, self.config.k, self.vocab, self.backup_rng[seq.seq_id])
         return _Prepared(found, probs, Source.FAST)
 
-    def _adapt_budget(self, build_ratio: float) -> None:
-        """Keep the drafter's cache build at about 90% of a verification: tree cost grows
-        roughly linearly with B, so scale B by target/actual (damped, within [1, max])."""
-        if not self.config.autobudget or build_ratio <= 0:
-            return
-        scale = min(1.5, max(0.5, 0.9 / build_ratio))
-        self.budget = min(float(self.config.budget), max(1.0, self.budget * scale ** 0.5))
-
     def _fanout(self) -> list[int]:
         k, budget = self.config.k, max(1, int(round(self.budget)))
         caps = [self.vocab - 1] * k + [self.vocab]
@@ -204,18 +206,26 @@ class SSDProposer:
             return uniform_fanout(budget, k, caps)
         return geometric_fanout(budget, k, self.estimates.a, self.estimates.r, caps)
 
+    def _live(self) -> tuple[float, ...]:
+        """(p_hit, e_hit, e_neural, t_neural, e_fast, t_fast, t_primary) for Theorem 17.
+
+        A backup's figures only move while it is in use, so an unused neural backup keeps
+        stand-ins from what the drafter shows every round: a just-in-time draft comes from the
+        same model and state as a cached one (it earns about E_hit), and costs about one cache
+        build at B = 1 (the sizer's fixed share, else the measured build ratio)."""
+        t_neural_guess = self.sizer.c0 if self.sizer.c0 is not None else self.build_ratio.or_else(self.t_neural.value)
+        return (
+            self.p_hit.value, self.e_hit.value, self.e_neural.or_else(self.e_hit.value),
+            self.t_neural.or_else(max(t_neural_guess, 0.0)), self.e_fast.value, self.t_fast.value, self.t_primary.value,
+        )
+
     def _choose_backup(self, batch: int) -> str:
         if self.config.backup != "auto":
             return self.config.backup
-        fast = prefer_fast_backup(
-            batch, self.p_hit.value, self.e_hit.value, self.e_neural.value, self.t_neural.value,
-            self.e_fast.value, self.t_fast.value, self.t_primary.value,
-        )
-        return "fast" if fast else "neural"
+        return "fast" if prefer_fast_backup(batch, *self._live()) else "neural"
 
     def stats(self) -> dict:
-        live = (self.p_hit.value, self.e_hit.value, self.e_neural.value, self.t_neural.value,
-                self.e_fast.value, self.t_fast.value, self.t_primary.value)
+        live = self._live()
         # Theorem 7 with p_hit = 1: every round a hit for every row, at the measured E_hit and T_p.
         round_s = self.verify_s.value * max(1.0, self.t_primary.value)
         bound = self.batch.value * self.e_hit.value / round_s if round_s else 0.0

@@ -1,7 +1,8 @@
 """Fixed tensor layout of drafter messages on a torch.distributed pair (no pickle).
 
 Each message is a header int64[8] followed by an int64 body and a float32 body whose lengths
-the header gives (a body of length 0 is not sent):
+the header gives; the transport carries both bodies as one byte buffer (none when both are
+empty), so a message costs two transfers:
     header = [MAGIC, type, round_id, n_ints, n_floats, fingerprint, 0, 0]
 The fingerprint ties both ends to one configuration (target vocabulary, K, draft model), so a
 message from a foreign or stale peer is refused. Body layouts per type are in _encode/_decode.

@@ -1,0 +1,86 @@
+"""The budget sizer, and tree decodes cut short by an early outcome (still exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.budget import BudgetSizer
+from ssd.demo_models import heldout_prompts
+from ssd.drafter import Drafter
+from ssd.speculation import Source
+from ssd.ssd_proposer import SSDProposer
+from tests.refimpl import hf_greedy
+
+MAX_TOKENS = 24
+
+
+# ---- budget sizing ------------------------------------------------------------------------------
+
+
+def _drive(sizer: BudgetSizer, c0: float, c1: float, rounds: int = 200, noise: float = 0.0) -> float:
+    gen = torch.Generator().manual_seed(0)
+    budget = sizer.budget
+    for _ in range(rounds):
+        used = max(1, int(round(budget)))
+        ratio = c0 + c1 * used + noise * float(torch.randn(1, generator=gen))
+        budget = sizer.observe(used, ratio)
+    return budget
+
+
+def test_sizer_finds_the_budget_that_fits_one_verification():
+    # Build = 0.5 of a verification plus 0.02 per branch: 25 branches fit exactly.
+    sizer = BudgetSizer(max_budget=64)
+    assert _drive(sizer, 0.5, 0.02, noise=0.02) == pytest.approx(25, abs=3)
+    assert sizer.c0 == pytest.approx(0.5, abs=0.1) and sizer.c1 == pytest.approx(0.02, abs=0.01)
+
+
+def test_sizer_with_a_large_fixed_cost_keeps_more_than_one_branch():
+    """The old proportional rule read 'build = 0.8 verification at B = 2' as 'B = 2 is the
+    most that fits' and starved the cache; the fixed share must not be scaled with B."""
+    sizer = BudgetSizer(max_budget=32)
+    assert _drive(sizer, 0.8, 0.01) == pytest.approx(20, abs=3)
+
+
+def test_sizer_respects_its_bounds():
+    assert _drive(BudgetSizer(max_budget=16), 0.1, 0.001) == 16  # everything fits
+    assert _drive(BudgetSizer(max_budget=16, min_budget=7), 1.5, 0.05) == 7  # nothing fits
+
+
+# ---- tree decodes cut short -------------------------------------------------------------------
+
+
+class _CutAfter:
+    """An `interrupted` callback that reports the outcome's arrival after `depth` tree depths."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth, self.polls = depth, 0
+
+    def __call__(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.depth
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
+    target, draft = tiny_pair
+    prompts = heldout_prompts(2, prompt_bytes=60) + ["def add(a, b):\n    return"]
+    expected = hf_greedy(target, prompts, MAX_TOKENS)
+    original = Drafter.begin_round
+    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None: original(self, msg, _CutAfter(depth)))
+    lengths: list[tuple[int, int]] = []  # (source, num_draft) of every row of every round
+    propose = SSDProposer.propose
+
+    def spy(self, seqs, k, sampling):
+        spec = propose(self, seqs, k, sampling)
+        lengths.extend(zip(spec.source.tolist(), spec.num_draft.tolist()))
+        return spec
+
+    monkeypatch.setattr(SSDProposer, "propose", spy)
+    with LLM(target, draft, mode="ssd", k=4, ssd_budget=12, ssd_autobudget=False, ssd_backup="fast",
+             draft_transport="inprocess", max_num_seqs=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == expected
+    hits = [n for src, n in lengths if src == int(Source.CACHE)]
+    assert hits and all(n == depth for n in hits), lengths
