@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import asdict
 
 import torch
@@ -40,9 +41,16 @@ GROUP_TIMEOUT = datetime.timedelta(days=7)
 _TAG = 0
 
 
-def pair_group(store_dir: str, rank: int) -> dist.ProcessGroup:
+_JOINING = "worker-joining"
+
+
+def pair_store(store_dir: str) -> dist.FileStore:
     store = dist.FileStore(os.path.join(store_dir, "store"), 2)
     store.set_timeout(CONNECT_TIMEOUT)
+    return store
+
+
+def pair_group(store: dist.Store, rank: int) -> dist.ProcessGroup:
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = GROUP_TIMEOUT
@@ -125,7 +133,9 @@ class ProcessClient:
         process = ctx.Process(target=worker_main, args=(asdict(config), vocab, store_dir), daemon=True, name="ssd-drafter")
         process.start()
         try:
-            endpoint = _Endpoint(pair_group(store_dir, 0), 1, _config_fingerprint(config, vocab))
+            store = pair_store(store_dir)
+            _await_worker(store, process)
+            endpoint = _Endpoint(pair_group(store, 0), 1, _config_fingerprint(config, vocab))
             kind, _, ints = endpoint.recv(CONNECT_TIMEOUT)
             if kind != MsgType.READY:
                 raise DrafterUnavailable(f"draft worker failed to start: {_text(ints)}")
@@ -193,6 +203,19 @@ class ProcessClient:
         self._kill()
 
 
+def _await_worker(store: dist.Store, process) -> None:
+    """Wait until the child announces that it is joining the pair group. A child that dies on
+    the way (a failed import, a killed interpreter) is reported at once instead of after the
+    group's connect timeout."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+    while not store.check([_JOINING]):
+        if not process.is_alive():
+            raise DrafterUnavailable(f"draft worker exited with code {process.exitcode} before connecting")
+        if time.monotonic() > deadline:
+            raise DrafterUnavailable(f"draft worker did not connect within {CONNECT_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.02)
+
+
 def _text(ints: torch.Tensor) -> str:
     return bytes(ints.tolist()).decode("utf-8", errors="replace")
 
@@ -214,7 +237,9 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
     from ssd.loader import load_model
     from ssd.runner import ModelRunner
 
-    endpoint = _Endpoint(pair_group(store_dir, 1), 0, _config_fingerprint(cfg, vocab))
+    store = pair_store(store_dir)
+    store.set(_JOINING, str(os.getpid()))
+    endpoint = _Endpoint(pair_group(store, 1), 0, _config_fingerprint(cfg, vocab))
     try:
         model = load_model(cfg.draft, cfg.dtype, cfg.draft_device, cfg.trust_remote_code)
         drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)

@@ -215,34 +215,38 @@ class Drafter:
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         self.round = None
         if msg.neural_backup and not bool(hit.all()):
-            spec = self.draft_now(seq_ids)
+            spec = self.draft_now(seq_ids, (~hit).tolist())
             tokens[~hit], probs[~hit] = spec.tokens[~hit], spec.probs[~hit]
             num_draft = torch.where(hit, num_draft, k)
         return SpeculationReply(msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds)
 
     def draft_reply(self, msg: DraftNowMsg) -> SpeculationReply:
         """Speculations drafted just in time for every row (sequences with no cached one)."""
-        spec = self.draft_now(list(msg.seq_ids))
+        spec = self.draft_now(list(msg.seq_ids), list(msg.need))
         b = len(msg.seq_ids)
         return SpeculationReply(
             round_id=msg.round_id, seq_ids=msg.seq_ids, hit=torch.zeros(b, dtype=torch.bool),
             tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft,
         )
 
-    def draft_now(self, seq_ids: list[int]):
-        """Neural backup: ordinary just-in-time drafting (all rows drafted; callers use `rows`)."""
+    def draft_now(self, seq_ids: list[int], need: list[bool]):
+        """Neural backup: ordinary just-in-time drafting. The batch forward covers every row,
+        but only rows in `need` draw from their own generators (the others draw from a
+        scratch one and their drafts are discarded), so a seeded sequence's draws do not
+        depend on which other sequences missed."""
         self._rows(list(seq_ids))
+        scratch = torch.Generator()
 
         class _View:  # the attributes DraftModelProposer.propose reads from a sequence
-            def __init__(self, st: _SeqState):
-                self.generator = st.generator
+            def __init__(self, st: _SeqState, needed: bool):
+                self.generator = st.generator if needed else scratch
                 self.num_tokens = len(st.tokens)
                 self._tokens = st.tokens
 
             def tokens_from(self, start: int) -> list[int]:
                 return self._tokens[start:]
 
-        views = [_View(self.states[s]) for s in seq_ids]
+        views = [_View(self.states[s], n) for s, n in zip(seq_ids, need)]
         spec = self.jit.propose(views, self.k, self._sampling(list(seq_ids)))
         # Keep only committed tokens in the cache: the drafts are rolled back at once.
         committed = torch.tensor([v.num_tokens for v in views])

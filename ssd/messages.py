@@ -53,10 +53,12 @@ class ResolveMsg:
 
 @dataclass(frozen=True)
 class DraftNowMsg:
-    """Draft K tokens just in time for these rows (sequences that have no cached speculation)."""
+    """Draft K tokens just in time for the rows marked in `need` (sequences with no cached
+    speculation); seq_ids lists the whole running batch, in the target's order."""
 
     round_id: int
     seq_ids: list[int]
+    need: list[bool]  # [b]
 
 
 @dataclass(frozen=True)

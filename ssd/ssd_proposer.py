@@ -132,7 +132,7 @@ class SSDProposer:
         ids = [s.seq_id for s in seqs]
         missing = [r for r, s in enumerate(seqs) if s.seq_id not in self.prepared]
         if missing and not self.dead and self.last_backup == "neural":
-            reply = self._call(lambda: self.client.draft_now(DraftNowMsg(self.round_id, ids)))
+            reply = self._call(lambda: self.client.draft_now(DraftNowMsg(self.round_id, ids, [s.seq_id not in self.prepared for s in seqs])))
             if reply is not None:
                 for r in missing:
                     self.prepared[ids[r]] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)

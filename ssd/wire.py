@@ -72,7 +72,7 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens)
         return MsgType.RESOLVE, msg.round_id, ints, none
     if isinstance(msg, DraftNowMsg):
-        return MsgType.DRAFT_NOW, msg.round_id, _i(msg.seq_ids), none
+        return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
     if isinstance(msg, SpeculationReply):
         b, k = msg.tokens.shape
         ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), msg.num_draft, msg.tokens)
@@ -99,7 +99,8 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         b, neural = r.one(), bool(r.one())
         return ResolveMsg(round_id, r.take(b).tolist(), r.take(b).clone(), r.take(b).clone(), neural)
     if kind == MsgType.DRAFT_NOW:
-        return DraftNowMsg(round_id, ints.tolist())
+        b = r.one()
+        return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])
     if kind == MsgType.REPLY:
         b, k, v = r.one(), r.one(), r.one()
         seq_ids, hit, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).clone()
