@@ -11,7 +11,7 @@ from ssd.demo_models import heldout_prompts
 from ssd.drafter import Drafter
 from ssd.speculation import Source
 from ssd.ssd_proposer import SSDProposer
-from tests.refimpl import hf_greedy
+from refimpl import hf_greedy
 
 MAX_TOKENS = 24
 

@@ -1,0 +1,240 @@
+"""Unit tests of Saguaro's formulas (ssd/saguaro.py) and the drafter wire format (ssd/wire.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.saguaro import (
+    OnlineEstimates,
+    backup_threshold,
+    geometric_fanout,
+    prefer_fast_backup,
+    saguaro_probs,
+    ssd_speedup,
+    uniform_fanout,
+)
+from ssd.wire import MsgType, decode, encode
+
+
+# ---- saguaro.py ----------------------------------------------------------------------------
+
+
+def closed_form_fanout(budget: int, k: int, a: float, r: float) -> list[float]:
+    w = [a ** (j / (1 + r)) for j in range(k)] + [a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r))]
+    return [budget * x / sum(w) for x in w]
+
+
+@pytest.mark.parametrize("budget,k,a,r", [(12, 4, 0.7, 0.6), (16, 6, 0.8, 0.3), (40, 3, 0.5, 1.5), (7, 5, 0.9, 0.6), (64, 8, 0.6, 0.4)])
+def test_geometric_fanout_follows_theorem_12(budget, k, a, r):
+    fan = geometric_fanout(budget, k, a, r)
+    assert len(fan) == k + 1
+    assert sum(fan) == budget
+    assert all(isinstance(f, int) and f >= 0 for f in fan)
+    exact = closed_form_fanout(budget, k, a, r)
+    assert all(abs(f - e) < 1 for f, e in zip(fan, exact)), (fan, exact)
+    assert all(fan[j] >= fan[j + 1] for j in range(k - 1)), fan  # non-increasing for j < K
+
+
+def test_geometric_fanout_end_weight():
+    # F_K / F_{K-1} = a^(1/(1+r)) (1-a)^(-1/(1+r)): above 1 when a > 1/2, below when a < 1/2.
+    high = geometric_fanout(100, 4, 0.9, 0.5)
+    assert high[4] > high[3] and high[4] == max(high), high
+    ratio = 0.9 ** (1 / 1.5) * 0.1 ** (-1 / 1.5)
+    assert high[4] / high[3] == pytest.approx(ratio, rel=0.1)
+    low = geometric_fanout(100, 4, 0.3, 0.5)
+    assert low[4] < low[3], low
+    # a larger r flattens the allocation
+    steep, flat = geometric_fanout(60, 5, 0.5, 0.1), geometric_fanout(60, 5, 0.5, 3.0)
+    assert steep[0] - steep[4] > flat[0] - flat[4]
+
+
+def test_geometric_fanout_respects_caps():
+    caps = [3, 3, 3, 3, 50]
+    fan = geometric_fanout(30, 4, 0.5, 0.6, caps)
+    assert sum(fan) == 30 and all(f <= c for f, c in zip(fan, caps)), fan
+    assert fan[:4] == [3, 3, 3, 3]  # the capped head gives its excess to the tail
+    fan = geometric_fanout(100, 4, 0.7, 0.6, [2, 2, 2, 2, 2])
+    assert fan == [2, 2, 2, 2, 2]  # the budget cannot exceed what the caps allow
+    fan = geometric_fanout(20, 3, 0.95, 0.6, [10, 10, 10, 4])
+    assert sum(fan) == 20 and fan[3] == 4 and all(f <= 10 for f in fan), fan
+    # the engine's caps (vocab - 1 candidates at k < K, vocab at K) never bind for a small vocab budget
+    assert sum(geometric_fanout(12, 4, 0.7, 0.6, [2] * 4 + [3])) == 11
+
+
+def test_geometric_fanout_extreme_estimates_stay_valid():
+    for a in (0.0, 1e-6, 0.5, 1.0):
+        for r in (0.0, 1e-6, 10.0):
+            fan = geometric_fanout(12, 4, a, r)
+            assert sum(fan) == 12 and min(fan) >= 0, (a, r, fan)
+
+
+@pytest.mark.parametrize("budget,k", [(12, 4), (16, 6), (5, 5), (3, 6), (100, 7)])
+def test_uniform_fanout(budget, k):
+    fan = uniform_fanout(budget, k)
+    assert len(fan) == k + 1 and sum(fan) == budget
+    assert max(fan) - min(fan) <= 1
+    assert sum(uniform_fanout(budget, k, [1] * (k + 1))) == min(budget, k + 1)
+
+
+def test_saguaro_probs_c1_is_identity():
+    probs = torch.rand(2, 3, 17).softmax(-1)
+    out = saguaro_probs(probs, torch.tensor([1, 2, 5]), 1.0)
+    assert torch.equal(out, probs)
+
+
+@pytest.mark.parametrize("c", [0.0, 0.3, 0.9])
+def test_saguaro_probs_scales_exactly_the_top_f(c):
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(2, 3, 17, generator=gen).softmax(-1)
+    fanout = torch.tensor([0, 2, 5])
+    out = saguaro_probs(probs, fanout, c)
+    assert out.shape == probs.shape
+    torch.testing.assert_close(out.sum(-1), torch.ones(2, 3))
+    for b in range(2):
+        for n in range(3):
+            p = probs[b, n].double()
+            top = set(p.argsort(descending=True)[: int(fanout[n])].tolist())
+            scale = torch.tensor([c if t in top else 1.0 for t in range(17)], dtype=torch.float64)
+            want = p * scale / (p * scale).sum()
+            torch.testing.assert_close(out[b, n].double(), want, rtol=1e-5, atol=1e-7)
+    # per-row fan-outs [b, n] agree with the same F given row by row
+    per_row_fan = torch.tensor([[1, 1, 1], [3, 0, 2]])
+    per_row = saguaro_probs(probs, per_row_fan, c)
+    for b in range(2):
+        for n in range(3):
+            alone = saguaro_probs(probs[b : b + 1, n : n + 1], per_row_fan[b, n : n + 1], c)[0, 0]
+            torch.testing.assert_close(per_row[b, n], alone)
+    torch.testing.assert_close(per_row[1, 1], probs[1, 1])  # F = 0: unchanged
+
+
+def test_saguaro_probs_all_mass_in_top_f_with_c0_falls_back():
+    one_hot = torch.zeros(1, 1, 9)
+    one_hot[0, 0, 4] = 1.0
+    out = saguaro_probs(one_hot, torch.tensor([1]), 0.0)
+    assert torch.equal(out, one_hot)
+    # C = 0 with mass outside the top-F: the top-F tokens get nothing
+    probs = torch.tensor([[[0.5, 0.3, 0.2]]])
+    out = saguaro_probs(probs, torch.tensor([1]), 0.0)
+    torch.testing.assert_close(out, torch.tensor([[[0.0, 0.6, 0.4]]]))
+
+
+def simulate_rounds(est: OnlineEstimates, a: float, k: int, rounds: int, gen: torch.Generator) -> None:
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and float(torch.rand(1, generator=gen)) < a:
+            accepted += 1
+        est.observe_round(accepted, k)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.85])
+def test_online_acceptance_estimate_converges(a):
+    est = OnlineEstimates()
+    simulate_rounds(est, a, 5, 3000, torch.Generator().manual_seed(1))
+    assert est.a == pytest.approx(a, abs=0.05)
+
+
+def test_online_acceptance_estimate_tracks_a_change():
+    est, gen = OnlineEstimates(), torch.Generator().manual_seed(2)
+    simulate_rounds(est, 0.9, 4, 2000, gen)
+    assert est.a == pytest.approx(0.9, abs=0.05)
+    simulate_rounds(est, 0.4, 4, 2000, gen)
+    assert est.a == pytest.approx(0.4, abs=0.05)
+
+
+def test_online_miss_exponent_estimate(monkeypatch):
+    """r from simulated hits with 1 - p_hit(F) = F^(-r). observe_hit refits r on every call
+    (slow); the fit is run once, on the final window of observations."""
+    fit = OnlineEstimates._fit_r
+    monkeypatch.setattr(OnlineEstimates, "_fit_r", lambda self: self.r)
+    gen = torch.Generator().manual_seed(3)
+    estimates = {}
+    for r_true in (0.3, 1.2):
+        est = OnlineEstimates()
+        for _ in range(400):
+            fan = int(torch.randint(2, 20, (1,), generator=gen))
+            hit = float(torch.rand(1, generator=gen)) < 1 - fan ** (-r_true)
+            est.observe_hit(fan, hit)
+        estimates[r_true] = fit(est)
+        assert estimates[r_true] == pytest.approx(r_true, abs=0.25), (r_true, estimates[r_true])
+    assert estimates[0.3] < estimates[1.2]
+    # fan-outs of 0 or 1 carry no information about r
+    est = OnlineEstimates()
+    est.observe_hit(1, False)
+    est.observe_hit(0, True)
+    assert est.r == OnlineEstimates().r
+
+
+def test_ssd_speedup_theorem_7():
+    assert ssd_speedup(1.0, 3.0, 1.0, 0.5, 9.0) == pytest.approx(3.0)  # T_p < 1 is hidden
+    assert ssd_speedup(1.0, 3.0, 1.0, 2.0, 9.0) == pytest.approx(1.5)
+    p, eh, em, tp, tb = 0.7, 3.2, 2.1, 1.1, 0.4
+    want = (p * eh + (1 - p) * em) / (p * max(1, tp) + (1 - p) * (1 + tb))
+    assert ssd_speedup(p, eh, em, tp, tb) == pytest.approx(want)
+
+
+def test_backup_threshold_falls_with_hit_rate():
+    """Corollary 16: a round skips drafting only if all b rows hit (p_hit^b), so the larger the
+    batch the more rounds pay the backup; with a slow neural backup the fast one wins from b*
+    on, and b* falls as p_hit falls."""
+    live = dict(e_hit=3.0, e_neural=3.0, t_neural=1.2, e_fast=1.5, t_fast=0.01, t_primary=3.0)
+    hit_rates = (0.99, 0.97, 0.95, 0.9, 0.8, 0.6)
+    thresholds = [backup_threshold(p, **live) for p in hit_rates]
+    assert all(b is not None and b >= 1 for b in thresholds), thresholds
+    assert thresholds == sorted(thresholds, reverse=True), thresholds
+    assert thresholds[0] > 10 * thresholds[-1], thresholds
+    for p, b_star in zip(hit_rates, thresholds):
+        # neural below b*, fast from b* on (the model's decision in the engine)
+        if b_star > 1:
+            assert not prefer_fast_backup(b_star - 1, p, 3.0, 3.0, 1.2, 1.5, 0.01, 3.0)
+        assert all(prefer_fast_backup(b, p, 3.0, 3.0, 1.2, 1.5, 0.01, 3.0) for b in range(b_star, b_star + 20))
+    # A neural backup as cheap as the fast one and better is never beaten.
+    assert backup_threshold(0.9, **{**live, "t_neural": 0.01}) is None
+    assert backup_threshold(0.9, **live, max_batch=thresholds[3] - 1) is None
+
+
+# ---- wire.py --------------------------------------------------------------------------------
+
+
+def assert_same_message(a, b) -> None:
+    assert type(a) is type(b)
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), name
+        else:
+            assert list(x) == list(y) if isinstance(x, (list, tuple)) else x == y, name
+
+
+def wire_messages():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(3, 4, 11, generator=gen)
+    return [
+        AdmitMsg([5, 9, 2], [[1, 2, 3], [7], list(range(40))], [2**62 - 1, 0, 12345], [0.0, 0.5, 1.25], [0, 5, 50], [1.0, 0.75, 0.5]),
+        ReleaseMsg([3, 1, 4]),
+        ReleaseMsg([]),
+        BeginRoundMsg(17, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3]),
+        ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True),
+        ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False),
+        DraftNowMsg(19, [2, 5], [True, False]),
+        SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4])),
+        SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_wire_round_trip(index):
+    msg = wire_messages()[index]
+    kind, round_id, ints, floats = encode(msg)
+    assert ints.dtype == torch.long and floats.dtype == torch.float32
+    assert kind in set(MsgType)
+    back = decode(kind, round_id, ints.clone(), floats.clone())
+    assert_same_message(msg, back)
+
+
+def test_wire_refuses_non_messages():
+    with pytest.raises(TypeError):
+        encode({"seq_ids": [1]})
+    with pytest.raises(ValueError):
+        decode(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
