@@ -81,7 +81,6 @@ class SSDProposer:
         self._sent_at = 0.0
         self.build_ratio = _Ema(None, weight=0.1)  # drafter build time / verification time
         self.sizer = BudgetSizer(config.budget, min_budget=min(config.budget, config.k + 1))
-        self.budget = float(config.budget)
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -154,7 +153,6 @@ class SSDProposer:
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
         self.verify_s.update(verify_s)
-        k = speculation.k
         accepted = outcome.num_accepted.tolist()
         drafted = speculation.num_draft.tolist()
         for r, src in enumerate(speculation.source.tolist()):
@@ -181,7 +179,7 @@ class SSDProposer:
         if reply is not None:
             self.build_ratio.update(reply.build_seconds / verify_s)
             if self.config.autobudget and self.fanout:
-                self.budget = self.sizer.observe(sum(self.fanout), reply.build_seconds / verify_s)
+                self.sizer.observe(sum(self.fanout), reply.build_seconds / verify_s)
             self.p_hit.update(hits / max(batch, 1))
             if hits == batch:
                 self.t_primary.update(1.0 + wait / verify_s)
@@ -200,7 +198,7 @@ class SSDProposer:
         return _Prepared(found, probs, Source.FAST)
 
     def _fanout(self) -> list[int]:
-        k, budget = self.config.k, max(1, int(round(self.budget)))
+        k, budget = self.config.k, max(1, int(round(self.sizer.budget)))  # config.budget unless autobudget
         caps = [self.vocab - 1] * k + [self.vocab]
         if self.config.fanout == "uniform":
             return uniform_fanout(budget, k, caps)
