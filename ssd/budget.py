@@ -9,6 +9,9 @@ draft), and only the tokens in them grow with B. So the sizer fits, over recent 
 and moves B toward the largest value whose predicted build fits in `target` verifications.
 While every recent round used the same B the slope is unknown; the sizer then steps B up
 while there is room and down while there is not, which also gives the fit its spread.
+Rounds far slower than usual (the first build after a load, a burst from another process) would
+drag a least-squares line anywhere, so observations above twice the window's median ratio are
+left out of the fit, and a fit with a negative fixed share is not trusted (steps are used).
 B never goes below `min_budget` (the proposer uses K+1: one candidate per outcome); fewer
 branches leave whole outcomes uncached, and a drafter too slow even for that is better served
 by waiting a little than by a cache that rarely hits.
@@ -36,7 +39,7 @@ class BudgetSizer:
             return self.budget
         self.obs.append((float(budget_used), build_ratio))
         fit = self._fit()
-        if fit is None:
+        if fit is None or fit[0] < 0:
             step = 1.15 if build_ratio < self.target else 0.85
             wanted = self.budget * step
         else:
@@ -47,16 +50,19 @@ class BudgetSizer:
         return self.budget
 
     def _fit(self) -> tuple[float, float] | None:
-        """Least squares of ratio on B; None while B has (almost) no spread."""
-        n = len(self.obs)
-        if n < 8:
+        """Least squares of ratio on B over the window less its outliers; None while B has
+        (almost) no spread."""
+        if len(self.obs) < 8:
             return None
-        mean_b = sum(b for b, _ in self.obs) / n
-        mean_r = sum(r for _, r in self.obs) / n
-        var_b = sum((b - mean_b) ** 2 for b, _ in self.obs) / n
+        median = sorted(r for _, r in self.obs)[len(self.obs) // 2]
+        obs = [(b, r) for b, r in self.obs if r <= 2 * median]
+        n = len(obs)
+        mean_b = sum(b for b, _ in obs) / n
+        mean_r = sum(r for _, r in obs) / n
+        var_b = sum((b - mean_b) ** 2 for b, _ in obs) / n
         if var_b < 0.25:
             return None
-        cov = sum((b - mean_b) * (r - mean_r) for b, r in self.obs) / n
+        cov = sum((b - mean_b) * (r - mean_r) for b, r in obs) / n
         # The build cannot get cheaper with more branches; a floor keeps the target finite.
         c1 = max(cov / var_b, 1e-3)
         return mean_r - c1 * mean_b, c1

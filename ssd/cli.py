@@ -24,6 +24,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"], help=fields["ssd_backup"].description)
     parser.add_argument("--k", type=int, default=fields["k"].default, help=fields["k"].description)
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"], help=fields["dtype"].description)
+    parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"], help=fields["draft_dtype"].description)
     parser.add_argument("--device", default="cpu", help=fields["device"].description)
     parser.add_argument("--num-threads", type=int, default=None, help=fields["num_threads"].description)
     parser.add_argument("--max-num-seqs", type=int, default=fields["max_num_seqs"].default, help=fields["max_num_seqs"].description)
@@ -33,7 +34,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ssd import LLM, SamplingParams
 
     llm = LLM(
-        target=args.target, draft=args.draft, mode=args.mode, k=args.k, dtype=args.dtype,
+        target=args.target, draft=args.draft, mode=args.mode, k=args.k, dtype=args.dtype, draft_dtype=args.draft_dtype,
         device=args.device, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
         ssd_budget=args.ssd_budget, ssd_fanout=args.ssd_fanout, saguaro_c=args.saguaro_c, ssd_backup=args.ssd_backup,
     )

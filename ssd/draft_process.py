@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 
@@ -82,16 +83,17 @@ class _Endpoint:
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
 
-    def post_header(self) -> tuple[torch.Tensor, dist.Work]:
-        """Post the receive of the next message's header without waiting for it; its Work's
-        is_completed() tells a busy drafter that the target has sent something."""
-        header = torch.zeros(HEADER, dtype=torch.long)
-        return header, self.group.recv([header], self.peer, _TAG)
+    def post_header(self) -> "_Posted":
+        """Post the receive of the next message's header without waiting for it."""
+        return _Posted(self.group, self.peer)
 
-    def recv(self, timeout: datetime.timedelta | None = None, posted: tuple[torch.Tensor, dist.Work] | None = None):
+    def recv(self, timeout: datetime.timedelta | None = None, posted: "_Posted | None" = None):
         """-> (MsgType, message or None for bodiless control messages, ints)"""
-        header, work = posted or self.post_header()
-        work.wait() if timeout is None else work.wait(timeout)
+        if posted is not None:
+            header = posted.wait()
+        else:
+            header = torch.zeros(HEADER, dtype=torch.long)
+            self._recv(header, timeout)
         magic, kind, round_id, n_ints, n_floats, fp = header[:6].tolist()
         if magic != MAGIC or fp != self.fp:
             raise DrafterUnavailable(f"foreign message on the drafter channel (magic {magic:#x}, fingerprint {fp})")
@@ -113,8 +115,41 @@ class _Endpoint:
             work.wait(timeout)
 
 
+class _Posted:
+    """A posted receive of the next header, and whether it has arrived.
+
+    Gloo's Work.is_completed() stays False until wait() is called (it does not track arrival),
+    so a busy drafter cannot learn from it that the target's outcome is in. A helper thread
+    waits instead (wait() releases the GIL) and sets an Event that the drafter polls between
+    tree depths; arrived() is that Event."""
+
+    def __init__(self, group: dist.ProcessGroup, peer: int) -> None:
+        self.header = torch.zeros(HEADER, dtype=torch.long)
+        self._work = group.recv([self.header], peer, _TAG)
+        self._done = threading.Event()
+        self._error: RuntimeError | None = None
+        threading.Thread(target=self._wait, name="ssd-next-message", daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as err:  # the peer is gone; wait() re-raises it in the caller
+            self._error = err
+        finally:
+            self._done.set()
+
+    def arrived(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> torch.Tensor:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self.header
+
+
 def _config_fingerprint(config: EngineConfig, vocab: int) -> int:
-    return fingerprint(vocab, config.k, config.draft, config.dtype, config.saguaro_c)
+    return fingerprint(vocab, config.k, config.draft, config.draft_dtype, config.saguaro_c)
 
 
 class ProcessClient:
@@ -241,8 +276,9 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
     store.set(_JOINING, str(os.getpid()))
     endpoint = _Endpoint(pair_group(store, 1), 0, _config_fingerprint(cfg, vocab))
     try:
-        model = load_model(cfg.draft, cfg.dtype, cfg.draft_device, cfg.trust_remote_code)
-        drafter = Drafter(ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
+        model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
+        runner = ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward, fused=True)
+        drafter = Drafter(runner, vocab, cfg.k, cfg.saguaro_c)
         endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         posted = None
         while True:
@@ -258,7 +294,7 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
                 # The next message (the round's outcome) cuts the tree decode short: the target
                 # is waiting, and branches of the depth reached are still usable speculations.
                 posted = endpoint.post_header()
-                drafter.begin_round(msg, interrupted=posted[1].is_completed)
+                drafter.begin_round(msg, interrupted=posted.arrived)
             elif kind == MsgType.RESOLVE:
                 endpoint.send(drafter.resolve(msg))
             elif kind == MsgType.DRAFT_NOW:

@@ -76,7 +76,7 @@ def load_pair(config: EngineConfig) -> LoadedPair:
     target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
     limit = context_limit(target)
     if config.draft is not None:
-        draft = load_model(config.draft, config.dtype, config.draft_device, config.trust_remote_code)
+        draft = load_model(config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code)
         limit = min(limit, context_limit(draft))
     if config.max_model_len is not None:
         if config.max_model_len > limit:

@@ -18,10 +18,11 @@ class ModelRunner:
     Every forward appends n columns to the cache: tokens [b, n] with new_valid [b, n] marking the
     real ones (padding is masked out forever). Positions default to each row's next positions.
     With lean=True, Llama-architecture models run through FastLlamaForward (same math, less
-    Python per call); other models, or lean=False, run the Hugging Face forward.
+    Python per call); other models, or lean=False, run the Hugging Face forward. fused=True
+    (drafts only: not bit-identical to Hugging Face) fuses and prepacks the projections.
     """
 
-    def __init__(self, model, device: torch.device, lean: bool = True) -> None:
+    def __init__(self, model, device: torch.device, lean: bool = True, fused: bool = False) -> None:
         self.model = model
         self.device = device
         self.dtype = next(model.parameters()).dtype
@@ -30,7 +31,7 @@ class ModelRunner:
         if lean:
             reason = unsupported_reason(model)
             if reason is None:
-                self.lean = FastLlamaForward(model)
+                self.lean = FastLlamaForward(model, fused=fused)
             else:
                 logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
 

@@ -1,15 +1,19 @@
-"""Draft-process startup failures are reported at once."""
+"""The draft process channel: startup failures reported at once, arrival seen while busy."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+import threading
 import time
 
 import pytest
+import torch
 
 from ssd.channel import DrafterUnavailable
-from ssd.draft_process import _await_worker, pair_store
+from ssd.draft_process import _await_worker, _Endpoint, pair_group, pair_store
+from ssd.messages import ResolveMsg
+from ssd.wire import MsgType
 
 
 def test_a_worker_that_dies_before_connecting_is_reported_at_once(tmp_path):
@@ -21,3 +25,32 @@ def test_a_worker_that_dies_before_connecting_is_reported_at_once(tmp_path):
         _await_worker(pair_store(str(tmp_path)), process)
     assert time.monotonic() - started < 30
     process.join(5)
+
+
+def _pair(tmp_path):
+    """Both ranks of a real gloo pair group in this process (construction blocks until both join)."""
+    store = pair_store(str(tmp_path))
+    groups: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(r, pair_group(store, r))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return _Endpoint(groups[0], 1, 7), _Endpoint(groups[1], 0, 7)
+
+
+def test_a_posted_receive_reports_arrival_without_being_waited_on(tmp_path):
+    """Regression: the drafter polled gloo's Work.is_completed(), which stays False until
+    wait() is called, so the tree decode was never cut short when the outcome came in."""
+    target, drafter = _pair(tmp_path)
+    posted = drafter.post_header()
+    time.sleep(0.05)
+    assert not posted.arrived()
+    target.send(ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
+    deadline = time.monotonic() + 10
+    while not posted.arrived() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert posted.arrived()
+    kind, msg, _ = drafter.recv(posted=posted)
+    assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.seq_ids == [11]
+    assert msg.num_accepted.tolist() == [2] and msg.bonus_tokens.tolist() == [65]

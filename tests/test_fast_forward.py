@@ -55,6 +55,23 @@ def test_lean_forward_matches_hugging_face(kind):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_draft_forward_matches_hugging_face(kind, dtype):
+    """The drafter's fused, prepacked products (q/k/v and gate/up stacked, biases included)
+    compute the same function; only the last bits may differ (bf16: its own rounding)."""
+    model = _tiny(kind).to(dtype)
+    fused, hf = ModelRunner(model, torch.device("cpu"), fused=True), ModelRunner(model, torch.device("cpu"), lean=False)
+    layer = fused.lean.layers[0]
+    assert layer.fused and layer.qkv.sizes == [64, 32, 32]
+    if torch.backends.mkldnn.is_available():
+        assert layer.qkv.packed is not None  # the oneDNN path is the one under test here
+    got, want = _script(fused, fused.new_cache()), _script(hf, hf.new_cache())
+    atol = 1e-4 if dtype == torch.float32 else 0.1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol, rtol=0)
+
+
 def test_paths_share_one_cache(demo_pair):
     """Columns written by one path are read correctly by the other."""
     model = AutoModelForCausalLM.from_pretrained(demo_pair[1], local_files_only=True, dtype=torch.float32).eval()

@@ -43,6 +43,16 @@ def test_sizer_with_a_large_fixed_cost_keeps_more_than_one_branch():
     assert _drive(sizer, 0.8, 0.01) == pytest.approx(20, abs=3)
 
 
+def test_sizer_ignores_a_slow_first_round():
+    """Regression: the first builds after loading took up to 5 verifications while B came down
+    from 16; least squares read that as a steep per-branch cost (c0 < 0) and held B at its
+    minimum for the rest of the run."""
+    sizer = BudgetSizer(max_budget=16, min_budget=7)
+    for used, ratio in [(16, 5.2), (15, 4.0), (14, 3.1), (13, 2.6), (12, 2.4), (11, 1.8), (10, 1.5), (9, 1.3), (8, 1.2)]:
+        sizer.observe(used, ratio)
+    assert _drive(sizer, 0.6, 0.02, rounds=40, noise=0.05) >= 14  # 0.6 + 0.02 * 16 < 1: all fit
+
+
 def test_sizer_respects_its_bounds():
     assert _drive(BudgetSizer(max_budget=16), 0.1, 0.001) == 16  # everything fits
     assert _drive(BudgetSizer(max_budget=16, min_budget=7), 1.5, 0.05) == 7  # nothing fits

@@ -31,6 +31,7 @@ def _base_spec(plan: BenchPlan) -> dict:
         "batch_sizes": plan.batch_sizes,
         "modes": plan.modes,
         "dtype": plan.dtype,
+        "draft_dtype": plan.draft_dtype,
         "device": plan.device,
         "seed": plan.seed,
         "pair_reps": plan.pair_reps,

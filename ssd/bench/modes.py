@@ -60,6 +60,7 @@ class BenchContext:
     draft: str | None
     k: int
     dtype: str
+    draft_dtype: str
     device: str
     num_threads: int
     max_batch_size: int
@@ -106,6 +107,7 @@ class EngineRunner:
             k=ctx.k,
             max_num_seqs=ctx.max_batch_size,
             dtype=ctx.dtype,
+            draft_dtype=ctx.draft_dtype,
             device=ctx.device,
             # SSD's draft process takes one core of the setting's budget for itself.
             num_threads=max(1, ctx.num_threads - 1) if mode == "ssd" else ctx.num_threads,
@@ -169,7 +171,7 @@ class HFAssistedRunner:
 
         self.tokenizer = load_tokenizer(ctx.target)
         self.target = load_model(ctx.target, ctx.dtype, ctx.device)
-        self.draft = load_model(ctx.draft, ctx.dtype, ctx.device)
+        self.draft = load_model(ctx.draft, ctx.draft_dtype, ctx.device)
         if constant_k:
             gc = self.draft.generation_config
             gc.num_assistant_tokens = ctx.k

@@ -19,7 +19,7 @@ def _pair_stats(spec: dict) -> dict:
     device = torch.device(spec["device"])
     tokenizer = load_tokenizer(spec["target"])
     target = load_model(spec["target"], spec["dtype"], spec["device"])
-    draft = load_model(spec["draft"], spec["dtype"], spec["device"])
+    draft = load_model(spec["draft"], spec["draft_dtype"], spec["device"])
     encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in spec["prompts"]]
 
     # A ~128-token context from the prompts themselves.

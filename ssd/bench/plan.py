@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair-stats-only", action="store_true", help="Only measure and print the pair stats (decode times, greedy acceptance).")
     parser.add_argument("--pair-reps", type=int, default=50, help="Timed repetitions of the single-token decode for the pair stats (median reported).")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"], help="dtype of both models in every mode.")
+    parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"], help="dtype of the draft in every mode (default: --dtype); never changes the output's distribution, only acceptance and speed.")
     parser.add_argument("--device", default="cpu", help="torch device of both models in every mode (cpu, cuda, cuda:1, ...).")
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
     parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i is sampled with seed+i in every mode.")
@@ -52,6 +53,7 @@ class BenchPlan:
     pair_stats_only: bool
     pair_reps: int
     dtype: str
+    draft_dtype: str
     device: str
     progress: bool
     seed: int
@@ -106,6 +108,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         pair_stats_only=bool(get("pair_stats_only", False)),
         pair_reps=reps,
         dtype=get("dtype", "float32"),
+        draft_dtype=get("draft_dtype", None) or get("dtype", "float32"),
         device=get("device", "cpu"),
         progress=not get("no_progress", False),
         seed=get("seed", 0) or 0,

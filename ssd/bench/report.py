@@ -51,6 +51,7 @@ def new_results(plan: BenchPlan, args: argparse.Namespace, settings: dict[str, i
             "settings": {s: {"threads": t, "description": SETTINGS[s].description} for s, t in settings.items()},
             "seed": plan.seed,
             "dtype": plan.dtype,
+            "draft_dtype": plan.draft_dtype,
             "device": plan.device,
         },
         "definitions": DEFINITIONS,

@@ -45,6 +45,7 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
         draft=spec["draft"],
         k=spec["k"],
         dtype=spec["dtype"],
+        draft_dtype=spec["draft_dtype"],
         device=spec["device"],
         num_threads=spec["threads"],
         max_batch_size=max(spec["batch_sizes"]),
