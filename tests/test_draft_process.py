@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import sys
 import threading
@@ -46,11 +47,17 @@ def test_a_posted_receive_reports_arrival_without_being_waited_on(tmp_path):
     posted = drafter.post_header()
     time.sleep(0.05)
     assert not posted.arrived()
-    target.send(ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
+    # A gloo send completes only once the peer posts the matching receive (the body's is posted
+    # by recv below), so the target side sends from a thread of its own, as from its process.
+    msg = ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False)
+    sender = threading.Thread(target=target.send, args=(msg, datetime.timedelta(seconds=30)))
+    sender.start()
     deadline = time.monotonic() + 10
     while not posted.arrived() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert posted.arrived()
     kind, msg, _ = drafter.recv(posted=posted)
+    sender.join(30)
+    assert not sender.is_alive()
     assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.seq_ids == [11]
     assert msg.num_accepted.tolist() == [2] and msg.bonus_tokens.tolist() == [65]
