@@ -39,7 +39,7 @@ class BudgetSizer:
             return self.budget
         self.obs.append((float(budget_used), build_ratio))
         fit = self._fit()
-        if fit is None or fit[0] < 0:
+        if fit is None:
             step = 1.15 if build_ratio < self.target else 0.85
             wanted = self.budget * step
         else:
@@ -51,7 +51,7 @@ class BudgetSizer:
 
     def _fit(self) -> tuple[float, float] | None:
         """Least squares of ratio on B over the window less its outliers; None while B has
-        (almost) no spread."""
+        (almost) no spread, or when the line puts the fixed share below zero (not a real build)."""
         if len(self.obs) < 8:
             return None
         median = sorted(r for _, r in self.obs)[len(self.obs) // 2]
@@ -65,4 +65,5 @@ class BudgetSizer:
         cov = sum((b - mean_b) * (r - mean_r) for b, r in obs) / n
         # The build cannot get cheaper with more branches; a floor keeps the target finite.
         c1 = max(cov / var_b, 1e-3)
-        return mean_r - c1 * mean_b, c1
+        c0 = mean_r - c1 * mean_b
+        return (c0, c1) if c0 >= 0 else None

@@ -270,15 +270,14 @@ def worker_main(config: dict, vocab: int, store_dir: str) -> None:
     torch.set_num_threads(cfg.draft_num_threads)
     from ssd.drafter import Drafter
     from ssd.loader import load_model
-    from ssd.runner import ModelRunner
+    from ssd.runner import draft_runner
 
     store = pair_store(store_dir)
     store.set(_JOINING, str(os.getpid()))
     endpoint = _Endpoint(pair_group(store, 1), 0, _config_fingerprint(cfg, vocab))
     try:
         model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
-        runner = ModelRunner(model, torch.device(cfg.draft_device), cfg.lean_forward, fused=True)
-        drafter = Drafter(runner, vocab, cfg.k, cfg.saguaro_c)
+        drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
         endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         posted = None
         while True:

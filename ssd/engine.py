@@ -20,7 +20,7 @@ import torch
 
 from ssd.config import EngineConfig
 from ssd.draft_proposer import DraftModelProposer, pad_rows
-from ssd.runner import ModelRunner
+from ssd.runner import ModelRunner, draft_runner
 from ssd.sampling import BatchSampling, process_logits
 from ssd.sampling_params import SamplingParams
 from ssd.sequence import CompletionOutput, Sequence, SpecMetrics
@@ -64,7 +64,7 @@ class LLMEngine:
         self.cache = self.target.new_cache()
         self.proposer: Proposer | None = None
         if config.mode == "sd":
-            self.proposer = DraftModelProposer(ModelRunner(draft_model, torch.device(config.draft_device), config.lean_forward, fused=True), self.vocab_size)
+            self.proposer = DraftModelProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), self.vocab_size)
         elif config.mode == "ssd":
             self.proposer = build_ssd_proposer(config, draft_model, self.vocab_size)
         eos = getattr(target_model.generation_config, "eos_token_id", None)
@@ -243,7 +243,7 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
         backup=config.ssd_backup, deadline_s=config.draft_deadline_s,
     )
     if config.draft_transport == "inprocess":
-        drafter = Drafter(ModelRunner(draft_model, torch.device(config.draft_device), config.lean_forward, fused=True), vocab_size, config.k, config.saguaro_c)
+        drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
         client = InProcessClient(drafter)
     else:
         from ssd.draft_process import ProcessClient

@@ -72,3 +72,9 @@ class ModelRunner:
         )
         cache.commit_columns(new_valid)
         return out.logits.float().cpu()
+
+
+def draft_runner(model, device: str, lean: bool) -> ModelRunner:
+    """The draft's runner wherever the draft runs (SD proposer, in-process or worker drafter):
+    fused, prepacked products, which are fine for a draft and never used for the target."""
+    return ModelRunner(model, torch.device(device), lean, fused=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -37,3 +38,35 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
         probs = np.where(nucleus, probs, 0.0)
         probs /= probs.sum()
     return probs
+
+
+def chi_square_bins(counts, expected_probs, min_expected: float = 5.0) -> tuple[np.ndarray, np.ndarray]:
+    """(observed, expected) bins of counts against probabilities; categories with expected count
+    below min_expected are merged into one bin (folded into the smallest big bin when even the
+    merged bin is too small). A positive count where the probability is exactly zero fails at
+    once: that token must never be emitted."""
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
+    impossible = (probs == 0) & (counts > 0)
+    assert not impossible.any(), f"emitted categories of zero probability: {np.nonzero(impossible)[0].tolist()}"
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= min_expected
+    obs, exp = list(counts[big]), list(expected[big])
+    if (~big).any():
+        small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
+        if small_exp >= min_expected or not obs:
+            obs.append(small_obs)
+            exp.append(small_exp)
+        else:
+            i = int(np.argmin(exp))
+            obs[i] += small_obs
+            exp[i] += small_exp
+    return np.array(obs), np.array(exp)
+
+
+def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
+    """p-value of counts against probabilities, over chi_square_bins (1.0 with a single bin)."""
+    obs, exp = chi_square_bins(counts, expected_probs, min_expected)
+    if len(obs) < 2:
+        return 1.0
+    return float(chisquare(obs, exp).pvalue)

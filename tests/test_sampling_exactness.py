@@ -17,11 +17,10 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
-from refimpl import reference_probs
+from refimpl import chi_square_p, reference_probs
 from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
 
 P_MIN = 1e-3  # chi-square threshold; seeds are fixed, so a pass is reproducible
@@ -102,30 +101,6 @@ def next_token_probs(model, contexts: list[list[int]], params: SamplingParams) -
     """Exact next-token distributions [len(contexts), V] (contexts of equal length)."""
     logits = model(input_ids=torch.tensor(contexts)).logits[:, -1].double().numpy()
     return np.stack([reference_probs(row, params.temperature, params.top_k, params.top_p) for row in logits])
-
-
-def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
-    """p-value of counts against probabilities, rare categories (expected < min_expected) merged;
-    any count on a zero-probability category fails outright."""
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
-    impossible = (probs == 0) & (counts > 0)
-    assert not impossible.any(), f"emitted categories of zero target probability: {np.nonzero(impossible)[0].tolist()}"
-    expected = probs / probs.sum() * counts.sum()
-    big = expected >= min_expected
-    obs_bins, exp_bins = list(counts[big]), list(expected[big])
-    if (~big).any():
-        small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
-        if small_exp >= min_expected or not obs_bins:
-            obs_bins.append(small_obs)
-            exp_bins.append(small_exp)
-        else:
-            i = int(np.argmin(exp_bins))
-            obs_bins[i] += small_obs
-            exp_bins[i] += small_exp
-    if len(obs_bins) < 2:
-        return 1.0
-    return float(chisquare(obs_bins, exp_bins).pvalue)
 
 
 def sample_first_two(llm: LLM, params: SamplingParams, seed_base: int, n: int = N):

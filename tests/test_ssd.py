@@ -28,7 +28,7 @@ from scipy.stats import chi2
 from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
-from refimpl import hf_greedy, reference_probs
+from refimpl import chi_square_bins, hf_greedy, reference_probs
 from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, heldout_prompts, make_model
 from ssd.saguaro import OnlineEstimates
 
@@ -267,24 +267,9 @@ def exact_next(model, contexts: list[tuple[int, ...]], params: SamplingParams) -
     return out
 
 
-def chi_square_stat(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
-    """(statistic, degrees of freedom) of counts against probs, rare categories merged; a count
-    on a zero-probability category fails outright."""
-    impossible = (probs == 0) & (counts > 0)
-    assert not impossible.any(), f"emitted tokens of zero target probability: {np.nonzero(impossible)[0].tolist()}"
-    expected = probs / probs.sum() * counts.sum()
-    big = expected >= min_expected
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big).any():
-        small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
-        if small_exp >= min_expected or not obs:
-            obs.append(small_obs)
-            exp.append(small_exp)
-        else:
-            i = int(np.argmin(exp))
-            obs[i] += small_obs
-            exp[i] += small_exp
-    obs, exp = np.array(obs), np.array(exp)
+def chi_square_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of counts against probs, over refimpl's bins."""
+    obs, exp = chi_square_bins(counts, probs)
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 

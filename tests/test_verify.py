@@ -9,13 +9,12 @@ process_logits and sample_from have their own tests in test_sampling_primitives.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from ssd.sampling import sample_from
 from ssd.verify import verify, verify_reference
+from refimpl import chi_square_p
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)
 ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
@@ -32,32 +31,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
-    """p-value of observed counts against expected probabilities; categories with expected count
-    below min_expected are merged into one bin. A positive count where the expected probability
-    is exactly zero fails at once (that token must never be emitted)."""
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
-    impossible = (probs == 0) & (counts > 0)
-    assert not impossible.any(), f"emitted categories with zero probability: {np.nonzero(impossible)[0].tolist()}"
-    total = counts.sum()
-    expected = probs / probs.sum() * total
-    big = expected >= min_expected
-    obs_bins, exp_bins = list(counts[big]), list(expected[big])
-    if (~big).any():
-        small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
-        if small_exp >= min_expected or not obs_bins:
-            obs_bins.append(small_obs)
-            exp_bins.append(small_exp)
-        else:  # too little mass for a bin of its own: fold it into the smallest big bin
-            i = int(np.argmin(exp_bins))
-            obs_bins[i] += small_obs
-            exp_bins[i] += small_exp
-    if len(obs_bins) < 2:
-        return 1.0
-    return float(chisquare(obs_bins, exp_bins).pvalue)
 
 
 def random_dists(gen: torch.Generator, shape, kinds: torch.Tensor | None = None) -> torch.Tensor:
