@@ -20,7 +20,7 @@ import torch
 
 from ssd.config import EngineConfig
 from ssd.draft_proposer import DraftModelProposer, pad_rows
-from ssd.runner import ModelRunner, draft_runner
+from ssd.runner import draft_runner, target_runner
 from ssd.sampling import BatchSampling, process_logits
 from ssd.sampling_params import SamplingParams
 from ssd.sequence import CompletionOutput, Sequence, SpecMetrics
@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.target = ModelRunner(target_model, torch.device(config.device), config.lean_forward)
+        self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
         self.vocab_size = self.target.vocab_size
         self.cache = self.target.new_cache()
         self.proposer: Proposer | None = None

@@ -9,14 +9,17 @@ layer. It reads the model's parameters in place (no copy), writes keys and value
 same `DynamicCache` layers the Hugging Face path uses, so the two paths are interchangeable
 call by call; tests compare their logits and the engine's greedy output with `generate`.
 
-With `fused=True` (the drafter's setting) the projections that read the same input run as one
-product (q, k and v; gate and up) and, on a CPU with oneDNN, every product uses a weight
-prepacked once into oneDNN's blocked layout. A speculation round runs many forwards of a few
-tokens each, where the general matrix product is slow for such skinny inputs; the fused, packed
-products took about 30% less time per forward for the bundled draft in bf16 and 10-15% in fp32
-(timed ad hoc on the 2-core development CPU, 7-13 tokens). Their results may
-differ from Hugging Face's in the last bits, so the target never uses them: only the draft, whose
-distributions are whatever it computes (verification uses them as sampled, so output stays exact).
+With `fused=True` the projections that read the same input run as one product (q, k and v; gate
+and up) and, on a CPU with oneDNN, every product uses a weight prepacked once into oneDNN's
+blocked layout. Speculative decoding runs many forwards of a few tokens each, where the general
+matrix product (MKL's sgemm on the development CPU) is slow for such skinny inputs: the packed
+products took about half the time per verification forward of the bundled target (7 tokens,
+fp32: 21 ms -> 11 ms) and 10-30% less per draft forward (timed ad hoc on the 2-core development
+CPU). Their results differ from Hugging Face's in the last bits (about 1e-5 in the target's
+logits), as any optimized kernel's do; the output is still distributed exactly as the target
+computes it, because verification uses the target's and the draft's probabilities as computed.
+The drafter always fuses; the target does unless `pack_target_weights` is off (then it is
+bit-identical to Hugging Face). Packing copies the projection weights once.
 
 Supported: `LlamaForCausalLM`-shaped models (llama, mistral without a sliding window, qwen2)
 with SiLU MLPs and a static RoPE (any rope type whose inverse frequencies do not change with
@@ -52,7 +55,8 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can prepack this weight here (CPU, fp32 or bf16 with bf16 kernels)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -63,8 +67,8 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 class _Linear:
     """x -> x W^T + b for one or more nn.Linear modules stacked along the output dimension
-    (one product instead of several), with W prepacked for oneDNN where _can_pack allows.
-    Holds copies of the weights: meant for small drafts, not the target."""
+    (one product instead of several), with W prepacked for oneDNN where can_pack allows.
+    Holds a copy of the weights (packed, or concatenated where packing is unavailable)."""
 
     def __init__(self, modules) -> None:
         weight = torch.cat([m.weight.detach() for m in modules])  # [sum(out), in]
@@ -73,7 +77,7 @@ class _Linear:
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
         self.sizes = [m.weight.shape[0] for m in modules]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if _can_pack(weight) else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if can_pack(weight) else None
         self.weight = None if self.packed is not None else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

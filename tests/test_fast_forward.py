@@ -8,8 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ssd.demo_models import VOCAB_SIZE
-from ssd.fast_forward import FastLlamaForward, _can_pack, unsupported_reason
-from ssd.runner import ModelRunner
+from ssd.fast_forward import FastLlamaForward, can_pack, unsupported_reason
+from ssd.kv_cache import BatchKVCache
+from ssd.runner import ModelRunner, target_runner
 
 # Same weights, same ops; the only differences are ulp-level (kernel blocking), far below this.
 ATOL = 2e-5
@@ -57,19 +58,34 @@ def test_lean_forward_matches_hugging_face(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_draft_forward_matches_hugging_face(kind, dtype):
-    """The drafter's fused, prepacked products (q/k/v and gate/up stacked, biases included)
+def test_fused_forward_matches_hugging_face(kind, dtype):
+    """The fused, prepacked products (the drafter's always, the target's by default) (q/k/v and gate/up stacked, biases included)
     compute the same function; only the last bits may differ (bf16: its own rounding)."""
     model = _tiny(kind).to(dtype)
     fused, hf = ModelRunner(model, torch.device("cpu"), fused=True), ModelRunner(model, torch.device("cpu"), lean=False)
     layer = fused.lean.layers[0]
     assert layer.fused and layer.qkv.sizes == [64, 32, 32]
     # On this project's CPUs (AVX512) the oneDNN path is the one under test.
-    assert (layer.qkv.packed is not None) == _can_pack(model.lm_head.weight)
+    assert (layer.qkv.packed is not None) == can_pack(model.lm_head.weight)
     got, want = _script(fused, fused.new_cache()), _script(hf, hf.new_cache())
     atol = 1e-4 if dtype == torch.float32 else 0.1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=atol, rtol=0)
+
+
+def test_target_packs_only_where_onednn_can(demo_pair):
+    """pack_target_weights fuses the target's products where oneDNN packs them, and never copies
+    the target's weights into plain fused products; off, the target is Hugging Face's arithmetic."""
+    model = AutoModelForCausalLM.from_pretrained(demo_pair[0], local_files_only=True, dtype=torch.float32).eval()
+    packed, plain = target_runner(model, "cpu", True, pack=True), target_runner(model, "cpu", True, pack=False)
+    assert packed.lean.layers[0].fused == can_pack(model.lm_head.weight)
+    assert not plain.lean.layers[0].fused
+    ids = torch.tensor([list(b"def add(a, b):\n    return a")])
+    want = ModelRunner(model, torch.device("cpu"), lean=False).forward(BatchKVCache(model.config), ids)
+    torch.testing.assert_close(plain.forward(plain.new_cache(), ids), want, atol=0, rtol=0)
+    got = packed.forward(packed.new_cache(), ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_paths_share_one_cache(demo_pair):
