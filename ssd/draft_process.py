@@ -1,6 +1,8 @@
-"""The drafter in its own process, reached over a torch.distributed pair group.
+"""The drafter in its own process, reached over shared memory or a torch.distributed pair group.
 
-The pair group is stateless: created from a private FileStore (no port to choose, none fixed)
+draft_channel="shm" (the default) uses the shared-memory mailboxes of ssd/shm_channel.py: the
+lowest latency on one host. draft_channel="gloo" uses a pair group, the layout a drafter on
+another host (or NCCL between GPUs) would use. The pair group is stateless: created from a private FileStore (no port to choose, none fixed)
 with ProcessGroupGloo on loopback, never the default group, so several pairs can live in one
 process. On GPUs the same layout would travel over NCCL; this CPU build uses gloo.
 
@@ -31,7 +33,8 @@ import torch.distributed as dist
 from ssd.channel import DrafterUnavailable
 from ssd.config import EngineConfig
 from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.wire import HEADER, MAGIC, MsgType, decode, encode, fingerprint
+from ssd.shm_channel import ChannelClosed, Mailbox, ShmEndpoint
+from ssd.wire import HEADER, MsgType, body_size, encode, fingerprint, frame, unframe
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +75,9 @@ class _Endpoint:
         posted before waiting (each gloo transfer costs a round trip with the peer). A gloo send
         completes only once the peer posts its receive, so a stalled peer blocks the sender:
         callers that must not hang pass a timeout."""
-        header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), self.fp, 0, 0], dtype=torch.long)
+        header, body = frame(kind, round_id, ints, floats, self.fp)
         works = [self.group.send([header], self.peer, _TAG)]
-        if ints.numel() or floats.numel():
-            body = torch.cat([ints.contiguous().view(torch.uint8), floats.contiguous().float().view(torch.uint8)])
+        if body.numel():
             works.append(self.group.send([body], self.peer, _TAG))
         for work in works:
             work.wait() if timeout is None else work.wait(timeout)
@@ -94,18 +96,10 @@ class _Endpoint:
         else:
             header = torch.zeros(HEADER, dtype=torch.long)
             self._recv(header, timeout)
-        magic, kind, round_id, n_ints, n_floats, fp = header[:6].tolist()
-        if magic != MAGIC or fp != self.fp:
-            raise DrafterUnavailable(f"foreign message on the drafter channel (magic {magic:#x}, fingerprint {fp})")
-        body = torch.zeros(n_ints * 8 + n_floats * 4, dtype=torch.uint8)
+        body = torch.zeros(body_size(header, self.fp), dtype=torch.uint8)
         if body.numel():
             self._recv(body, timeout)
-        ints = body[: n_ints * 8].view(torch.long)
-        floats = body[n_ints * 8 :].view(torch.float32)
-        kind = MsgType(kind)
-        if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN):
-            return kind, None, ints
-        return kind, decode(kind, round_id, ints, floats), ints
+        return unframe(header, body)
 
     def _recv(self, t: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         work = self.group.recv([t], self.peer, _TAG)
@@ -155,7 +149,7 @@ def _config_fingerprint(config: EngineConfig, vocab: int) -> int:
 class ProcessClient:
     """DraftClient whose drafter runs in a child process (rank 1 of a private pair group)."""
 
-    def __init__(self, process, endpoint: _Endpoint, store_dir: str, deadline_s: float) -> None:
+    def __init__(self, process, endpoint, store_dir: str | None, deadline_s: float) -> None:
         self.process, self.endpoint, self.store_dir = process, endpoint, store_dir
         self.deadline = datetime.timedelta(seconds=deadline_s)
         self.closed = False
@@ -163,23 +157,37 @@ class ProcessClient:
 
     @classmethod
     def spawn(cls, config: EngineConfig, vocab: int) -> "ProcessClient":
-        store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
         ctx = mp.get_context("spawn")
-        process = ctx.Process(target=worker_main, args=(asdict(config), vocab, store_dir), daemon=True, name="ssd-drafter")
+        fp = _config_fingerprint(config, vocab)
+        store_dir = None
+        if config.draft_channel == "shm":
+            to_draft, to_target = Mailbox(ctx), Mailbox(ctx)
+            link = ("shm", to_draft, to_target)
+        else:
+            store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
+            link = ("gloo", store_dir)
+        process = ctx.Process(target=worker_main, args=(asdict(config), vocab, link), daemon=True, name="ssd-drafter")
         process.start()
         try:
-            store = pair_store(store_dir)
-            _await_worker(store, process)
-            endpoint = _Endpoint(pair_group(store, 0), 1, _config_fingerprint(config, vocab))
-            kind, _, ints = endpoint.recv(CONNECT_TIMEOUT)
+            if store_dir is None:
+                endpoint = ShmEndpoint(to_target, to_draft, fp, process.is_alive)
+            else:
+                store = pair_store(store_dir)
+                _await_worker(store, process)
+                endpoint = _Endpoint(pair_group(store, 0), 1, fp)
+            try:
+                kind, _, ints = endpoint.recv(CONNECT_TIMEOUT)
+            except ChannelClosed as err:
+                raise DrafterUnavailable(f"draft worker exited with code {process.exitcode} before it was ready") from err
             if kind != MsgType.READY:
                 raise DrafterUnavailable(f"draft worker failed to start: {_text(ints)}")
         except BaseException:
             process.kill()
             process.join(5)
-            shutil.rmtree(store_dir, ignore_errors=True)
+            if store_dir is not None:
+                shutil.rmtree(store_dir, ignore_errors=True)
             raise
-        logger.info("draft worker pid %d ready", process.pid)
+        logger.info("draft worker pid %d ready (%s channel)", process.pid, config.draft_channel)
         return cls(process, endpoint, store_dir, config.draft_deadline_s)
 
     def _guard(self, fn):
@@ -225,7 +233,8 @@ class ProcessClient:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
-        shutil.rmtree(self.store_dir, ignore_errors=True)
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def close(self) -> None:
         if self.closed:
@@ -263,18 +272,24 @@ def _die_with_parent() -> None:
         logger.warning("PR_SET_PDEATHSIG unavailable: the draft worker may outlive a killed parent")
 
 
-def worker_main(config: dict, vocab: int, store_dir: str) -> None:
-    """Entry point of the draft process: load the draft, then serve messages until SHUTDOWN."""
+def worker_main(config: dict, vocab: int, link: tuple) -> None:
+    """Entry point of the draft process: load the draft, then serve messages until SHUTDOWN.
+    `link` is ("shm", inbox, outbox) or ("gloo", store_dir)."""
     _die_with_parent()
+    parent = os.getppid()
     cfg = EngineConfig(**config)
     torch.set_num_threads(cfg.draft_num_threads)
     from ssd.drafter import Drafter
     from ssd.loader import load_model
     from ssd.runner import draft_runner
 
-    store = pair_store(store_dir)
-    store.set(_JOINING, str(os.getpid()))
-    endpoint = _Endpoint(pair_group(store, 1), 0, _config_fingerprint(cfg, vocab))
+    fp = _config_fingerprint(cfg, vocab)
+    if link[0] == "shm":
+        endpoint = ShmEndpoint(link[1], link[2], fp, lambda: os.getppid() == parent)
+    else:
+        store = pair_store(link[1])
+        store.set(_JOINING, str(os.getpid()))
+        endpoint = _Endpoint(pair_group(store, 1), 0, fp)
     try:
         model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
         drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)

@@ -30,7 +30,7 @@ from ssd.draft_proposer import DraftModelProposer, pad_rows
 from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ResolveMsg, SpeculationReply
 from ssd.runner import ModelRunner
 from ssd.sampling import BatchSampling, sample_from
-from ssd.saguaro import saguaro_probs
+from ssd.saguaro import row_fanout, saguaro_probs
 
 
 @dataclass
@@ -137,14 +137,16 @@ class Drafter:
         glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
         glue_logits = glue_logits[..., : self.jit.target_vocab]
 
-        # Fork: branch n belongs to outcome j_n and starts with candidate token t_n.
-        j_of = torch.tensor([j for j, f in enumerate(fanout) for _ in range(f)], dtype=torch.long)  # [N]
+        # Fork: branch n of row r belongs to outcome j_rn and starts with candidate token t_rn.
+        # A row whose speculation is shorter than K spends the budget on the outcomes it can have.
+        row_fan = [row_fanout(fanout, len(spec[r]), self.jit.target_vocab) for r in range(b)]
+        j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)  # [b, N]
         cand = torch.zeros(b, n_branches, dtype=torch.long)
         branch_index: list[dict[tuple[int, int], int]] = []
         for r in range(b):
             index: dict[tuple[int, int], int] = {}
             n = 0
-            for j, f in enumerate(fanout):
+            for j, f in enumerate(row_fan[r]):
                 if f == 0:
                     continue
                 scores = glue_logits[r, j].clone()
@@ -165,7 +167,7 @@ class Drafter:
         col = torch.arange(tree_start)
         rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
         is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
-        glue_vis = ~is_spec | (rel < j_of.view(1, -1, 1))  # [b, N, tree_start]
+        glue_vis = ~is_spec | (rel < j_of.view(b, -1, 1))  # [b, N, tree_start]
         eye = torch.eye(n_branches, dtype=torch.bool).expand(b, n_branches, n_branches)
         uniforms = torch.stack([torch.rand(k, n_branches, generator=self.states[s].generator) for s in seq_ids])
         feed = cand
@@ -175,7 +177,7 @@ class Drafter:
         for d in range(k):
             own_tree = eye.repeat(1, 1, d) if d > 0 else torch.zeros(b, n_branches, 0, dtype=torch.bool)
             history = torch.cat([glue_vis, own_tree], dim=-1)
-            positions = committed.view(b, 1) + j_of.view(1, -1) + d
+            positions = committed.view(b, 1) + j_of + d
             step = self.runner.forward(self.cache, feed, positions=positions, within=eye, history=history)
             probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
             probs = saguaro_probs(probs, fan_t[d].expand(b, n_branches), self.saguaro_c) if self.saguaro_c < 1 else probs

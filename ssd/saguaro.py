@@ -33,6 +33,28 @@ def uniform_fanout(budget: int, k: int, caps: list[int] | None = None) -> list[i
     return _round_to_budget([1.0] * (k + 1), budget, caps)
 
 
+def row_fanout(fanout: list[int], length: int, vocab: int) -> list[int]:
+    """The fan-out of one sequence whose speculation holds `length` tokens, from the round's
+    fan-out over K+1 outcomes. A speculation cut short (length < K) can only end in outcomes
+    0..length, so the branches of the outcomes past it go to j = length, full acceptance, the
+    outcome they stood for. The sum stays the same (the tree is one batch of B branches per
+    sequence): what exceeds a position's cap (vocab at full acceptance, vocab - 1 elsewhere,
+    which excludes the drafted token) spills to the positions below it, and the rest, only
+    possible with a budget near length * vocab, goes back to the unreachable outcomes, whose
+    branches are decoded and never looked up."""
+    k = len(fanout) - 1
+    if length >= k:
+        return list(fanout)
+    out = list(fanout[: length + 1]) + [0] * (k - length)
+    spill = sum(fanout[length + 1 :])
+    for j in [*range(length, -1, -1), *range(k, length, -1)]:
+        moved = min((vocab if j == length else vocab - 1) - out[j], spill)
+        out[j] += moved
+        spill -= moved
+    assert spill == 0, "the round's fan-out exceeded the caps geometric_fanout keeps"
+    return out
+
+
 def _round_to_budget(weights: list[float], budget: int, caps: list[int] | None) -> list[int]:
     caps = caps or [budget] * len(weights)
     budget = min(budget, sum(caps))

@@ -19,7 +19,7 @@ from ssd.budget import BudgetSizer
 from ssd.channel import DraftClient, DrafterUnavailable
 from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.ngram import fast_speculation
-from ssd.saguaro import OnlineEstimates, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
+from ssd.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
 from ssd.sampling import BatchSampling
 from ssd.sequence import Sequence
 from ssd.speculation import RoundOutcome, Source, Speculation
@@ -160,7 +160,8 @@ class SSDProposer:
             emitted = accepted[r] + 1
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(Source(src), self.e_hit).update(emitted)
             if self.fanout and accepted[r] < len(self.fanout):
-                self.estimates.observe_hit(self.fanout[accepted[r]], src == int(Source.CACHE))
+                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
+                self.estimates.observe_hit(fanout[accepted[r]], src == int(Source.CACHE))
         batch = len(seqs)
         self.batch.update(batch)
         self.last_backup = self._choose_backup(batch)

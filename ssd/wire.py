@@ -2,7 +2,7 @@
 
 Each message is a header int64[8] followed by an int64 body and a float32 body whose lengths
 the header gives; the transport carries both bodies as one byte buffer (none when both are
-empty), so a message costs two transfers:
+empty): two transfers on a gloo pair, one byte stream on the shared-memory channel.
     header = [MAGIC, type, round_id, n_ints, n_floats, fingerprint, 0, 0]
 The fingerprint ties both ends to one configuration (target vocabulary, K, draft model), so a
 message from a foreign or stale peer is refused. Body layouts per type are in _encode/_decode.
@@ -35,6 +35,36 @@ class MsgType(enum.IntEnum):
 
 def fingerprint(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+class ForeignMessage(RuntimeError):
+    """A header that does not carry this pair's magic and fingerprint."""
+
+
+def frame(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor, fp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (header int64 [HEADER], body uint8 [8 n_ints + 4 n_floats])"""
+    header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), fp, 0, 0], dtype=torch.long)
+    body = torch.cat([ints.contiguous().view(torch.uint8), floats.contiguous().float().view(torch.uint8)])
+    return header, body
+
+
+def body_size(header: torch.Tensor, fp: int) -> int:
+    """Bytes of body that follow `header`; ForeignMessage when it is not this pair's."""
+    magic, _, _, n_ints, n_floats, got = header[:6].tolist()
+    if magic != MAGIC or got != fp:
+        raise ForeignMessage(f"foreign message on the drafter channel (magic {magic:#x}, fingerprint {got})")
+    return n_ints * 8 + n_floats * 4
+
+
+def unframe(header: torch.Tensor, body: torch.Tensor):
+    """-> (MsgType, message or None for bodiless control messages, ints)"""
+    _, kind, round_id, n_ints, _ = header[:5].tolist()
+    ints = body[: n_ints * 8].view(torch.long)
+    floats = body[n_ints * 8 :].view(torch.float32)
+    kind = MsgType(kind)
+    if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN):
+        return kind, None, ints
+    return kind, decode(kind, round_id, ints, floats), ints
 
 
 class _Reader:

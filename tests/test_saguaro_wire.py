@@ -11,6 +11,7 @@ from ssd.saguaro import (
     backup_threshold,
     geometric_fanout,
     prefer_fast_backup,
+    row_fanout,
     saguaro_probs,
     ssd_speedup,
     uniform_fanout,
@@ -68,6 +69,22 @@ def test_geometric_fanout_extreme_estimates_stay_valid():
         for r in (0.0, 1e-6, 10.0):
             fan = geometric_fanout(12, 4, a, r)
             assert sum(fan) == 12 and min(fan) >= 0, (a, r, fan)
+
+
+def test_row_fanout_moves_unreachable_outcomes_to_full_acceptance():
+    """Regression: a speculation cut short to L < K tokens kept the round's fan-out, whose
+    branches for outcomes past L can never be looked up; with a = 1 (all budget at j = K) every
+    short speculation missed."""
+    assert row_fanout([0, 0, 0, 0, 12], 2, 258) == [0, 0, 12, 0, 0]
+    assert row_fanout([4, 3, 2, 1, 6], 1, 258) == [4, 12, 0, 0, 0]
+    assert row_fanout([4, 3, 2, 1, 6], 4, 258) == [4, 3, 2, 1, 6]  # full length: unchanged
+    # Caps: vocab at full acceptance, vocab - 1 below (the drafted token is excluded); the
+    # rest goes back to unreachable outcomes, so every row still has B branches.
+    assert row_fanout([1, 1, 1, 1, 6], 1, 4) == [3, 4, 0, 0, 3]
+    for fan in ([5, 4, 3, 2, 1], [0, 0, 0, 0, 40], [9, 9, 9, 9, 9]):
+        for length in range(5):
+            got = row_fanout(fan, length, 10)
+            assert sum(got) == sum(fan) and got[length] >= fan[length], (fan, length, got)
 
 
 @pytest.mark.parametrize("budget,k", [(12, 4), (16, 6), (5, 5), (3, 6), (100, 7)])

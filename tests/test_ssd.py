@@ -114,10 +114,13 @@ def test_greedy_matches_hf_auto_backup_and_adaptive_budget(tiny_pair, prompts, t
     assert m["backup_neural_rounds"] + m["backup_fast_rounds"] > 0
 
 
-def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference):
-    """Also a bf16 draft beside the fp32 target: the draft's precision never changes the output."""
+@pytest.mark.parametrize("channel", ["shm", "gloo"])
+def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference, channel):
+    """Over either channel; also a bf16 draft beside the fp32 target: the draft's precision
+    never changes the output."""
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_transport="process", ssd_backup="neural", max_num_seqs=2, draft_dtype="bfloat16") as llm:
+    with ssd_llm(target, draft, draft_transport="process", draft_channel=channel, ssd_backup="neural", max_num_seqs=2,
+                 draft_dtype="bfloat16") as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
         process = llm.engine.proposer.client.process

@@ -94,3 +94,20 @@ def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
     assert [o.token_ids for o in outs] == expected
     hits = [n for src, n in lengths if src == int(Source.CACHE)]
     assert hits and all(n == depth for n in hits), lengths
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
+    """Regression: the branches of a cut speculation (L < K tokens) went to the round's
+    outcomes past L, which cannot happen; with a draft equal to the target all the budget sits
+    at full acceptance, so every cut speculation missed (hit rate 0.70 over the shm channel)."""
+    target = tiny_pair[0]
+    original = Drafter.begin_round
+    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None: original(self, msg, _CutAfter(depth)))
+    with LLM(target, target, mode="ssd", k=4, ssd_budget=8, ssd_autobudget=False, ssd_backup="neural",
+             draft_transport="inprocess", max_num_seqs=1) as llm:
+        llm.generate(["def add(a, b):\n    return"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        m = llm.metrics()
+    # The first round has no cache; every later one hits with `depth` tokens, all accepted.
+    assert m["cache_hits"] == m["rounds"] - 1, m
+    assert m["acceptance_rate"] >= 0.98, m

@@ -1,0 +1,106 @@
+"""The shared-memory channel: messages of any size cross processes intact, arrival is seen
+without consuming, and a dead or silent peer ends a wait with a clear error."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from ssd.messages import ResolveMsg, SpeculationReply
+from ssd.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmEndpoint
+from ssd.wire import MsgType
+
+FP = 7
+LONG = datetime.timedelta(seconds=60)
+
+
+def _echo(inbox: Mailbox, outbox: Mailbox) -> None:
+    """Child: send every message back until SHUTDOWN."""
+    parent = os.getppid()
+    end = ShmEndpoint(inbox, outbox, FP, lambda: os.getppid() == parent)
+    while True:
+        kind, msg, ints = end.recv()
+        if kind == MsgType.SHUTDOWN:
+            return
+        end.send(msg)
+
+
+def _reply(b: int, k: int, v: int, seed: int) -> SpeculationReply:
+    gen = torch.Generator().manual_seed(seed)
+    return SpeculationReply(
+        round_id=seed, seq_ids=list(range(b)), hit=torch.rand(b, generator=gen) > 0.5,
+        tokens=torch.randint(0, v, (b, k), generator=gen), probs=torch.rand(b, k, v, generator=gen),
+        num_draft=torch.full((b,), k), build_seconds=0.25,
+    )
+
+
+def test_messages_cross_processes_intact_in_chunks():
+    """A 4 KB slot carries replies of up to 1.5 MB (chunked) and small messages between them."""
+    ctx = mp.get_context("spawn")
+    to_child, to_parent = Mailbox(ctx, capacity=4096), Mailbox(ctx, capacity=4096)
+    child = ctx.Process(target=_echo, args=(to_child, to_parent), daemon=True)
+    child.start()
+    try:
+        end = ShmEndpoint(to_parent, to_child, FP, child.is_alive)
+        for i, (b, k, v) in enumerate([(1, 6, 258), (16, 6, 4000), (2, 1, 3)]):
+            sent = _reply(b, k, v, i)
+            end.send(sent, LONG)
+            kind, got, _ = end.recv(LONG)
+            assert kind == MsgType.REPLY and got.round_id == i and got.seq_ids == sent.seq_ids
+            assert torch.equal(got.tokens, sent.tokens) and torch.equal(got.probs, sent.probs)
+            assert torch.equal(got.hit, sent.hit) and got.build_seconds == pytest.approx(0.25)
+            msg = ResolveMsg(i, [3, 4], torch.tensor([1, 2]), torch.tensor([65, 66]), True)
+            end.send(msg, LONG)
+            kind, back, _ = end.recv(LONG)
+            assert kind == MsgType.RESOLVE and back.seq_ids == [3, 4] and back.neural_backup
+        end.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0), LONG)
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
+
+
+def _pair(ctx, alive=lambda: True):
+    a_to_b, b_to_a = Mailbox(ctx, capacity=256), Mailbox(ctx, capacity=256)
+    return ShmEndpoint(b_to_a, a_to_b, FP, alive), ShmEndpoint(a_to_b, b_to_a, FP, alive)
+
+
+def test_arrival_is_seen_without_consuming_the_message():
+    a, b = _pair(mp.get_context("spawn"))
+    posted = b.post_header()
+    assert not posted.arrived()
+    a.send(ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
+    assert posted.arrived() and posted.arrived()  # asking twice takes nothing
+    kind, msg, _ = b.recv(posted=posted)
+    assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.bonus_tokens.tolist() == [65]
+    assert not b.post_header().arrived()
+
+
+def test_a_silent_peer_times_out_and_a_dead_one_is_reported():
+    ctx = mp.get_context("spawn")
+    _, b = _pair(ctx)
+    started = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="0.2 s"):
+        b.recv(datetime.timedelta(seconds=0.2))
+    assert time.monotonic() - started < 5
+    child = ctx.Process(target=time.sleep, args=(0.3,), daemon=True)
+    child.start()
+    _, b = _pair(ctx, child.is_alive)
+    started = time.monotonic()
+    with pytest.raises(ChannelClosed, match="peer exited"):
+        b.recv()  # no deadline: only the peer's death ends this wait
+    assert time.monotonic() - started < 10
+    child.join(5)
+
+
+def test_a_sender_waits_for_the_slot_and_gives_up_at_its_deadline():
+    """One chunk in flight per direction: a peer that never reads blocks the next send."""
+    a, _ = _pair(mp.get_context("spawn"))
+    a.send(ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
+    with pytest.raises(ChannelTimeout):
+        a.send(ResolveMsg(2, [1], torch.tensor([0]), torch.tensor([1]), False), datetime.timedelta(seconds=0.2))
