@@ -2,9 +2,9 @@
 
 draft_channel="shm" (the default) uses the shared-memory mailboxes of ssd/shm_channel.py: the
 lowest latency on one host. draft_channel="gloo" uses a pair group, the layout a drafter on
-another host (or NCCL between GPUs) would use. The pair group is stateless: created from a private FileStore (no port to choose, none fixed)
-with ProcessGroupGloo on loopback, never the default group, so several pairs can live in one
-process. On GPUs the same layout would travel over NCCL; this CPU build uses gloo.
+another host would use (on GPUs the same layout would travel over NCCL). The pair group is
+stateless: created from a private FileStore (no port to choose, none fixed) with
+ProcessGroupGloo on loopback, never the default group, so several pairs can live in one process.
 
 Lifetime: the worker asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), the
 client shuts it down on close() or interpreter exit, and kills it if it will not go. A worker

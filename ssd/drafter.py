@@ -167,7 +167,7 @@ class Drafter:
         col = torch.arange(tree_start)
         rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
         is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
-        glue_vis = ~is_spec | (rel < j_of.view(b, -1, 1))  # [b, N, tree_start]
+        glue_vis = ~is_spec | (rel < j_of.unsqueeze(-1))  # [b, N, tree_start]
         eye = torch.eye(n_branches, dtype=torch.bool).expand(b, n_branches, n_branches)
         uniforms = torch.stack([torch.rand(k, n_branches, generator=self.states[s].generator) for s in seq_ids])
         feed = cand

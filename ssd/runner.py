@@ -77,7 +77,7 @@ class ModelRunner:
 
 def draft_runner(model, device: str, lean: bool) -> ModelRunner:
     """The draft's runner wherever the draft runs (SD proposer, in-process or worker drafter):
-    fused, prepacked products, which are fine for a draft and never used for the target."""
+    always fused (a draft's weights are small, so a concatenated copy costs little off CPU too)."""
     return ModelRunner(model, torch.device(device), lean, fused=True)
 
 

@@ -55,6 +55,11 @@ class Mailbox:
         self.empty = ctx.Semaphore(1)
         self.slot = ctx.RawArray("B", _LEN + capacity)
 
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slot's bytes [_LEN + capacity] uint8, its chunk-length field [1] int64), zero-copy."""
+        slot = torch.frombuffer(self.slot, dtype=torch.uint8)
+        return slot, slot[:_LEN].view(torch.long)
+
 
 def _acquire(sem, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str) -> None:
     if sem.acquire(False):
@@ -82,8 +87,7 @@ def _acquire(sem, timeout: datetime.timedelta | None, alive: Callable[[], bool],
 class _Writer:
     def __init__(self, box: Mailbox, alive: Callable[[], bool]) -> None:
         self.box, self.alive = box, alive
-        self.slot = torch.frombuffer(box.slot, dtype=torch.uint8)
-        self.length = self.slot[:_LEN].view(torch.long)
+        self.slot, self.length = box.views()
 
     def write(self, data: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         cap = self.box.capacity
@@ -98,8 +102,7 @@ class _Writer:
 class _Reader:
     def __init__(self, box: Mailbox, alive: Callable[[], bool]) -> None:
         self.box, self.alive = box, alive
-        self.slot = torch.frombuffer(box.slot, dtype=torch.uint8)
-        self.length = self.slot[:_LEN].view(torch.long)
+        self.slot, self.length = box.views()
         self.held = False  # a chunk is in the slot and this side owns it
         self.pos = self.end = 0
 
@@ -153,7 +156,8 @@ class ShmEndpoint:
         return _ShmPosted(self.reader)
 
     def recv(self, timeout: datetime.timedelta | None = None, posted: _ShmPosted | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints)"""
+        """-> (MsgType, message or None for bodiless control messages, ints). `posted` is
+        accepted for the gloo endpoint's interface: what its arrived() took, the reader holds."""
         header = torch.zeros(HEADER, dtype=torch.long)
         self.reader.read_into(header.view(torch.uint8), timeout)
         body = torch.zeros(body_size(header, self.fp), dtype=torch.uint8)

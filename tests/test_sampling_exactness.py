@@ -11,7 +11,6 @@ the residual after a rejection, or the bonus after full acceptance in the previo
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import numpy as np
@@ -21,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
 from refimpl import chi_square_p, reference_probs
-from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
+from ssd.demo_models import ModelShape
+from tiny_models import noisy_copy, peaked_model, save_models
 
 P_MIN = 1e-3  # chi-square threshold; seeds are fixed, so a pass is reproducible
 PROMPT = "def f(x):"
@@ -42,37 +42,14 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-def _scaled_model(seed: int, shape: ModelShape):
-    torch.manual_seed(seed)
-    model = make_model(shape, DemoTrainingConfig())
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(WEIGHT_SCALE)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """target; close (the target plus weight noise: acceptance ~0.15-0.3 at k=3); far (an
     independent model: almost every round rejects everything)."""
-    root = tmp_path_factory.mktemp("exactness_models")
-    tokenizer = build_tokenizer()
-    target = _scaled_model(0, ModelShape(64, 2, 2, 128))
-    close = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in close.parameters():
-            if p.dim() >= 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.05)
-    far = _scaled_model(1, ModelShape(32, 1, 2, 64))
-    dirs = {}
-    for name, model in [("target", target), ("close", close), ("far", far)]:
-        path = root / name
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        dirs[name] = str(path)
-    return dirs
+    target = peaked_model(0, ModelShape(64, 2, 2, 128), WEIGHT_SCALE)
+    close = noisy_copy(target, seed=5, relative=0.05)
+    far = peaked_model(1, ModelShape(32, 1, 2, 64), WEIGHT_SCALE)
+    return save_models(tmp_path_factory.mktemp("exactness_models"), {"target": target, "close": close, "far": far})
 
 
 @pytest.fixture(scope="module")

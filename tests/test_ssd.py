@@ -12,7 +12,6 @@ Unit tests of ssd/saguaro.py and ssd/wire.py are in test_saguaro_wire.py.
 
 from __future__ import annotations
 
-import copy
 import logging
 import multiprocessing
 import os
@@ -29,8 +28,9 @@ from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
 from refimpl import chi_square_bins, hf_greedy, reference_probs
-from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, heldout_prompts, make_model
+from ssd.demo_models import ModelShape, heldout_prompts
 from ssd.saguaro import OnlineEstimates
+from tiny_models import noisy_copy, peaked_model, save_models
 
 MAX_TOKENS = 32
 SSD = dict(mode="ssd", k=4, ssd_budget=12)
@@ -221,26 +221,9 @@ def peaked_pair(tmp_path_factory) -> tuple[str, str]:
     """A tiny target with scaled-up weights, so that a few continuations of STAT_PROMPT hold most
     of the mass (the most likely 3-token prefix has probability ~0.7) while the next tokens still
     vary; and a noisy copy as the draft (acceptance ~0.7 at K = 2)."""
-    root = tmp_path_factory.mktemp("ssd_peaked")
-    torch.manual_seed(2)
-    target = make_model(ModelShape(64, 2, 2, 128), DemoTrainingConfig())
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() >= 2:
-                p.mul_(60.0)
-    draft = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() >= 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.05)
-    tokenizer = build_tokenizer()
-    paths = []
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        paths.append(str(root / name))
-    return paths[0], paths[1]
+    target = peaked_model(2, ModelShape(64, 2, 2, 128), scale=60.0)
+    paths = save_models(tmp_path_factory.mktemp("ssd_peaked"), {"target": target, "draft": noisy_copy(target, seed=5, relative=0.05)})
+    return paths["target"], paths["draft"]
 
 
 @pytest.fixture(scope="module")
