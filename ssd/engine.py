@@ -40,6 +40,13 @@ class EngineMetrics:
     verify_seconds: float = 0.0
     generated_tokens: int = 0
     finished_requests: int = 0
+    # Wall time of whole steps (speculate, verify, observe; admission and prefill excluded), and
+    # the same for the steps in which every row's speculation came from the SSD cache: their
+    # tokens per second are Theorem 7's bound with p_hit = 1 at the measured E_hit and T_p.
+    step_seconds: float = 0.0
+    hit_steps: int = 0
+    hit_step_seconds: float = 0.0
+    hit_step_tokens: int = 0
     extra: dict = field(default_factory=dict)  # proposer-specific figures (SSD: fan-out, backup, ...)
 
     def as_dict(self) -> dict:
@@ -51,6 +58,10 @@ class EngineMetrics:
             "finished_requests": self.finished_requests,
             "draft_ms_per_round": round(1000 * self.draft_seconds / rounds, 3),
             "verify_ms_per_round": round(1000 * self.verify_seconds / rounds, 3),
+            "step_seconds_total": self.step_seconds,
+            "hit_steps": self.hit_steps,
+            "hit_step_tokens": self.hit_step_tokens,
+            "hit_step_seconds_total": self.hit_step_seconds,
         }
 
 
@@ -163,6 +174,7 @@ class LLMEngine:
         if not self.running:
             return []
         seqs, b = self.running, len(self.running)
+        started = time.perf_counter()
         sampling = self._sampling()
         k = self._round_k()
         t0 = time.perf_counter()
@@ -187,12 +199,14 @@ class LLMEngine:
         sources = spec.source.tolist() if spec.source is not None else [int(Source.DRAFT)] * b
         round_metrics = SpecMetrics()
         outputs = []
+        step_tokens = 0
         for r, seq in enumerate(seqs):
             new_tokens = drafted[r][: accepted[r]] + [bonus[r]]
             for m in (seq.metrics, round_metrics):
                 m.record(num_draft[r], accepted[r], len(new_tokens), sources[r])
-            self.metrics.generated_tokens += self.stopper.append(seq, new_tokens)
+            step_tokens += self.stopper.append(seq, new_tokens)
             outputs.append(self._output(seq))
+        self.metrics.generated_tokens += step_tokens
         self.metrics.spec.add(round_metrics)
         if self.proposer is not None and k > 0:
             t3 = time.perf_counter()
@@ -202,6 +216,12 @@ class LLMEngine:
         if len(keep) < b:
             self.metrics.finished_requests += b - len(keep)
             self._keep(keep)
+        elapsed = time.perf_counter() - started
+        self.metrics.step_seconds += elapsed
+        if k > 0 and all(src == int(Source.CACHE) for src in sources):
+            self.metrics.hit_steps += 1
+            self.metrics.hit_step_seconds += elapsed
+            self.metrics.hit_step_tokens += step_tokens
         return outputs
 
     def engine_metrics(self) -> dict:

@@ -7,7 +7,7 @@ mask preparation, cache bookkeeping) than in arithmetic: about 2 ms per call for
 the same operations in the same order as Hugging Face's `sdpa` path, without that framework
 layer. It reads the model's parameters in place (no copy), writes keys and values into the
 same `DynamicCache` layers the Hugging Face path uses, so the two paths are interchangeable
-call by call; tests compare their logits and the engine's greedy output with `generate`.
+call by call (the lean path grows them in place, through BatchKVCache.append); tests compare their logits and the engine's greedy output with `generate`.
 
 With `fused=True` the projections that read the same input run as one product (q, k and v; gate
 and up) and, on a CPU with oneDNN, every product uses a weight prepacked once into oneDNN's
@@ -121,11 +121,11 @@ def _linear(x: torch.Tensor, module) -> torch.Tensor:
 class FastLlamaForward:
     """forward(input_ids [b, n], mask [b, 1, n, L+n] additive, positions [b, n], cache) -> logits [b, n, V].
 
-    `cache` is the Hugging Face DynamicCache of a BatchKVCache; each layer's keys and values
-    [b, kv_heads, L, head_dim] grow by the n new columns, exactly as Hugging Face's update does.
+    `cache` is a BatchKVCache: cache.append(i, k, v) grows layer i's keys and values
+    [b, kv_heads, L, head_dim] by the n new columns, as Hugging Face's update does.
     """
 
-    def __init__(self, model, fused: bool = False) -> None:
+    def __init__(self, model, fused: bool = False, attention_dtype: torch.dtype | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support this model: {reason}")
@@ -143,12 +143,15 @@ class FastLlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.groups = self.heads // self.kv_heads
         self.scaling = self.head_dim**-0.5
+        self.fused = fused
+        # Attention (and the cache) in this dtype; None: the model's. See runner.attention_dtype.
+        self.attention_dtype = attention_dtype
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype).unsqueeze(1)  # [b, 1, n, head_dim]
-        sin = (emb.sin() * self.rope_scaling).to(dtype).unsqueeze(1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)  # [b, n, head_dim]
+        sin = (emb.sin() * self.rope_scaling).to(dtype)
         return cos, sin
 
     @torch.no_grad()
@@ -156,24 +159,38 @@ class FastLlamaForward:
         b, n = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(positions, x.dtype)
-        cache_layers = cache.layers
+        if self.fused:
+            # Rotate q and k together, in [b, n, heads, head_dim] layout; rotate_half(x) * sin
+            # equals roll(x, half) * (sin with its first half negated), bit for bit.
+            half = self.head_dim // 2
+            cos4 = cos.unsqueeze(2)
+            sin4 = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, n, head_dim]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.norm_in, layer.eps_in)
             if layer.fused:
-                q, k, v = layer.qkv(h).split(layer.qkv.sizes, dim=-1)
+                qkv = layer.qkv(h)  # [b, n, (heads + 2 kv_heads) * head_dim]
+                qk = qkv[..., : (self.heads + self.kv_heads) * self.head_dim].view(b, n, -1, self.head_dim)
+                qk = (qk * cos4) + (qk.roll(half, -1) * sin4)
+                q = qk[:, :, : self.heads].transpose(1, 2)
+                k = qk[:, :, self.heads :].transpose(1, 2)
+                v = qkv[..., (self.heads + self.kv_heads) * self.head_dim :].view(b, n, -1, self.head_dim).transpose(1, 2)
             else:
                 q, k, v = _linear(h, layer.q), _linear(h, layer.k), _linear(h, layer.v)
-            q = q.view(b, n, -1, self.head_dim).transpose(1, 2)
-            k = k.view(b, n, -1, self.head_dim).transpose(1, 2)
-            v = v.view(b, n, -1, self.head_dim).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = _append(cache_layers[i], k, v)
+                q = q.view(b, n, -1, self.head_dim).transpose(1, 2)
+                k = k.view(b, n, -1, self.head_dim).transpose(1, 2)
+                v = v.view(b, n, -1, self.head_dim).transpose(1, 2)
+                q = (q * cos) + (_rotate_half(q) * sin)
+                k = (k * cos) + (_rotate_half(k) * sin)
+            if self.attention_dtype is not None:
+                q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+            keys, values = cache.append(i, k, v)
             if self.groups > 1:
                 keys = keys.repeat_interleave(self.groups, dim=1)
                 values = values.repeat_interleave(self.groups, dim=1)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-            a = a.transpose(1, 2).reshape(b, n, -1)
+            a = a.transpose(1, 2).reshape(b, n, -1).to(x.dtype)
             if layer.fused:
                 x = x + layer.o_fused(a)
                 h = _rms_norm(x, layer.norm_post, layer.eps_post)
@@ -186,14 +203,3 @@ class FastLlamaForward:
         x = _rms_norm(x, self.norm, self.norm_eps)
         return self.head_fused(x) if self.head_fused is not None else _linear(x, self.lm_head)
 
-
-def _append(layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grow one DynamicLayer by the new columns (what DynamicLayer.update does)."""
-    if not layer.is_initialized:
-        layer.lazy_initialization(k, v)
-    if layer.keys.numel() == 0:
-        layer.keys, layer.values = k, v
-    else:
-        layer.keys = torch.cat([layer.keys, k], dim=-2)
-        layer.values = torch.cat([layer.values, v], dim=-2)
-    return layer.keys, layer.values

@@ -9,6 +9,13 @@ Rolling back a row marks its newest columns invalid; attention masks built from 
 them, so the result is exactly that of a cache that never held them. Columns that no row uses
 are cropped, and rows are re-packed when holes waste more than half the cache.
 
+The lean forward grows a layer with `append`, which writes the new columns into a buffer with
+spare room and leaves the layer's keys and values as views of its first L+n columns. Growing by
+torch.cat, as Hugging Face's update does, copies the whole layer on every forward: at speculative
+decoding's few tokens per forward, that copy was the most expensive operation of a draft step.
+Cropping keeps the views (no copy); anything that replaces a layer's tensors (select, compact,
+extend, a Hugging Face forward) makes the next append adopt them into a fresh buffer.
+
 Invariants: a row's valid columns are in token order; the number of valid columns of a row is
 its next position id.
 """
@@ -24,6 +31,9 @@ class BatchKVCache:
         self.config = config
         self.hf_cache = DynamicCache(config=config)
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [b, L]
+        # layer index -> (keys, values) buffers [b, kv_heads, capacity, head_dim]; a layer's
+        # tensors are views of its buffers' first L columns while append owns them.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def batch_size(self) -> int:
@@ -62,6 +72,25 @@ class BatchKVCache:
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask.unsqueeze(1)
 
+    def append(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add n new columns k, v [b, kv_heads, n, head_dim] to layer `index` (what Hugging
+        Face's DynamicLayer.update does, without copying the old columns) -> its keys and
+        values [b, kv_heads, L+n, head_dim]."""
+        layer = self.hf_cache.layers[index]
+        if not layer.is_initialized:
+            layer.lazy_initialization(k, v)
+        size = layer.keys.shape[2] if layer.keys.numel() else 0
+        end = size + k.shape[2]
+        buffers = self._buffers.get(index)
+        if buffers is None or not _fits(buffers[0], layer.keys, k, end) or not _fits(buffers[1], layer.values, v, end):
+            buffers = _grown(layer.keys, k, size, end), _grown(layer.values, v, size, end)
+            self._buffers[index] = buffers
+        keys, values = buffers
+        keys[:, :, size:end] = k
+        values[:, :, size:end] = v
+        layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
+        return layer.keys, layer.values
+
     def commit_columns(self, new_valid: torch.Tensor) -> None:
         """Record the n columns the last forward appended to every layer."""
         self.valid = torch.cat([self.valid, new_valid], dim=1)
@@ -96,6 +125,7 @@ class BatchKVCache:
         slot = torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)  # [b, width]
         new_valid = slot >= 0
         index = order.gather(1, slot.clamp(min=0))  # [b, width]
+        self._buffers.clear()
         for layer in self._tensors():
             _, heads, _, dim = layer.keys.shape
             idx = index.view(self.batch_size, 1, width, 1).expand(-1, heads, -1, dim)
@@ -105,6 +135,7 @@ class BatchKVCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (in that order)."""
+        self._buffers.clear()
         self.valid = self.valid[rows]
         for layer in self._tensors():
             layer.keys = layer.keys[rows]
@@ -112,9 +143,11 @@ class BatchKVCache:
         self._crop_unused()
 
     def extend(self, other: "BatchKVCache") -> None:
-        """Append other's rows after ours; the shorter side is left-padded with invalid columns."""
+        """Append other's rows after ours; the shorter side is left-padded with invalid columns.
+        `other` is consumed: it must not be used afterwards (it may share our tensors)."""
         if other.batch_size == 0:
             return
+        self._buffers.clear()
         if self.batch_size == 0:
             self.hf_cache, self.valid = other.hf_cache, other.valid
             return
@@ -126,6 +159,30 @@ class BatchKVCache:
             a.values = torch.cat([_left_pad(a.values, width), _left_pad(c.values, width)], 0)
         pad = lambda v: torch.cat([torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool), v], 1)  # noqa: E731
         self.valid = torch.cat([pad(self.valid), pad(other.valid)], 0)
+
+
+def _fits(buffer: torch.Tensor, current: torch.Tensor, new: torch.Tensor, end: int) -> bool:
+    """Whether `current` (a layer's keys or values) is still the head of `buffer`, which has
+    room for `end` columns of rows shaped like `new`."""
+    b, heads, _, dim = new.shape
+    if buffer.shape[0] != b or buffer.shape[1] != heads or buffer.shape[3] != dim or buffer.dtype != new.dtype:
+        return False
+    if end > buffer.shape[2]:
+        return False
+    if current.numel() == 0:
+        return True
+    return current.data_ptr() == buffer.data_ptr() and current.stride() == buffer.stride()
+
+
+def _grown(current: torch.Tensor, new: torch.Tensor, size: int, end: int) -> torch.Tensor:
+    """A buffer for at least `end` columns holding `current`'s `size` columns. The spare room
+    (a quarter, at least 64 columns) makes regrowth rare while a sequence lengthens."""
+    b, heads, _, dim = new.shape
+    capacity = -(-max(end + 64, end * 5 // 4) // 64) * 64
+    buffer = new.new_empty(b, heads, capacity, dim)
+    if size:
+        buffer[:, :, :size] = current
+    return buffer
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

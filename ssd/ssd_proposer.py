@@ -76,8 +76,6 @@ class SSDProposer:
         # Live figures for the backup choice (tokens per round; latency / verification time).
         self.p_hit, self.e_hit, self.e_neural, self.e_fast = _Ema(0.7), _Ema(3.0), _Ema(3.0), _Ema(1.5)
         self.t_primary, self.t_neural, self.t_fast = _Ema(1.0), _Ema(0.5), _Ema(0.01)
-        self.verify_s = _Ema(None, weight=0.1)
-        self.batch = _Ema(None, weight=0.1)
         self._sent_at = 0.0
         self.build_ratio = _Ema(None, weight=0.1)  # drafter build time / verification time
         self.sizer = BudgetSizer(config.budget, min_budget=min(config.budget, config.k + 1))
@@ -152,7 +150,6 @@ class SSDProposer:
 
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
-        self.verify_s.update(verify_s)
         accepted = outcome.num_accepted.tolist()
         drafted = speculation.num_draft.tolist()
         for r, src in enumerate(speculation.source.tolist()):
@@ -163,7 +160,6 @@ class SSDProposer:
                 fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
                 self.estimates.observe_hit(fanout[accepted[r]], src == int(Source.CACHE))
         batch = len(seqs)
-        self.batch.update(batch)
         self.last_backup = self._choose_backup(batch)
         ids = [s.seq_id for s in seqs]
         t0 = time.perf_counter()
@@ -225,13 +221,9 @@ class SSDProposer:
 
     def stats(self) -> dict:
         live = self._live()
-        # Theorem 7 with p_hit = 1: every round a hit for every row, at the measured E_hit and T_p.
-        round_s = self.verify_s.value * max(1.0, self.t_primary.value)
-        bound = self.batch.value * self.e_hit.value / round_s if round_s else 0.0
         return {
             "b_star": backup_threshold(*live),
             "tokens_per_round_on_hit": round(self.e_hit.value, 4),
-            "upper_bound_tokens_per_s": round(bound, 2),
             "fanout": self.fanout,
             "budget": sum(self.fanout),
             "acceptance_estimate": round(self.estimates.a, 4),

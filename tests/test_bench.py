@@ -104,6 +104,13 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
                 r = runs[(setting, temperature, 1, mode)]
                 assert r["counters"]["generated_tokens"] == r["generated_tokens"]
                 assert r["counters"]["rounds"] == r["rounds"] and r["counters"]["finished_requests"] == NUM_PROMPTS
+            # SSD's bound (Theorem 7, p_hit = 1) is the tokens/s of its all-hit steps; the
+            # run's decode tokens/s over it is the share that misses leave.
+            r = runs[(setting, temperature, 1, "ssd")]
+            if r["counters"]["hit_steps"]:
+                assert r["upper_bound_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+                assert math.isclose(r["fraction_of_bound"], r["decode_tokens_per_s"] / r["upper_bound_tokens_per_s"], rel_tol=1e-2)
+                assert r["decode_tokens_per_s"] >= r["tokens_per_s"] * 0.99  # prefill excluded
             assert ar["ratio_to_ar"] == 1.0
             assert ar["mean_accepted_per_round"] == 0 and ar["tokens_per_round"] == 1
             # Batch 2: the engine modes run; HF assisted generation is reported unsupported.

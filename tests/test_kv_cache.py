@@ -62,3 +62,30 @@ def test_compact_select_and_extend_preserve_rows(tiny_pair):
     logits = runner.forward(a, nxt)[:, -1]
     for i, h in enumerate(histories):
         torch.testing.assert_close(logits[i], _fresh_logits(runner, h + [int(nxt[i])]), atol=1e-4, rtol=1e-4)
+
+
+def test_append_grows_in_place_and_rollback_reuses_the_room(tiny_pair):
+    """Regression (cost): every forward copied each layer's whole cache (torch.cat). Appends now
+    write into spare room; a rollback keeps the buffer, and the next forward overwrites the
+    dropped columns, with the same logits as a fresh forward."""
+    runner = _runner(tiny_pair[0])
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (1, 12), generator=gen).tolist()[0]
+    cache = runner.new_cache()
+    runner.forward(cache, torch.tensor([prompt]))
+    layer = cache.hf_cache.layers[0]
+    start = layer.keys.data_ptr()
+    spec = torch.randint(0, 256, (1, 3), generator=gen)
+    runner.forward(cache, spec)
+    assert layer.keys.data_ptr() == start and layer.keys.shape[2] == 15
+    cache.drop_last(torch.tensor([3]))
+    nxt = torch.randint(0, 256, (1, 2), generator=gen)
+    out = runner.forward(cache, nxt)
+    assert layer.keys.data_ptr() == start, "the rollback and the next append reuse the buffer"
+    torch.testing.assert_close(out[0, -1], _fresh_logits(runner, prompt + nxt[0].tolist()), atol=1e-5, rtol=0)
+    # Past the spare room the layer moves to a larger buffer, keeping every column.
+    long = torch.randint(0, 256, (1, 100), generator=gen)
+    out = runner.forward(cache, long)
+    assert layer.keys.shape[2] == 114
+    history = prompt + nxt[0].tolist() + long[0].tolist()
+    torch.testing.assert_close(out[0, -1], _fresh_logits(runner, history), atol=1e-5, rtol=0)

@@ -202,6 +202,9 @@ def test_draft_equal_to_target_accepts_and_hits_nearly_always(tiny_pair, prompts
     assert m["cache_hit_rate"] >= 0.9, m
     assert m["cache_hit_rate"] >= 1 - n / m["rounds"] - 1e-3, m
     assert m["backup_neural_rounds"] == n and m["backup_fast_rounds"] == 0, m
+    # Steps in which every row hit: the basis of the bench's Theorem 7 bound.
+    assert 0 < m["hit_steps"] and 0 < m["hit_step_tokens"] < m["generated_tokens"], m
+    assert 0 < m["hit_step_seconds_total"] < m["step_seconds_total"], m
 
 
 # ---- 3. statistical exactness --------------------------------------------------------------------

@@ -48,6 +48,8 @@ class BatchCounters:
     accepted_tokens: int | None = None
     draft_seconds: float | None = None
     verify_seconds: float | None = None
+    step_seconds: float | None = None  # engine steps' wall time (prefill excluded)
+    hit_step_seconds: float | None = None  # of which steps where every row hit the SSD cache
     counters: dict[str, int] = field(default_factory=dict)  # mode-specific counts, summed per run
     gauges: dict = field(default_factory=dict)  # mode-specific live figures after the call (SSD)
 
@@ -134,6 +136,8 @@ class EngineRunner:
             accepted_tokens=after["accepted_tokens"] - before["accepted_tokens"],
             draft_seconds=seconds("draft_ms_per_round"),
             verify_seconds=seconds("verify_ms_per_round"),
+            step_seconds=after["step_seconds_total"] - before["step_seconds_total"],
+            hit_step_seconds=after["hit_step_seconds_total"] - before["hit_step_seconds_total"],
             # Every integer in the engine's metrics is a counter (rounds, tokens, and whatever a
             # mode adds, e.g. cache hits): report their growth over this call.
             counters={

@@ -28,8 +28,8 @@ DEFINITIONS = {
     "verify_ms_per_round": "target verification time / rounds (not measured for hf-assisted)",
     "counters": "growth of the engine's integer metrics over the run (engine modes only)",
     "cache_hit_rate": "SSD: rows served from the speculation cache / all SSD rows (first rounds of a sequence are misses)",
-    "fraction_of_bound": "SSD: tokens/s over the Theorem 7 bound with p_hit = 1 at the measured E_hit and T_p",
-    "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p, bound",
+    "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the steps in which every row hit)",
+    "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p",
 }
 
 

@@ -103,6 +103,13 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
         for key, value in t.counters.items():
             counters[key] = counters.get(key, 0) + value
     gauges = totals[-1].gauges if totals else {}
+    step_s = _sum_or_none([t.step_seconds for t in totals])
+    hit_step_s = _sum_or_none([t.hit_step_seconds for t in totals])
+    hit_tokens = counters.get("hit_step_tokens", 0)
+    # Theorem 7 with p_hit = 1 at the measured E_hit and T_p: every step as fast and as
+    # productive as the run's steps in which every row hit. Both sides count engine steps only
+    # (prefill and the bench's own overhead excluded), so the fraction is what misses cost.
+    bound = hit_tokens / hit_step_s if hit_step_s and hit_tokens else None
     ssd_rounds = sum(counters.get(k, 0) for k in ("cache_hits", "backup_neural_rounds", "backup_fast_rounds"))
     per_round = lambda x: None if x is None or not rounds else round(x / rounds, 4)  # noqa: E731
     ms_per_round = lambda s: None if s is None or not rounds else round(1000 * s / rounds, 4)  # noqa: E731
@@ -123,9 +130,9 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
             {
                 "cache_hit_rate": round(counters.get("cache_hits", 0) / ssd_rounds, 4) if ssd_rounds else None,
                 "ssd": gauges,
-                # Theorem 7 with p_hit = 1 at the measured E_hit and T_p.
-                "fraction_of_bound": round(generated / wall / gauges["upper_bound_tokens_per_s"], 4)
-                if wall > 0 and gauges.get("upper_bound_tokens_per_s") else None,
+                "decode_tokens_per_s": round(generated / step_s, 3) if step_s else None,
+                "upper_bound_tokens_per_s": round(bound, 3) if bound else None,
+                "fraction_of_bound": round(generated / step_s / bound, 4) if bound and step_s else None,
             }
             if gauges
             else {}
