@@ -21,6 +21,7 @@ JSON_VERSION = 1
 DEFINITIONS = {
     "tokens_per_s": "generated tokens / wall time of the timed generate calls (after one untimed warm-up per mode)",
     "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature and batch size",
+    "decode_tokens_per_s": "engine modes: generated tokens / wall time of the engine's steps (prefill excluded)",
     "rounds": "sequence-rounds: one verification of one sequence (a step over b sequences counts b)",
     "mean_accepted_per_round": "accepted draft tokens / rounds (0..K)",
     "tokens_per_round": "generated tokens / rounds (after the max_tokens cut; accepted + 1 before it)",
@@ -143,11 +144,11 @@ def format_pair_stats(stats: dict | None) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    headers = ["setting", "thr", "T", "batch", "mode", "tok/s", "x ar", "acc/round", "tok/round", "draft ms/rd", "verify ms/rd", "hit", "of bound"]
+    headers = ["setting", "thr", "T", "batch", "mode", "tok/s", "x ar", "decode tok/s", "acc/round", "tok/round", "draft ms/rd", "verify ms/rd", "hit", "of bound"]
     rows = []
     for r in records:
         if not r.get("supported"):
-            cells = [r["setting"], str(r["threads"]), f"{r['temperature']:g}", str(r["batch_size"]), r["mode"], "unsupported", "", "", "", "", "", "", ""]
+            cells = [r["setting"], str(r["threads"]), f"{r['temperature']:g}", str(r["batch_size"]), r["mode"], "unsupported", "", "", "", "", "", "", "", ""]
         else:
             cells = [
                 r["setting"],
@@ -157,6 +158,7 @@ def format_table(records: list[dict]) -> str:
                 r["mode"],
                 _fmt(r["tokens_per_s"], ".1f"),
                 _fmt(r.get("ratio_to_ar"), ".2f"),
+                _fmt(r.get("decode_tokens_per_s"), ".1f"),
                 _fmt(r["mean_accepted_per_round"]),
                 _fmt(r["tokens_per_round"]),
                 _fmt(r["draft_ms_per_round"]),

@@ -123,6 +123,8 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
         "accepted_tokens": accepted,
         "mean_accepted_per_round": per_round(accepted),
         "tokens_per_round": per_round(generated),
+        # Engine modes: tokens per second of the engine's steps alone (prefill excluded).
+        "decode_tokens_per_s": round(generated / step_s, 3) if step_s else None,
         "draft_ms_per_round": ms_per_round(draft_s),
         "verify_ms_per_round": ms_per_round(verify_s),
         "counters": counters,
@@ -130,7 +132,6 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
             {
                 "cache_hit_rate": round(counters.get("cache_hits", 0) / ssd_rounds, 4) if ssd_rounds else None,
                 "ssd": gauges,
-                "decode_tokens_per_s": round(generated / step_s, 3) if step_s else None,
                 "upper_bound_tokens_per_s": round(bound, 3) if bound else None,
                 "fraction_of_bound": round(generated / step_s / bound, 4) if bound and step_s else None,
             }
