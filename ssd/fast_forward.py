@@ -6,8 +6,10 @@ mask preparation, cache bookkeeping) than in arithmetic: about 2 ms per call for
 2-layer draft, of which the matrix products take 0.7 ms. This module runs the same weights with
 the same operations in the same order as Hugging Face's `sdpa` path, without that framework
 layer. It reads the model's parameters in place (no copy), writes keys and values into the
-same `DynamicCache` layers the Hugging Face path uses, so the two paths are interchangeable
-call by call (the lean path grows them in place, through BatchKVCache.append); tests compare their logits and the engine's greedy output with `generate`.
+same `DynamicCache` layers the Hugging Face path uses (growing them in place, through
+BatchKVCache.append), so the two paths are interchangeable call by call, for a model that
+attends in its own dtype (a bf16 model on CPU attends, and caches, in float32 here; see
+ssd/runner.py); tests compare their logits and the engine's greedy output with `generate`.
 
 With `fused=True` the projections that read the same input run as one product (q, k and v; gate
 and up) and, on a CPU with oneDNN, every product uses a weight prepacked once into oneDNN's

@@ -11,8 +11,9 @@ are cropped, and rows are re-packed when holes waste more than half the cache.
 
 The lean forward grows a layer with `append`, which writes the new columns into a buffer with
 spare room and leaves the layer's keys and values as views of its first L+n columns. Growing by
-torch.cat, as Hugging Face's update does, copies the whole layer on every forward: at speculative
-decoding's few tokens per forward, that copy was the most expensive operation of a draft step.
+torch.cat, as Hugging Face's update does, copies the whole layer on every forward, a cost that
+grows with the context while speculative decoding adds only a few tokens per forward (ad hoc, a
+7-token verification of the demo target at 1500 cached tokens: 22.5 ms with the copy, 20.1 without).
 Cropping keeps the views (no copy); anything that replaces a layer's tensors (select, compact,
 extend, a Hugging Face forward) makes the next append adopt them into a fresh buffer.
 
