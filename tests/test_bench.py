@@ -111,6 +111,8 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
                 assert r["upper_bound_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
                 assert math.isclose(r["fraction_of_bound"], r["decode_tokens_per_s"] / r["upper_bound_tokens_per_s"], rel_tol=1e-2)
                 assert r["decode_tokens_per_s"] >= r["tokens_per_s"] * 0.99  # prefill excluded
+            else:  # no all-hit step, no bound: never a figure made up from nothing
+                assert r["upper_bound_tokens_per_s"] is None and r["fraction_of_bound"] is None
             assert ar["ratio_to_ar"] == 1.0
             assert ar["mean_accepted_per_round"] == 0 and ar["tokens_per_round"] == 1
             # Batch 2: the engine modes run; HF assisted generation is reported unsupported.
