@@ -52,9 +52,10 @@ class DraftModelProposer:
         last = valid.long().sum(1) - 1
         step_logits = logits[torch.arange(b), last].unsqueeze(1)  # [b, 1, V]
         drafted, probs = [], []
+        one_hot = bool(sampling.greedy.all())
         for i in range(k):
             p = self.draft_probs(step_logits, sampling)[:, 0]  # [b, V]
-            tok = sample_from(p, uniforms[:, i])
+            tok = sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
             if i < k - 1:

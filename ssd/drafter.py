@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.draft_proposer import DraftModelProposer, pad_rows
+from ssd.kv_cache import additive_mask
 from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ResolveMsg, SpeculationReply
 from ssd.runner import ModelRunner
 from ssd.sampling import BatchSampling, sample_from
@@ -141,23 +142,7 @@ class Drafter:
         # A row whose speculation is shorter than K spends the budget on the outcomes it can have.
         row_fan = [row_fanout(fanout, len(spec[r]), self.jit.target_vocab) for r in range(b)]
         j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)  # [b, N]
-        cand = torch.zeros(b, n_branches, dtype=torch.long)
-        branch_index: list[dict[tuple[int, int], int]] = []
-        for r in range(b):
-            index: dict[tuple[int, int], int] = {}
-            n = 0
-            for j, f in enumerate(row_fan[r]):
-                if f == 0:
-                    continue
-                scores = glue_logits[r, j].clone()
-                if j < len(spec[r]):
-                    scores[spec[r][j]] = float("-inf")
-                top = scores.topk(f).indices
-                cand[r, n : n + f] = top
-                for t in top.tolist():
-                    index[(j, t)] = n
-                    n += 1
-            branch_index.append(index)
+        cand, branch_index = self._fork(glue_logits, msg.spec_tokens, spec, row_fan)
 
         # Tree decode: depth d feeds the branch tokens at depth d (the candidate at d = 0).
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
@@ -168,20 +153,26 @@ class Drafter:
         rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
         is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
         glue_vis = ~is_spec | (rel < j_of.unsqueeze(-1))  # [b, N, tree_start]
-        eye = torch.eye(n_branches, dtype=torch.bool).expand(b, n_branches, n_branches)
+        # Every depth appends N columns and every branch sees its own columns of all depths, so
+        # one mask over the whole tree serves every depth: depth d attends to its first
+        # tree_start + (d+1) N columns. Built once per round instead of once per depth.
+        own = torch.eye(n_branches, dtype=torch.bool).repeat(b, 1, k)  # [b, N, K*N]
+        allowed = torch.cat([glue_vis & self.cache.valid.unsqueeze(1), own], dim=-1)
+        tree_mask = additive_mask(allowed, self.runner.attention_dtype).unsqueeze(1)  # [b, 1, N, tree_start + K*N]
         uniforms = torch.stack([torch.rand(k, n_branches, generator=self.states[s].generator) for s in seq_ids])
+        one_hot = bool(sampling.greedy.all())
         feed = cand
         tree_started = time.perf_counter()
         out_tokens, out_probs = [], []
         fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
         for d in range(k):
-            own_tree = eye.repeat(1, 1, d) if d > 0 else torch.zeros(b, n_branches, 0, dtype=torch.bool)
-            history = torch.cat([glue_vis, own_tree], dim=-1)
             positions = committed.view(b, 1) + j_of + d
-            step = self.runner.forward(self.cache, feed, positions=positions, within=eye, history=history)
+            step = self.runner.forward(
+                self.cache, feed, positions=positions, attn_mask=tree_mask[..., : tree_start + (d + 1) * n_branches]
+            )
             probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
             probs = saguaro_probs(probs, fan_t[d].expand(b, n_branches), self.saguaro_c) if self.saguaro_c < 1 else probs
-            feed = sample_from(probs, uniforms[:, d])  # [b, N]
+            feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
             out_tokens.append(feed)
             out_probs.append(probs)
             if d < k - 1 and interrupted is not None and interrupted():
@@ -193,6 +184,31 @@ class Drafter:
         self.round = _Round(
             seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, build, depth,
         )
+
+    @staticmethod
+    def _fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[int]], row_fan: list[list[int]]):
+        """Bonus candidates: for each row r and outcome j, the top row_fan[r][j] tokens of the
+        glue distribution at j (raw draft logits), never the drafted token s_T[j].
+
+        glue_logits [b, K+1, V], spec_tokens [b, K] (padded) -> cand [b, N] and, per row,
+        (j, token) -> branch n. Branches are numbered by outcome, then by rank."""
+        b, k1, vocab = glue_logits.shape
+        k = k1 - 1
+        lens = torch.tensor([len(x) for x in spec])
+        drafted = torch.zeros(b, k1, vocab, dtype=torch.bool)
+        drafted[:, :k].scatter_(-1, spec_tokens[:, :k].long().unsqueeze(-1), (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1))
+        widest = max(max(f) for f in row_fan)
+        top = glue_logits.masked_fill(drafted, float("-inf")).topk(widest, dim=-1).indices.tolist()  # [b][K+1][widest]
+        cand, branch_index = [], []
+        for r in range(b):
+            row, index = [], {}
+            for j, f in enumerate(row_fan[r]):
+                for t in top[r][j][:f]:
+                    index[(j, t)] = len(row)
+                    row.append(t)
+            cand.append(row)
+            branch_index.append(index)
+        return torch.tensor(cand, dtype=torch.long), branch_index
 
     def resolve(self, msg: ResolveMsg) -> SpeculationReply:
         """Record the outcome of every row; return cached branches for hits and, when asked,

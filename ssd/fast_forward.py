@@ -148,6 +148,7 @@ class FastLlamaForward:
         self.fused = fused
         # Attention (and the cache) in this dtype; None: the model's. See runner.attention_dtype.
         self.attention_dtype = attention_dtype
+        self._rope_table: torch.Tensor | None = None  # [2, positions, head_dim]: cos, sign-folded sin
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
@@ -156,28 +157,47 @@ class FastLlamaForward:
         sin = (emb.sin() * self.rope_scaling).to(dtype)
         return cos, sin
 
+    def _rope_rows(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path: (cos, sign-folded sin) [b, n, 1, head_dim] for `positions`, gathered from a
+        table of every position up to the largest seen (doubling as it grows): two gathers per
+        forward instead of computing them (a dozen small operations). Rows are computed by
+        _rope, so they hold the same values it gives for those positions."""
+        table = self._rope_table
+        need = int(positions.max()) + 1
+        if table is None or table.shape[1] < need or table.dtype != dtype:
+            size = max(need, 256, 2 * table.shape[1] if table is not None else 0)
+            cos, sin = self._rope(torch.arange(size, device=positions.device), dtype)  # [size, head_dim]
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bit for bit.
+            table = self._rope_table = torch.stack((cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)))
+        rows = table[:, positions]  # [2, b, n, head_dim]
+        return rows[0].unsqueeze(2), rows[1].unsqueeze(2)
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         b, n = input_ids.shape
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self._rope(positions, x.dtype)
         if self.fused:
-            # Rotate q and k together, in [b, n, heads, head_dim] layout; rotate_half(x) * sin
-            # equals roll(x, half) * (sin with its first half negated), bit for bit.
+            # Rotary embedding in [b, n, heads, head_dim] layout, q and k together, in the dtype
+            # attention runs in (a reduced-precision model's q and k are upcast before rotating).
+            rope_dtype = self.attention_dtype or x.dtype
+            cos4, sin4 = self._rope_rows(positions, rope_dtype)
             half = self.head_dim // 2
-            cos4 = cos.unsqueeze(2)
-            sin4 = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
         else:
+            cos, sin = self._rope(positions, x.dtype)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, n, head_dim]
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.norm_in, layer.eps_in)
             if layer.fused:
                 qkv = layer.qkv(h)  # [b, n, (heads + 2 kv_heads) * head_dim]
-                qk = qkv[..., : (self.heads + self.kv_heads) * self.head_dim].view(b, n, -1, self.head_dim)
+                if qkv.dtype != rope_dtype:
+                    qkv = qkv.to(rope_dtype)
+                qk = qkv[..., :qk_width].view(b, n, -1, self.head_dim)
                 qk = (qk * cos4) + (qk.roll(half, -1) * sin4)
                 q = qk[:, :, : self.heads].transpose(1, 2)
                 k = qk[:, :, self.heads :].transpose(1, 2)
-                v = qkv[..., (self.heads + self.kv_heads) * self.head_dim :].view(b, n, -1, self.head_dim).transpose(1, 2)
+                v = qkv[..., qk_width:].view(b, n, -1, self.head_dim).transpose(1, 2)
             else:
                 q, k, v = _linear(h, layer.q), _linear(h, layer.k), _linear(h, layer.v)
                 q = q.view(b, n, -1, self.head_dim).transpose(1, 2)
@@ -185,8 +205,8 @@ class FastLlamaForward:
                 v = v.view(b, n, -1, self.head_dim).transpose(1, 2)
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
-            if self.attention_dtype is not None:
-                q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+                if self.attention_dtype is not None:
+                    q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
             keys, values = cache.append(i, k, v)
             if self.groups > 1:
                 keys = keys.repeat_interleave(self.groups, dim=1)

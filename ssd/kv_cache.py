@@ -69,9 +69,7 @@ class BatchKVCache:
         else:
             history = history & self.valid.unsqueeze(1)
         allowed = torch.cat([history, within & new_valid.unsqueeze(1)], dim=-1)
-        mask = torch.zeros(allowed.shape, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask.unsqueeze(1)
+        return additive_mask(allowed, dtype).unsqueeze(1)
 
     def append(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add n new columns k, v [b, kv_heads, n, head_dim] to layer `index` (what Hugging
@@ -101,21 +99,30 @@ class BatchKVCache:
         """Roll row r back by its counts[r] newest tokens (counts [b] long, >= 0)."""
         if not bool((counts > 0).any()):
             return
-        # valid entries at or after each column, per row
-        after = self.valid.flip(1).cumsum(1).flip(1)
-        self.valid &= ~(after <= counts.unsqueeze(1))
+        c = int(counts[0])
+        if c <= self.num_columns and bool((counts == c).all()) and bool(self.valid[:, self.num_columns - c :].all()):
+            # Every row drops the same last c columns, all valid (a tree or a draft rolled
+            # back): cropping them is the whole rollback.
+            self._crop_to(self.num_columns - c)
+        else:
+            # valid entries at or after each column, per row
+            after = self.valid.flip(1).cumsum(1).flip(1)
+            self.valid &= ~(after <= counts.unsqueeze(1))
         self._crop_unused()
 
     def _crop_unused(self) -> None:
         used = self.valid.any(0).nonzero()
         keep = int(used[-1]) + 1 if len(used) else 0
+        self._crop_to(keep)
+        if self.num_columns > 64 and self.num_columns > 2 * int(self.lengths().max()):
+            self.compact()
+
+    def _crop_to(self, keep: int) -> None:
         if keep < self.num_columns:
             self.valid = self.valid[:, :keep]
             for layer in self._tensors():
                 layer.keys = layer.keys[:, :, :keep]
                 layer.values = layer.values[:, :, :keep]
-        if self.num_columns > 64 and self.num_columns > 2 * int(self.lengths().max()):
-            self.compact()
 
     def compact(self) -> None:
         """Pack each row's valid columns to the right end, dropping holes."""
@@ -160,6 +167,13 @@ class BatchKVCache:
             a.values = torch.cat([_left_pad(a.values, width), _left_pad(c.values, width)], 0)
         pad = lambda v: torch.cat([torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool), v], 1)  # noqa: E731
         self.valid = torch.cat([pad(self.valid), pad(other.valid)], 0)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """allowed [..., L] bool -> the additive attention mask [..., L]: 0 where allowed, the
+    dtype's lowest value elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _fits(buffer: torch.Tensor, current: torch.Tensor, new: torch.Tensor, end: int) -> bool:

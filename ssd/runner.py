@@ -55,8 +55,13 @@ class ModelRunner:
         positions: torch.Tensor | None = None,
         within: torch.Tensor | None = None,
         history: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [b, n] -> logits [b, n, V] (float32, on CPU)."""
+        """tokens [b, n] -> logits [b, n, V] (float32, on CPU).
+
+        attn_mask: a prebuilt additive mask [b, 1, n, L+n] in attention_dtype (a caller that runs
+        many forwards under one visibility pattern builds it once); it replaces the mask that
+        new_valid, within and history would give, so it must hide padding and invalid columns."""
         b, n = tokens.shape
         if new_valid is None:
             new_valid = torch.ones(b, n, dtype=torch.bool)
@@ -66,7 +71,11 @@ class ModelRunner:
         if positions is None:
             positions = cache.lengths().unsqueeze(1) + new_valid.long().cumsum(1) - 1
             positions.clamp_(min=0)
-        mask = cache.attention_mask(new_valid, within, self.attention_dtype, history)
+        if attn_mask is None:
+            mask = cache.attention_mask(new_valid, within, self.attention_dtype, history)
+        else:
+            assert attn_mask.shape == (b, 1, n, cache.num_columns + n) and attn_mask.dtype == self.attention_dtype
+            mask = attn_mask
         if self.lean is not None:
             logits = self.lean(tokens.to(self.device), mask.to(self.device), positions.to(self.device), cache)
             cache.commit_columns(new_valid)

@@ -44,6 +44,8 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
     logits = logits.float()
     b, n, vocab = logits.shape
     greedy = sampling.greedy
+    if bool(greedy.all()):  # the common greedy batch: skip the softmax whose rows would be replaced
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     scaled = logits / temperature.view(b, 1, 1)
 
@@ -67,8 +69,12 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
     return probs
 
 
-def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [..., V] (need not be normalized), uniforms [...] -> ids [...]."""
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = False) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] (need not be normalized), uniforms [...] -> ids [...].
+    one_hot=True promises every row is one-hot (a greedy batch): the draw is then its argmax,
+    which is what the inverse CDF returns for any uniform, without the cumulative sum."""
+    if one_hot:
+        return probs.argmax(-1)
     cdf = probs.cumsum(-1)
     threshold = (uniforms * cdf[..., -1]).unsqueeze(-1)
     # First index whose cumulative mass exceeds u * total; that token has positive mass.

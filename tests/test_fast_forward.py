@@ -82,6 +82,19 @@ def test_fused_forward_matches_hugging_face(kind, dtype):
         assert ours <= 1.25 * theirs + 0.02, (ours, theirs)
 
 
+def test_fused_rope_table_grows_with_the_positions():
+    """The fused path gathers rotary rows from a table of the positions seen so far; positions
+    past it (here past the model's max_position_embeddings, 256) grow it, with the same result."""
+    model = _tiny("llama")
+    fused, hf = ModelRunner(model, torch.device("cpu"), fused=True), ModelRunner(model, torch.device("cpu"), lean=False)
+    tokens = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(4))
+    a, b = fused.new_cache(), hf.new_cache()
+    torch.testing.assert_close(fused.forward(a, tokens[:, :100]), hf.forward(b, tokens[:, :100]), atol=1e-4, rtol=0)
+    assert fused.lean._rope_table.shape[1] == 256
+    torch.testing.assert_close(fused.forward(a, tokens[:, 100:]), hf.forward(b, tokens[:, 100:]), atol=1e-4, rtol=0)
+    assert fused.lean._rope_table.shape[1] == 512
+
+
 def test_reduced_precision_models_attend_in_float32_on_cpu():
     """bf16 attention kernels are several times slower than float32 ones on CPU for the few
     queries of a draft step, so the lean forward upcasts q, k, v (and keeps its cache in float32)."""

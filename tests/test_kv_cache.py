@@ -89,3 +89,51 @@ def test_append_grows_in_place_and_rollback_reuses_the_room(tiny_pair):
     assert layer.keys.shape[2] == 114
     history = prompt + nxt[0].tolist() + long[0].tolist()
     torch.testing.assert_close(out[0, -1], _fresh_logits(runner, history), atol=1e-5, rtol=0)
+
+
+def test_uniform_rollback_crops_and_matches_the_masking_rollback(tiny_pair):
+    """Dropping the same number of newest columns from every row, all of them valid, crops them
+    (the buffer stays, later appends reuse it); any other rollback masks columns. Both give the
+    cache a fresh forward of the kept tokens would give."""
+    runner = _runner(tiny_pair[0])
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randint(0, 256, (2, 6), generator=gen)
+    cache = runner.new_cache()
+    runner.forward(cache, rows)
+    layer = cache.hf_cache.layers[0]
+    start = layer.keys.data_ptr()
+    runner.forward(cache, torch.randint(0, 256, (2, 4), generator=gen))
+    cache.drop_last(torch.tensor([4, 4]))
+    assert cache.num_columns == 6 and bool(cache.valid.all()) and layer.keys.shape[2] == 6
+    # A tail with a hole (row 1 rolled back one more) takes the masking path.
+    spec = torch.randint(0, 256, (2, 3), generator=gen)
+    runner.forward(cache, spec)
+    cache.drop_last(torch.tensor([1, 2]))
+    cache.drop_last(torch.tensor([1, 1]))
+    assert cache.lengths().tolist() == [7, 6] and cache.num_columns == 7
+    nxt = torch.randint(0, 256, (2, 1), generator=gen)
+    logits = runner.forward(cache, nxt)[:, -1]
+    assert layer.keys.data_ptr() == start
+    histories = [rows[0].tolist() + spec[0, :1].tolist(), rows[1].tolist()]
+    for i, h in enumerate(histories):
+        torch.testing.assert_close(logits[i], _fresh_logits(runner, h + [int(nxt[i])]), atol=1e-4, rtol=1e-4)
+
+
+def test_prebuilt_mask_equals_the_mask_from_visibility(tiny_pair):
+    """A caller may build the additive mask once (the drafter's tree) and pass it as attn_mask:
+    the forward is the one that within/history describe."""
+    runner = _runner(tiny_pair[0])
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (2, 5), generator=gen)
+    a, b = runner.new_cache(), runner.new_cache()
+    runner.forward(a, prompt)
+    runner.forward(b, prompt)
+    eye = torch.eye(3, dtype=torch.bool).expand(2, 3, 3)
+    history = torch.ones(2, 3, 5, dtype=torch.bool)
+    history[:, 1:, -1] = False
+    tokens = torch.randint(0, 256, (2, 3), generator=gen)
+    positions = torch.full((2, 3), 5)
+    mask = a.attention_mask(torch.ones(2, 3, dtype=torch.bool), eye, runner.attention_dtype, history)
+    got = runner.forward(a, tokens, positions=positions, attn_mask=mask)
+    want = runner.forward(b, tokens, positions=positions, within=eye, history=history)
+    assert torch.equal(got, want)

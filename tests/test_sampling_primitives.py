@@ -57,6 +57,16 @@ def test_process_logits_greedy_rows_are_one_hot_at_argmax():
     assert torch.equal(probs, expected)
 
 
+def test_process_logits_all_greedy_batch_matches_greedy_rows_of_a_mixed_batch():
+    """An all-greedy batch takes a shortcut (no softmax); its rows are those the general path
+    gives greedy rows."""
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(3, 4, 30, generator=gen) * 3
+    fast = process_logits(logits, _sampling([0.0, 0.0, 0.0], [0, 0, 0], [1.0, 1.0, 1.0]))
+    mixed = process_logits(torch.cat([logits, logits[:1]]), _sampling([0.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0]))
+    assert torch.equal(fast, mixed[:3])
+
+
 def test_process_logits_temperature_only():
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(3, 2, 40, generator=gen) * 3
@@ -174,3 +184,15 @@ def test_sample_from_is_inverse_cdf():
     ids = sample_from(many, uu)
     assert ids.shape == (3, 5)
     assert torch.equal(ids.view(-1), sample_from(many.view(15, 9), uu.view(15)))
+
+
+def test_sample_from_one_hot_rows_is_the_inverse_cdf():
+    """sample_from(..., one_hot=True), the greedy shortcut, returns what the inverse CDF returns
+    for one-hot rows, whatever the uniform."""
+    gen = torch.Generator().manual_seed(3)
+    hot = torch.randint(0, 50, (64,), generator=gen)
+    probs = torch.zeros(64, 50).scatter_(-1, hot.unsqueeze(-1), 1.0)
+    u = torch.rand(64, generator=gen)
+    u[:2] = torch.tensor([0.0, ONE_MINUS])
+    assert torch.equal(sample_from(probs, u, one_hot=True), sample_from(probs, u))
+    assert torch.equal(sample_from(probs, u, one_hot=True), hot)
