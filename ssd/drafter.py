@@ -72,6 +72,7 @@ class Drafter:
 
     # ---- membership -------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def admit(self, msg: AdmitMsg) -> None:
         new_rows = []
         for i, seq_id in enumerate(msg.seq_ids):
@@ -86,6 +87,7 @@ class Drafter:
         self.cache.extend(cache)
         self.order.extend(msg.seq_ids)
 
+    @torch.inference_mode()
     def release(self, seq_ids: list[int]) -> None:
         gone = set(seq_ids)
         keep = [i for i, s in enumerate(self.order) if s not in gone]
@@ -112,6 +114,7 @@ class Drafter:
 
     # ---- the round ----------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def begin_round(self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None) -> None:
         """Glue decode, fork and tree decode for every row; fills the speculation cache.
 
@@ -210,6 +213,7 @@ class Drafter:
             branch_index.append(index)
         return torch.tensor(cand, dtype=torch.long), branch_index
 
+    @torch.inference_mode()
     def resolve(self, msg: ResolveMsg) -> SpeculationReply:
         """Record the outcome of every row; return cached branches for hits and, when asked,
         neural-backup speculations for misses."""
@@ -238,6 +242,7 @@ class Drafter:
             num_draft = torch.where(hit, num_draft, k)
         return SpeculationReply(msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds)
 
+    @torch.inference_mode()
     def draft_reply(self, msg: DraftNowMsg) -> SpeculationReply:
         """Speculations drafted just in time for every row (sequences with no cached one)."""
         spec = self.draft_now(list(msg.seq_ids), list(msg.need))
@@ -247,6 +252,7 @@ class Drafter:
             tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft,
         )
 
+    @torch.inference_mode()
     def draft_now(self, seq_ids: list[int], need: list[bool]):
         """Neural backup: ordinary just-in-time drafting. The batch forward covers every row,
         but only rows in `need` draw from their own generators (the others draw from a

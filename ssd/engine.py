@@ -168,6 +168,7 @@ class LLMEngine:
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
         )
 
+    @torch.inference_mode()
     def step(self) -> list[CompletionOutput]:
         """Run one round; return an output (with deltas) for every sequence that progressed."""
         self._admit()

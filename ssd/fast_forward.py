@@ -173,7 +173,7 @@ class FastLlamaForward:
         rows = table[:, positions]  # [2, b, n, head_dim]
         return rows[0].unsqueeze(2), rows[1].unsqueeze(2)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         b, n = input_ids.shape
         x = F.embedding(input_ids, self.embed)

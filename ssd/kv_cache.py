@@ -95,6 +95,7 @@ class BatchKVCache:
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         assert all(layer.keys.shape[2] == self.num_columns for layer in self._tensors())
 
+    @torch.inference_mode()
     def drop_last(self, counts: torch.Tensor) -> None:
         """Roll row r back by its counts[r] newest tokens (counts [b] long, >= 0)."""
         if not bool((counts > 0).any()):
@@ -124,6 +125,7 @@ class BatchKVCache:
                 layer.keys = layer.keys[:, :, :keep]
                 layer.values = layer.values[:, :, :keep]
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Pack each row's valid columns to the right end, dropping holes."""
         lengths = self.lengths()
@@ -141,6 +143,7 @@ class BatchKVCache:
             layer.values = layer.values.gather(2, idx)
         self.valid = new_valid
 
+    @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (in that order)."""
         self._buffers.clear()
@@ -150,6 +153,7 @@ class BatchKVCache:
             layer.values = layer.values[rows]
         self._crop_unused()
 
+    @torch.inference_mode()
     def extend(self, other: "BatchKVCache") -> None:
         """Append other's rows after ours; the shorter side is left-padded with invalid columns.
         `other` is consumed: it must not be used afterwards (it may share our tensors)."""
