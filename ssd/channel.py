@@ -25,7 +25,11 @@ class DraftClient(Protocol):
     def begin_round(self, msg: BeginRoundMsg) -> None:
         """Start building the next cache; returns at once on transports that overlap."""
 
-    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply: ...
+    def resolve(self, msg: ResolveMsg) -> None:
+        """Send the round's outcome; the drafter answers it with reply()."""
+
+    def reply(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
+        """The drafter's answer to the outcome sent by resolve(msg)."""
 
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply: ...
 
@@ -35,6 +39,7 @@ class DraftClient(Protocol):
 class InProcessClient:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
+        self.pending: SpeculationReply | None = None
 
     def admit(self, msg: AdmitMsg) -> None:
         self.drafter.admit(msg)
@@ -45,8 +50,13 @@ class InProcessClient:
     def begin_round(self, msg: BeginRoundMsg) -> None:
         self.drafter.begin_round(msg)
 
-    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
-        return self.drafter.resolve(msg)
+    def resolve(self, msg: ResolveMsg) -> None:
+        self.pending = self.drafter.resolve(msg)
+
+    def reply(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
+        assert self.pending is not None and self.pending.round_id == msg.round_id, "reply() without its resolve()"
+        out, self.pending = self.pending, None
+        return out
 
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         return self.drafter.draft_reply(msg)

@@ -205,6 +205,9 @@ class ProcessClient:
 
     def _request(self, msg, deadline_s: float | None) -> SpeculationReply:
         self.endpoint.send(msg, self.deadline)
+        return self._reply(msg, deadline_s)
+
+    def _reply(self, msg, deadline_s: float | None) -> SpeculationReply:
         timeout = datetime.timedelta(seconds=deadline_s) if deadline_s is not None else None
         kind, reply, ints = self.endpoint.recv(timeout)
         if kind == MsgType.ERROR:
@@ -222,8 +225,11 @@ class ProcessClient:
     def begin_round(self, msg: BeginRoundMsg) -> None:
         self._guard(lambda: self.endpoint.send(msg, self.deadline))
 
-    def resolve(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
-        return self._guard(lambda: self._request(msg, deadline_s))
+    def resolve(self, msg: ResolveMsg) -> None:
+        self._guard(lambda: self.endpoint.send(msg, self.deadline))
+
+    def reply(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply:
+        return self._guard(lambda: self._reply(msg, deadline_s))
 
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         return self._guard(lambda: self._request(msg, self.deadline.total_seconds()))

@@ -64,6 +64,9 @@ class DraftModelProposer:
             torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long)
         )
 
+    def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
+        pass  # nothing to overlap: drafting happens in propose()
+
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         # The cache holds the old committed tokens and drafts 1..K-1; the accepted ones stay.
         keep = outcome.tokens_before + outcome.num_accepted.clamp(max=speculation.k - 1)

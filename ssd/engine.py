@@ -187,12 +187,16 @@ class LLMEngine:
         target_probs = process_logits(self.target.forward(self.cache, tokens, valid), sampling)  # [b, K+1, V]
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
-        self.cache.drop_last(spec.num_draft - result.num_accepted)
-        t2 = time.perf_counter()
-        self.metrics.draft_seconds += t1 - t0
-        self.metrics.verify_seconds += t2 - t1
-
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
+        t2 = time.perf_counter()
+        if self.proposer is not None and k > 0:
+            self.proposer.outcome_known(seqs, spec, outcome)
+        t3 = time.perf_counter()
+        self.cache.drop_last(spec.num_draft - result.num_accepted)
+        self.metrics.draft_seconds += (t1 - t0) + (t3 - t2)
+        self.metrics.verify_seconds += (t2 - t1) + (time.perf_counter() - t3)
+
         accepted = result.num_accepted.tolist()
         bonus = result.bonus_tokens.tolist()
         drafted = spec.tokens.tolist()
@@ -211,7 +215,7 @@ class LLMEngine:
         self.metrics.spec.add(round_metrics)
         if self.proposer is not None and k > 0:
             t3 = time.perf_counter()
-            self.proposer.observe(seqs, spec, RoundOutcome(result.num_accepted, result.bonus_tokens, before))
+            self.proposer.observe(seqs, spec, outcome)
             self.metrics.draft_seconds += time.perf_counter() - t3
         keep = [i for i, s in enumerate(seqs) if not s.finished]
         if len(keep) < b:

@@ -56,13 +56,17 @@ class Proposer(Protocol):
     """Drafting for the rows of the engine's running batch, in batch order.
 
     The engine calls add() for newly admitted sequences (appended at the end of the batch),
-    propose() once per round, observe() after verification (the sequences already hold the
-    new tokens), and keep() with the rows that stay after finished ones leave.
+    propose() once per round, outcome_known() as soon as verification has decided (before the
+    engine's bookkeeping, which a proposer waiting on another process overlaps with that wait),
+    observe() after the bookkeeping (the sequences already hold the new tokens), and keep()
+    with the rows that stay after finished ones leave.
     """
 
     def add(self, seqs: list[Sequence]) -> None: ...
 
     def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation: ...
+
+    def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
 
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
 

@@ -2,8 +2,8 @@
 
 Per round (engine order): propose() returns for every row the speculation prepared last round
 (a cache hit, or a backup) and announces it to the drafter, which starts building the next
-cache while the engine verifies; observe() sends the outcomes and receives the speculations for
-the next round. A drafter that fails or misses its deadline is dropped with one log line and
+cache while the engine verifies; outcome_known() sends the outcomes as soon as verification
+has them, and observe() receives the speculations for the next round. A drafter that fails or misses its deadline is dropped with one log line and
 the target goes on alone with the fast backup: fewer tokens per round, never wrong ones.
 """
 
@@ -77,6 +77,8 @@ class SSDProposer:
         self.p_hit, self.e_hit, self.e_neural, self.e_fast = _Ema(0.7), _Ema(3.0), _Ema(3.0), _Ema(1.5)
         self.t_primary, self.t_neural, self.t_fast = _Ema(1.0), _Ema(0.5), _Ema(0.01)
         self._sent_at = 0.0
+        self._verify_s = 1e-6  # of the current round: from its announcement to its outcome
+        self._resolve: ResolveMsg | None = None  # the current round's outcome, as sent
         self.build_ratio = _Ema(None, weight=0.1)  # drafter build time / verification time
         self.sizer = BudgetSizer(config.budget, min_budget=min(config.budget, config.k + 1))
 
@@ -148,8 +150,19 @@ class SSDProposer:
         self._sent_at = time.perf_counter()
         return spec
 
+    def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
+        """Send the outcome the moment verification decides it: the drafter stops its tree and
+        answers while the engine does its bookkeeping. The backup for this round's misses is
+        chosen from the estimates of the rounds before (observe() adds this one)."""
+        self._verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
+        self.last_backup = self._choose_backup(len(seqs))
+        self._resolve = ResolveMsg(
+            self.round_id, [s.seq_id for s in seqs], outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural"
+        )
+        self._call(lambda: self.client.resolve(self._resolve))
+
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
-        verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
+        verify_s = self._verify_s
         accepted = outcome.num_accepted.tolist()
         drafted = speculation.num_draft.tolist()
         for r, src in enumerate(speculation.source.tolist()):
@@ -160,12 +173,9 @@ class SSDProposer:
                 fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
                 self.estimates.observe_hit(fanout[accepted[r]], src == int(Source.CACHE))
         batch = len(seqs)
-        self.last_backup = self._choose_backup(batch)
-        ids = [s.seq_id for s in seqs]
         t0 = time.perf_counter()
-        msg = ResolveMsg(self.round_id, ids, outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural")
-        reply = self._call(lambda: self.client.resolve(msg, self.config.deadline_s))
-        wait = time.perf_counter() - t0
+        reply = self._call(lambda: self.client.reply(self._resolve, self.config.deadline_s))
+        wait = time.perf_counter() - t0  # what the target waited, beyond its own bookkeeping
         hits = 0
         for r, s in enumerate(seqs):
             if reply is not None and bool(reply.hit[r]):

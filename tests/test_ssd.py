@@ -114,6 +114,32 @@ def test_greedy_matches_hf_auto_backup_and_adaptive_budget(tiny_pair, prompts, t
     assert m["backup_neural_rounds"] + m["backup_fast_rounds"] > 0
 
 
+def test_outcome_reaches_the_drafter_before_the_engines_bookkeeping(tiny_pair, prompts, monkeypatch):
+    """Each round's outcome is sent as soon as verification decides it, so the drafter's answer
+    overlaps the engine's bookkeeping (stop checks, outputs) instead of following it."""
+    from ssd.channel import InProcessClient
+    from ssd.stopping import StopChecker
+
+    events: list[str] = []
+
+    def recorded(cls, name):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            events.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    for cls, name in ((InProcessClient, "resolve"), (InProcessClient, "reply"), (StopChecker, "append")):
+        recorded(cls, name)
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_transport="inprocess") as llm:
+        llm.generate(prompts[0], greedy(12))
+    rounds = [events[i : i + 3] for i in range(0, len(events), 3)]
+    assert len(rounds) >= 3 and all(r == ["resolve", "append", "reply"] for r in rounds), events
+
+
 @pytest.mark.parametrize("channel", ["shm", "gloo"])
 def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference, channel):
     """Over either channel; also a bf16 draft beside the fp32 target: the draft's precision
