@@ -278,6 +278,57 @@ def _die_with_parent() -> None:
         logger.warning("PR_SET_PDEATHSIG unavailable: the draft worker may outlive a killed parent")
 
 
+class _NextRound:
+    """Reads the channel while the drafter builds a round it predicted: the target's
+    announcement confirms the round when it matches (then the outcome's arrival cuts the tree
+    as usual); anything else makes the round stale and is kept for the worker to handle."""
+
+    def __init__(self, endpoint, predicted: BeginRoundMsg) -> None:
+        self.endpoint, self.predicted = endpoint, predicted
+        self.posted = endpoint.post_header()
+        self.confirmed = False
+        self.other: tuple | None = None  # (kind, message) that superseded the prediction
+
+    def _read(self, block: bool) -> None:
+        if self.confirmed or self.other is not None or not (block or self.posted.arrived()):
+            return
+        kind, msg, _ = self.endpoint.recv(posted=self.posted)
+        if kind == MsgType.BEGIN_ROUND and msg.same_round(self.predicted):
+            self.confirmed = True
+            self.posted = self.endpoint.post_header()
+        else:
+            self.other = (kind, msg)
+
+    def stale(self) -> bool:
+        self._read(block=False)
+        return self.other is not None
+
+    def outcome_arrived(self) -> bool:
+        self._read(block=False)
+        return self.confirmed and self.posted.arrived()
+
+    def settle(self) -> None:
+        """After the build: wait for the announcement if it has not come yet."""
+        self._read(block=True)
+
+
+def _build_predicted(drafter, endpoint, predicted: BeginRoundMsg):
+    """Build the round predicted after an all-hit reply while the target is still finishing
+    its step (bookkeeping, the next proposal, the announcement): about a millisecond more for
+    the tree each round. The announcement confirms it, or the round is taken back (cache and
+    generators as before, so outputs do not depend on the prediction) and the message that
+    came instead is handled as usual. -> (posted header of the next message, or None;
+    a message to handle first, or None)."""
+    watch = _NextRound(endpoint, predicted)
+    built = drafter.begin_round(predicted, interrupted=watch.outcome_arrived, stale=watch.stale)
+    watch.settle()
+    if watch.other is None:
+        return watch.posted, None
+    if built:
+        drafter.abandon_round()
+    return None, watch.other
+
+
 def worker_main(config: dict, vocab: int, link: tuple) -> None:
     """Entry point of the draft process: load the draft, then serve messages until SHUTDOWN.
     `link` is ("shm", inbox, outbox) or ("gloo", store_dir)."""
@@ -301,8 +352,12 @@ def worker_main(config: dict, vocab: int, link: tuple) -> None:
         drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
         endpoint.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         posted = None
+        queued = None  # a message read while building a predicted round that it superseded
         while True:
-            kind, msg, _ = endpoint.recv(posted=posted)
+            if queued is not None:
+                (kind, msg), queued = queued, None
+            else:
+                kind, msg, _ = endpoint.recv(posted=posted)
             posted = None
             if kind == MsgType.SHUTDOWN:
                 return
@@ -316,7 +371,11 @@ def worker_main(config: dict, vocab: int, link: tuple) -> None:
                 posted = endpoint.post_header()
                 drafter.begin_round(msg, interrupted=posted.arrived)
             elif kind == MsgType.RESOLVE:
-                endpoint.send(drafter.resolve(msg))
+                reply = drafter.resolve(msg)
+                endpoint.send(reply)
+                predicted = drafter.predict_round(msg, reply)
+                if predicted is not None:
+                    posted, queued = _build_predicted(drafter, endpoint, predicted)
             elif kind == MsgType.DRAFT_NOW:
                 endpoint.send(drafter.draft_reply(msg))
             else:

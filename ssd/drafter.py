@@ -55,6 +55,9 @@ class _Round:
     fanout: list[int] = field(default_factory=list)
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
+    # A round begun on a prediction: how to take it back (generator states, committed columns
+    # the glue added per row) if the target's announcement turns out different.
+    undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
 
 class Drafter:
@@ -115,14 +118,21 @@ class Drafter:
     # ---- the round ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def begin_round(self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None) -> None:
+    def begin_round(
+        self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None, stale: Callable[[], bool] | None = None
+    ) -> bool:
         """Glue decode, fork and tree decode for every row; fills the speculation cache.
 
         `interrupted` is polled after each tree depth: once it is true (the outcome has
-        arrived), the tree stops at that depth and the cache holds shorter speculations."""
+        arrived), the tree stops at that depth and the cache holds shorter speculations.
+        `stale` is given for a round begun on a prediction (predict_round) before the target
+        announced it; it is polled after the glue and each depth, and once it is true the round
+        is taken back: cache and generators are as before the call. Returns whether the round
+        was built."""
         started = time.perf_counter()
         seq_ids = list(msg.seq_ids)
         self._rows(seq_ids)
+        undo_states = [self.states[s].generator.get_state() for s in seq_ids] if stale is not None else []
         b, k = len(seq_ids), self.k
         fanout = list(msg.fanout)
         n_branches = sum(fanout)
@@ -134,6 +144,10 @@ class Drafter:
         tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
         glue_start = self.cache.num_columns
         logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
+        pending_lens = torch.tensor([len(p) for p in pending])
+        if stale is not None and stale():
+            self._take_back(seq_ids, undo_states, valid.sum(1))
+            return False
         # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
         base = torch.tensor([len(p) - 1 for p in pending])
         cols = base.unsqueeze(1) + torch.arange(k + 1).unsqueeze(0)  # [b, K+1]
@@ -178,6 +192,9 @@ class Drafter:
             feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
             out_tokens.append(feed)
             out_probs.append(probs)
+            if stale is not None and stale():
+                self._take_back(seq_ids, undo_states, pending_lens + spec_lens + (d + 1) * n_branches)
+                return False
             if d < k - 1 and interrupted is not None and interrupted():
                 break
         depth = len(out_tokens)
@@ -186,7 +203,36 @@ class Drafter:
         build = (tree_started - started) + (now - tree_started) * k / depth
         self.round = _Round(
             seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, build, depth,
+            (undo_states, pending_lens) if stale is not None else None,
         )
+        return True
+
+    def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
+        """Undo a predicted round: drop the `columns` [b] it added (glue, tree) and rewind the
+        generators, so the next round draws exactly what it would have drawn without it."""
+        self.cache.drop_last(columns)
+        for s, state in zip(seq_ids, states):
+            self.states[s].generator.set_state(state)
+        self.round = None
+
+    @torch.inference_mode()
+    def abandon_round(self) -> None:
+        """Take back a predicted round that was built but not announced: the target sent
+        something else. Only rounds begun with `stale` can be taken back."""
+        rnd = self.round
+        assert rnd is not None and rnd.undo is not None, "only a predicted round can be abandoned"
+        states, pending_lens = rnd.undo
+        self._take_back(rnd.seq_ids, states, pending_lens)
+
+    def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply) -> BeginRoundMsg | None:
+        """The round the target will most likely announce next, so that its build can start
+        before the announcement arrives: after a round in which every row hit, the target
+        verifies the branches it was just sent, with the fan-out the outcome message carried.
+        None when that cannot be known (a miss: the target's backup
+        decides that row's speculation)."""
+        if not resolve.next_fanout or not bool(reply.hit.all()):
+            return None
+        return BeginRoundMsg(resolve.round_id + 1, list(reply.seq_ids), reply.tokens.clone(), reply.num_draft.clone(), list(resolve.next_fanout))
 
     @staticmethod
     def _fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[int]], row_fan: list[list[int]]):

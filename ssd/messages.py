@@ -7,7 +7,7 @@ meanings; the wire format (ssd/wire.py) is a fixed tensor layout, never pickle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,14 @@ class BeginRoundMsg:
     num_draft: torch.Tensor  # [b] long
     fanout: list[int]  # [K+1] F_k, shared by the batch
 
+    def same_round(self, other: "BeginRoundMsg") -> bool:
+        """Whether both announce the same round: ids, batch, fan-out and the speculations' real tokens."""
+        if (self.round_id, list(self.seq_ids), list(self.fanout)) != (other.round_id, list(other.seq_ids), list(other.fanout)):
+            return False
+        if not torch.equal(self.num_draft, other.num_draft):
+            return False
+        return all(torch.equal(self.spec_tokens[r, :n], other.spec_tokens[r, :n]) for r, n in enumerate(self.num_draft.tolist()))
+
 
 @dataclass(frozen=True)
 class ResolveMsg:
@@ -49,6 +57,9 @@ class ResolveMsg:
     num_accepted: torch.Tensor  # [b] long
     bonus_tokens: torch.Tensor  # [b] long
     neural_backup: bool  # draft misses just in time (else the target uses its fast backup)
+    # [K+1] the fan-out the next round will announce (decided now, so the drafter can begin that
+    # round before the announcement); empty when not decided.
+    next_fanout: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

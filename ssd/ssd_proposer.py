@@ -71,7 +71,8 @@ class SSDProposer:
         self.backup_rng: dict[int, torch.Generator] = {}
         self.round_id = 0
         self.dead = False
-        self.fanout: list[int] = []
+        self.fanout: list[int] = []  # of the round being verified
+        self.next_fanout: list[int] = []  # decided with the outcome, announced with the next round
         self.last_backup = config.backup if config.backup != "auto" else "neural"
         # Live figures for the backup choice (tokens per round; latency / verification time).
         self.p_hit, self.e_hit, self.e_neural, self.e_fast = _Ema(0.7), _Ema(3.0), _Ema(3.0), _Ema(1.5)
@@ -144,7 +145,7 @@ class SSDProposer:
         probs = torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
         spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         if not self.dead:
-            self.fanout = self._fanout()
+            self.fanout, self.next_fanout = self.next_fanout or self._fanout(), []
             msg = BeginRoundMsg(self.round_id, ids, tokens, spec.num_draft, self.fanout)
             self._call(lambda: self.client.begin_round(msg))
         self._sent_at = time.perf_counter()
@@ -152,12 +153,15 @@ class SSDProposer:
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         """Send the outcome the moment verification decides it: the drafter stops its tree and
-        answers while the engine does its bookkeeping. The backup for this round's misses is
-        chosen from the estimates of the rounds before (observe() adds this one)."""
+        answers while the engine does its bookkeeping. The backup for this round's misses and the
+        next round's fan-out (sent along, so the drafter can begin that round at once) are chosen
+        from the estimates of the rounds before (observe() adds this one)."""
         self._verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
         self.last_backup = self._choose_backup(len(seqs))
+        self.next_fanout = self._fanout()
         self._resolve = ResolveMsg(
-            self.round_id, [s.seq_id for s in seqs], outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural"
+            self.round_id, [s.seq_id for s in seqs], outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural",
+            self.next_fanout,
         )
         self._call(lambda: self.client.resolve(self._resolve))
 

@@ -99,7 +99,8 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         ints = _i([b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, msg.spec_tokens)
         return MsgType.BEGIN_ROUND, msg.round_id, ints, none
     if isinstance(msg, ResolveMsg):
-        ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens)
+        ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens,
+                  [len(msg.next_fanout)], msg.next_fanout)
         return MsgType.RESOLVE, msg.round_id, ints, none
     if isinstance(msg, DraftNowMsg):
         return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
@@ -127,7 +128,8 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout)
     if kind == MsgType.RESOLVE:
         b, neural = r.one(), bool(r.one())
-        return ResolveMsg(round_id, r.take(b).tolist(), r.take(b).clone(), r.take(b).clone(), neural)
+        seq_ids, accepted, bonus = r.take(b).tolist(), r.take(b).clone(), r.take(b).clone()
+        return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, r.take(r.one()).tolist())
     if kind == MsgType.DRAFT_NOW:
         b = r.one()
         return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])

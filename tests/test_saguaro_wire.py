@@ -233,7 +233,7 @@ def wire_messages():
         ReleaseMsg([]),
         BeginRoundMsg(17, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3]),
         ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True),
-        ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False),
+        ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3]),
         DraftNowMsg(19, [2, 5], [True, False]),
         SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4])),
         SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125),
@@ -255,3 +255,18 @@ def test_wire_refuses_non_messages():
         encode({"seq_ids": [1]})
     with pytest.raises(ValueError):
         decode(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+
+
+def test_begin_round_messages_compare_real_tokens_only():
+    """same_round (the drafter's check of a predicted round against the target's announcement)
+    looks at ids, batch, fan-out and each row's real tokens, not the padding."""
+    a = BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([2, 1]), [1, 1, 1, 1])
+    assert a.same_round(BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 9], [7, 3, 3]]), torch.tensor([2, 1]), [1, 1, 1, 1]))
+    for other in (
+        BeginRoundMsg(5, [1, 2], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),
+        BeginRoundMsg(4, [2, 1], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),
+        BeginRoundMsg(4, [1, 2], a.spec_tokens, a.num_draft, [2, 1, 1, 0]),
+        BeginRoundMsg(4, [1, 2], a.spec_tokens, torch.tensor([2, 2]), [1, 1, 1, 1]),
+        BeginRoundMsg(4, [1, 2], torch.tensor([[5, 8, 0], [7, 0, 0]]), a.num_draft, [1, 1, 1, 1]),
+    ):
+        assert not a.same_round(other)

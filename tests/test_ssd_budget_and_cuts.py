@@ -78,7 +78,7 @@ def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
     prompts = heldout_prompts(2, prompt_bytes=60) + ["def add(a, b):\n    return"]
     expected = hf_greedy(target, prompts, MAX_TOKENS)
     original = Drafter.begin_round
-    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None: original(self, msg, _CutAfter(depth)))
+    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale))
     lengths: list[tuple[int, int]] = []  # (source, num_draft) of every row of every round
     propose = SSDProposer.propose
 
@@ -103,7 +103,7 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
     at full acceptance, so every cut speculation missed (hit rate 0.70 over the shm channel)."""
     target = tiny_pair[0]
     original = Drafter.begin_round
-    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None: original(self, msg, _CutAfter(depth)))
+    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale))
     with LLM(target, target, mode="ssd", k=4, ssd_budget=8, ssd_autobudget=False, ssd_backup="neural",
              draft_transport="inprocess", max_num_seqs=1) as llm:
         llm.generate(["def add(a, b):\n    return"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -111,3 +111,71 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
     # The first round has no cache; every later one hits with `depth` tokens, all accepted.
     assert m["cache_hits"] == m["rounds"] - 1, m
     assert m["acceptance_rate"] >= 0.98, m
+
+
+# ---- rounds begun on a prediction ---------------------------------------------------------------
+
+
+def _drafter(tiny_pair, k: int = 4) -> Drafter:
+    from transformers import AutoModelForCausalLM
+
+    from ssd.runner import draft_runner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], local_files_only=True).eval()
+    return Drafter(draft_runner(model, "cpu", True), model.config.vocab_size, k)
+
+
+def _snapshot(drafter: Drafter) -> tuple:
+    return (drafter.cache.valid.clone(), [layer.keys[..., : drafter.cache.num_columns, :].clone() for layer in drafter.cache.hf_cache.layers],
+            drafter.states[1].generator.get_state())
+
+
+@pytest.mark.parametrize("when", ["after the glue", "mid-tree", "after the build"])
+def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
+    """The draft worker begins the next round on a prediction (after an all-hit reply) before
+    the target announces it. When the announcement differs, the round is taken back: cache and
+    generator as before, so the real round draws and caches exactly what it would have."""
+    from ssd.messages import AdmitMsg, BeginRoundMsg, ResolveMsg
+
+    k, fanout = 4, [1, 1, 1, 1, 2]
+    runs = []
+    for predicted in (False, True):
+        drafter = _drafter(tiny_pair, k)
+        drafter.admit(AdmitMsg([1], [list(b"def add(a, b):\n    ret")], [7], [1.0], [0], [1.0]))
+        first = BeginRoundMsg(1, [1], torch.tensor([[117, 114, 110, 32]]), torch.tensor([4]), fanout)
+        assert drafter.begin_round(first)
+        resolve = ResolveMsg(1, [1], torch.tensor([4]), torch.tensor([97]), False, fanout)
+        reply = drafter.resolve(resolve)
+        if predicted:
+            before = _snapshot(drafter)
+            guess = drafter.predict_round(resolve, reply) if bool(reply.hit.all()) else BeginRoundMsg(
+                2, [1], torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), fanout)
+            polls = {"after the glue": 1, "mid-tree": 3, "after the build": None}[when]
+            count = iter(range(1, 100))
+            built = drafter.begin_round(guess, stale=lambda: polls is not None and next(count) >= polls)
+            assert built == (polls is None)
+            if built:
+                drafter.abandon_round()
+            after = _snapshot(drafter)
+            assert torch.equal(before[0], after[0]) and all(torch.equal(x, y) for x, y in zip(before[1], after[1]))
+            assert torch.equal(before[2], after[2]) and drafter.round is None
+        # The round the target really announces (a different speculation than the guess).
+        actual = BeginRoundMsg(2, [1], torch.tensor([[10, 32, 43, 32]]), torch.tensor([4]), fanout)
+        assert drafter.begin_round(actual)
+        runs.append((drafter.round.tokens.clone(), drafter.round.probs.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
+    from ssd.messages import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
+
+    drafter = _drafter(tiny_pair)
+    drafter.admit(AdmitMsg([1, 2], [[1, 2, 3], [4, 5]], [1, 2], [0.0, 0.0], [0, 0], [1.0, 1.0]))
+    tokens, probs = torch.tensor([[5, 6, 7, 8], [9, 9, 0, 0]]), torch.zeros(2, 4, 3)
+    hit = SpeculationReply(3, [1, 2], torch.tensor([True, True]), tokens, probs, torch.tensor([4, 2]))
+    miss = SpeculationReply(3, [1, 2], torch.tensor([True, False]), tokens, probs, torch.tensor([4, 0]))
+    resolve = ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False, [1, 1, 1, 1, 1])
+    guess = drafter.predict_round(resolve, hit)
+    assert guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1]))
+    assert drafter.predict_round(resolve, miss) is None
+    assert drafter.predict_round(ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False), hit) is None
