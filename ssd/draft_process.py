@@ -6,6 +6,10 @@ another host would use (on GPUs the same layout would travel over NCCL). The pai
 stateless: created from a private FileStore (no port to choose, none fixed) with
 ProcessGroupGloo on loopback, never the default group, so several pairs can live in one process.
 
+The worker begins the next round as soon as it has replied with a hit for every row
+(_build_predicted): the target's announcement of that round follows about a millisecond later,
+after the target's bookkeeping, and confirms it (or the round is taken back).
+
 Lifetime: the worker asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), the
 client shuts it down on close() or interpreter exit, and kills it if it will not go. A worker
 that fails sends an ERROR message before exiting; the client turns errors, deadlines and broken

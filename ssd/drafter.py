@@ -13,6 +13,9 @@ drafter then, for every sequence of the batch:
      hold that many tokens (a shorter speculation beats making the target wait).
 When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
 answered just in time by the draft (neural backup) or left to the target's fast backup.
+After a reply in which every row hit, the next announcement is known but for its arrival
+(`predict_round`): a drafter in its own process begins that round at once and takes it back
+whole if the announcement differs (`begin_round(stale=...)`, `abandon_round`).
 
 Shapes: b sequences, N = B branches per sequence, K speculation length, V target vocab.
 The drafter keeps its own KV cache of committed tokens only; tree columns live for one round.
@@ -228,8 +231,8 @@ class Drafter:
         """The round the target will most likely announce next, so that its build can start
         before the announcement arrives: after a round in which every row hit, the target
         verifies the branches it was just sent, with the fan-out the outcome message carried.
-        None when that cannot be known (a miss: the target's backup
-        decides that row's speculation)."""
+        None when that cannot be known (a miss: the target's backup decides that row's
+        speculation)."""
         if not resolve.next_fanout or not bool(reply.hit.all()):
             return None
         return BeginRoundMsg(resolve.round_id + 1, list(reply.seq_ids), reply.tokens.clone(), reply.num_draft.clone(), list(resolve.next_fanout))
