@@ -2,7 +2,8 @@
 
 `DraftClient` is what the SSD proposer calls. `InProcessClient` runs the drafter in the caller's
 thread (unit tests, debugging: no overlap with verification). The process transport
-(ssd/draft_process.py) runs it in its own process behind a torch.distributed pair group.
+(ssd/draft_process.py) runs it in its own process, reached over shared-memory mailboxes or a
+torch.distributed pair group.
 """
 
 from __future__ import annotations
