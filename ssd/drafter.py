@@ -148,8 +148,9 @@ class Drafter:
         glue_start = self.cache.num_columns
         logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
         pending_lens = torch.tensor([len(p) for p in pending])
+        glue_lens = valid.sum(1)  # [b] columns the glue added: pending + s_T
         if stale is not None and stale():
-            self._take_back(seq_ids, undo_states, valid.sum(1))
+            self._take_back(seq_ids, undo_states, glue_lens)
             return False
         # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
         base = torch.tensor([len(p) - 1 for p in pending])
@@ -196,7 +197,7 @@ class Drafter:
             out_tokens.append(feed)
             out_probs.append(probs)
             if stale is not None and stale():
-                self._take_back(seq_ids, undo_states, pending_lens + spec_lens + (d + 1) * n_branches)
+                self._take_back(seq_ids, undo_states, glue_lens + (d + 1) * n_branches)
                 return False
             if d < k - 1 and interrupted is not None and interrupted():
                 break
