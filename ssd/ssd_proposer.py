@@ -4,7 +4,8 @@ Per round (engine order): propose() returns for every row the speculation prepar
 (a cache hit, or a backup) and announces it to the drafter, which starts building the next
 cache while the engine verifies; outcome_known() sends the outcomes as soon as verification
 has them, and observe() receives the speculations for the next round. A drafter that fails or
-misses its deadline is dropped with one log line and the target goes on alone with the fast backup: fewer tokens per round, never wrong ones.
+misses its deadline is dropped with one log line and the target goes on alone with the fast
+backup: fewer tokens per round, never wrong ones.
 """
 
 from __future__ import annotations
