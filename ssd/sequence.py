@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ssd.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ssd.stopping import IncrementalDetokenizer
 
 
 class FinishReason(str, enum.Enum):
@@ -98,6 +102,8 @@ class Sequence:
     # Streaming bookkeeping: how much of the output was already handed out.
     sent_tokens: int = 0
     sent_text: int = 0
+    # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:

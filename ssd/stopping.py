@@ -1,8 +1,76 @@
-"""Appending a round's tokens to a sequence under its stop rules, and streaming text safely."""
+"""Appending a round's tokens to a sequence under its stop rules, and streaming text safely.
+
+Output text is decoded incrementally (as vLLM's and TGI's detokenizers do): a few recent tokens
+per step, never the whole output, so stop strings and streaming cost the same per token at any
+length.
+"""
 
 from __future__ import annotations
 
 from ssd.sequence import FinishReason, Sequence
+
+
+class IncrementalDetokenizer:
+    """One sequence's output text, kept up to date from a window of recent tokens.
+
+    Invariant: text + tail == tokenizer.decode(output_ids, skip_special_tokens=True) (checked
+    at every round for byte-level and SentencePiece-style byte-fallback tokenizers in
+    tests/test_stopping.py), where text (final, only ever appended to) is ids[:read_offset]
+    decoded and tail (which the next token may still change) is the rest. A step decodes ids[prefix_offset:], i.e. the tokens of
+    the last committed piece plus the new ones: that leading context gives the new tokens the
+    text they have in the full decode (decoders such as SentencePiece's drop the first token's
+    leading space), and prefix_text, the same window up to read_offset, is what to cut off. The
+    new text is committed only when it grew, does not end in U+FFFD (the mark of a token that
+    ends inside a multi-byte UTF-8 character) and the last token is not a byte-fallback piece
+    ("<0xE2>"): a byte-fallback decoder turns a whole run of such pieces into U+FFFDs once one
+    of them is invalid, so a run is committed only after a token that ends it. Thus read_offset
+    sits where no later token can change the text before it. The window spans a few tokens,
+    more only while a character or a run of byte pieces is incomplete.
+    """
+
+    def __init__(self, tokenizer, special_ids: frozenset[int], byte_piece_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.special_ids = special_ids
+        self.byte_piece_ids = byte_piece_ids
+        self.ids: list[int] = []  # the output ids but the special ones (which decode to nothing)
+        self.seen = 0  # how many output ids, special ones included, were taken in
+        self.text = ""
+        self.tail = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.prefix_text = ""  # ids[prefix_offset:read_offset] decoded
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, output_ids: list[int]) -> int:
+        """Take in output_ids[seen:]; -> the position in text + tail from which it may differ
+        from before (everything earlier is final and unchanged)."""
+        changed_from = len(self.text)
+        new = [t for t in output_ids[self.seen :] if t not in self.special_ids]
+        self.seen = len(output_ids)
+        if not new:
+            return changed_from
+        self.ids.extend(new)
+        decoded = self._decode(self.ids[self.prefix_offset :])
+        if len(decoded) > len(self.prefix_text) and not decoded.endswith("\ufffd") and new[-1] not in self.byte_piece_ids:
+            self.text += decoded[len(self.prefix_text) :]
+            self.tail = ""
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        else:
+            self.tail = decoded[len(self.prefix_text) :]
+        return changed_from
+
+    def full_text(self) -> str:
+        return self.text + self.tail if self.tail else self.text
+
+    def settled_len(self) -> int:
+        """How much of full_text() no later token can change: all of it but an open run of
+        byte-fallback pieces (a trailing U+FFFD aside, which streaming holds back anyway)."""
+        if self.tail and self.ids[-1] in self.byte_piece_ids:
+            return len(self.text)
+        return len(self.text) + len(self.tail)
 
 
 class StopChecker:
@@ -16,9 +84,15 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # Ids the detokenizer may drop before decoding: the special tokens that decode to nothing
+        # with skip_special_tokens (a tokenizer may list one, e.g. an unknown token, that does not).
+        self.special_ids = frozenset(
+            i for i in tokenizer.all_special_ids if tokenizer.decode([i], skip_special_tokens=True) == ""
+        )
+        # Byte-fallback pieces ("<0x00>".."<0xFF>"), if the vocabulary has them (absent ones map
+        # to the unknown token, or to None).
+        pieces = (tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256))
+        self.byte_piece_ids = frozenset(i for i in pieces if i is not None and i != tokenizer.unk_token_id)
 
     def append(self, seq: Sequence, tokens: list[int]) -> int:
         """Append tokens to seq until it finishes; returns how many were appended."""
@@ -37,31 +111,41 @@ class StopChecker:
                 break
         return appended
 
+    def detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, self.special_ids, self.byte_piece_ids)
+        return seq.detokenizer
+
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.decode(seq.output_ids)
-        longest = max(len(s) for s in seq.params.stop)
-        # Only the end can hold a new match: the previous token's text was already checked.
-        window_start = max(0, len(text) - len(self.decode(seq.output_ids[-1:])) - longest)
-        hits = [(text.find(s, window_start), s) for s in seq.params.stop]
+        detok = self.detokenizer(seq)
+        changed_from = detok.update(seq.output_ids)
+        # Text before changed_from was checked when it was decoded: a new match ends past it.
+        start = max(0, changed_from - max(len(s) for s in seq.params.stop) + 1)
+        window = detok.text[start:] + detok.tail
+        hits = [(window.find(s), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False
         index, stop = min(hits)
         seq.stop_text = stop
-        seq.truncated_text = text[:index]
+        seq.truncated_text = detok.full_text()[: start + index]
         return True
 
     def text(self, seq: Sequence) -> str:
+        """The output text so far: tokenizer.decode(output_ids, skip_special_tokens=True), cut
+        before the stop string that ended the sequence, if one did."""
         if seq.truncated_text is not None:
             return seq.truncated_text
-        return self.decode(seq.output_ids)
+        detok = self.detokenizer(seq)
+        detok.update(seq.output_ids)
+        return detok.full_text()
 
-    def streamable_text(self, seq: Sequence, text: str) -> str:
-        """The part of text that can be sent now: while running, hold back an incomplete UTF-8
-        character and any tail that may still become a stop string."""
+    def streamable_end(self, seq: Sequence, text: str) -> int:
+        """How much of text (the output text so far) can be sent now: while running, hold back
+        an incomplete UTF-8 character and any tail that may still become a stop string."""
         if seq.finished:
-            return text
-        end = len(text)
+            return len(text)
+        end = min(len(text), self.detokenizer(seq).settled_len())
         while end > 0 and text[end - 1] == "\ufffd":
             end -= 1
         for stop in seq.params.stop:
@@ -69,4 +153,4 @@ class StopChecker:
                 if text[end - n : end] == stop[:n]:
                     end -= n
                     break
-        return text[:end]
+        return end
