@@ -7,41 +7,74 @@ import json
 import logging
 import sys
 from pathlib import Path
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
+
+from pydantic.fields import FieldInfo
 
 from ssd.config import DEMO_MODELS_DIR, EngineArgs
+from ssd.sampling_params import SamplingParams
 
 logger = logging.getLogger("ssd")
 
 
+# Engine flags are stored under this dest prefix, apart from the request flags of `generate`.
+_ENGINE_DEST = "engine_"
+
+
+def _flag_options(name: str, field: FieldInfo) -> dict:
+    """argparse options for one EngineArgs field. Every flag defaults to SUPPRESS, so only the
+    flags a user gives reach EngineArgs and its defaults stay the single source of truth."""
+    options: dict = {"dest": _ENGINE_DEST + name, "default": argparse.SUPPRESS, "required": field.is_required()}
+    # argparse %-formats help texts.
+    options["help"] = (field.description or "").replace("%", "%%")
+    annotation = field.annotation
+    if get_origin(annotation) in (Union, UnionType):  # `X | None`: leaving the flag out keeps None
+        rest = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = rest[0] if len(rest) == 1 else annotation  # other unions have no form below
+    if annotation is bool:
+        options["action"] = argparse.BooleanOptionalAction
+        return options
+    if get_origin(annotation) is Literal:
+        options["choices"] = list(get_args(annotation))
+        options["type"] = type(options["choices"][0])
+    elif annotation in (int, float, str):
+        options["type"] = annotation
+        options["metavar"] = name.upper()  # not the dest's ENGINE_ prefix
+    else:
+        raise TypeError(f"EngineArgs.{name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it")
+    return options
+
+
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    fields = EngineArgs.model_fields
-    parser.add_argument("--target", default=None, help=fields["target"].description)
-    parser.add_argument("--draft", default=None, help=fields["draft"].description)
-    parser.add_argument("--mode", default="sd", choices=["ar", "sd", "ssd"], help=fields["mode"].description)
-    parser.add_argument("--ssd-budget", type=int, default=fields["ssd_budget"].default, help=fields["ssd_budget"].description)
-    parser.add_argument("--ssd-fanout", default="geometric", choices=["geometric", "uniform"], help=fields["ssd_fanout"].description)
-    parser.add_argument("--saguaro-c", type=float, default=1.0, help=fields["saguaro_c"].description)
-    parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"], help=fields["ssd_backup"].description)
-    parser.add_argument("--k", type=int, default=fields["k"].default, help=fields["k"].description)
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"], help=fields["dtype"].description)
-    parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"], help=fields["draft_dtype"].description)
-    parser.add_argument("--device", default="cpu", help=fields["device"].description)
-    parser.add_argument("--num-threads", type=int, default=None, help=fields["num_threads"].description)
-    parser.add_argument("--max-num-seqs", type=int, default=fields["max_num_seqs"].default, help=fields["max_num_seqs"].description)
+    """One flag per EngineArgs field, --field-name, help = the field's description. A field
+    whose flag a request flag already holds (seed) becomes --engine-field-name."""
+    for name, field in EngineArgs.model_fields.items():
+        flag = name.replace("_", "-")
+        options = _flag_options(name, field)
+        try:
+            parser.add_argument(f"--{flag}", **options)
+        except argparse.ArgumentError:  # argparse checks conflicts before adding anything
+            parser.add_argument(f"--engine-{flag}", **options)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of the engine flags given on the command line (validated: a bad value
+    raises pydantic's ValidationError, a ValueError)."""
+    given = {name: getattr(args, _ENGINE_DEST + name) for name in EngineArgs.model_fields if hasattr(args, _ENGINE_DEST + name)}
+    return EngineArgs(**given)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ssd import LLM, SamplingParams
+    from ssd import LLM
 
-    llm = LLM(
-        target=args.target, draft=args.draft, mode=args.mode, k=args.k, dtype=args.dtype, draft_dtype=args.draft_dtype,
-        device=args.device, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-        ssd_budget=args.ssd_budget, ssd_fanout=args.ssd_fanout, saguaro_c=args.saguaro_c, ssd_backup=args.ssd_backup,
-    )
+    # Validate everything the user typed before loading any model.
+    engine_args = engine_args_from(args)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, stop=args.stop or [], seed=args.seed,
     )
+    llm = LLM(**engine_args.model_dump(exclude_unset=True))
     prompts = args.prompt or ["def fibonacci(n):\n"]
     if args.stream and len(prompts) == 1:
         sys.stdout.write(prompts[0])
@@ -79,15 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate text offline with the engine and print it with speculation metrics.")
-    _engine_arguments(gen)
     gen.add_argument("--prompt", action="append", help="A prompt; repeat for several (batched). Default: a Python function header.")
     gen.add_argument("--max-tokens", type=int, default=128, help="Tokens to generate per prompt (>= 1).")
-    gen.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 = greedy.")
+    gen.add_argument("--temperature", type=float, default=0.0, help=SamplingParams.model_fields["temperature"].description)
     gen.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
     gen.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens; 0 = off.")
     gen.add_argument("--stop", action="append", help="A stop string; repeat for several.")
-    gen.add_argument("--seed", type=int, default=None, help="Random seed of the request.")
+    gen.add_argument("--seed", type=int, default=None, help=SamplingParams.model_fields["seed"].description)
     gen.add_argument("--stream", action="store_true", help="Print text as rounds finish (single prompt).")
+    _engine_arguments(gen)  # after the request flags: a name both use stays the request's
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("build-demo-models", help="Train the demo target/draft pair from the Python standard library (CPU ok).")

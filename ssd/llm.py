@@ -39,9 +39,9 @@ class LLM:
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
-        # Validate everything before queueing anything, so a bad prompt leaves the engine clean.
-        for prompt in prompts:
-            self.engine.tokenize(prompt)
+        # Validate everything before queueing anything, so a bad request leaves the engine clean.
+        for prompt, sp in zip(prompts, param_list):
+            self.engine.check_request(prompt, sp)
         return [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list)]
 
     def generate(

@@ -47,7 +47,10 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
     if bool(greedy.all()):  # the common greedy batch: skip the softmax whose rows would be replaced
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    scaled = logits / temperature.view(b, 1, 1)
+    # Shift each row's max to 0 before dividing: scaled logits are then <= 0 with the max at
+    # exactly 0, so no temperature > 0 can overflow them to inf (whose softmax is nan); a tiny
+    # one gives the one-hot limit. Softmax and top-k/top-p are shift-invariant.
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.view(b, 1, 1)  # [b, n, V], <= 0
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
@@ -75,8 +78,23 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = Fal
     which is what the inverse CDF returns for any uniform, without the cumulative sum."""
     if one_hot:
         return probs.argmax(-1)
+    vocab = probs.shape[-1]
     cdf = probs.cumsum(-1)
     threshold = (uniforms * cdf[..., -1]).unsqueeze(-1)
-    # First index whose cumulative mass exceeds u * total; that token has positive mass.
-    ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    # First index whose cumulative mass exceeds u * total: in exact arithmetic a token of
+    # positive mass. Rounding can break that (u * total rounding up to the total, or a blocked
+    # cumsum on an accelerator), and the search or the clamp then lands on a zero-mass token.
+    ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp_(max=vocab - 1)  # [...]
+    picked = probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [...]
+    if bool((picked > 0).all()):
+        return ids
+    # Invariant restored: step back to the last positive-mass token at or before the search's.
+    positions = torch.arange(vocab, device=probs.device).expand_as(probs)
+    last_positive = torch.where(probs > 0, positions, -1).cummax(-1).values  # [..., V], -1 = none yet
+    ids = last_positive.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    if bool((ids < 0).any()):
+        raise RuntimeError(
+            "a sampling distribution has no positive mass (non-finite or all-zero probabilities), usually because "
+            "the model produced non-finite logits: load it in a wider dtype (dtype='float32')"
+        )
+    return ids

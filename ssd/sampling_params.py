@@ -6,6 +6,18 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Temperatures below this are greedy (stored as 0, the epsilon vLLM uses too): a token then keeps
+# weight exp(-gap / T) relative to the argmax, so only logits within a few 1e-4 of the max, the
+# level of the model's own rounding, keep any mass; the user means argmax.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes any 64-bit pattern; negative seeds would only alias
+# positive ones (-1 is 2**64 - 1), so the range is the unsigned one.
+MAX_SEED = 2**64 - 1
+# Stop strings are matched at every generated token and held back while streaming (cost grows
+# with count x length^2), so one request must not be able to make that arbitrarily large.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+
 
 class SamplingParams(BaseModel):
     """How one request samples; shaped like vLLM's `SamplingParams`.
@@ -16,21 +28,21 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(1.0, description="Softmax temperature, >= 0; 0 means greedy (argmax).")
+    temperature: float = Field(1.0, description=f"Softmax temperature, >= 0; 0 means greedy (argmax), and so does any temperature below {GREEDY_BELOW_TEMPERATURE:g} (it is stored as 0).")
     top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
     top_k: int = Field(0, description="Keep only the k most likely tokens, >= 0; 0 disables it.")
     max_tokens: int = Field(64, description="Maximum number of generated tokens, >= 1.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end generation; not included in the output.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (kept in the output).")
+    stop: list[str] = Field(default_factory=list, description=f"Strings that end generation; not included in the output. At most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (kept in the output); each >= 0 and below the model's vocabulary size (checked when the request is added).")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
-    seed: int | None = Field(None, description="Per-request random seed; the same seed reproduces the same output.")
+    seed: int | None = Field(None, description="Per-request random seed in [0, 2**64 - 1]; the same seed reproduces the same output. None = drawn from the engine's seed.")
 
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {v}")
-        return v
+        return 0.0 if v < GREEDY_BELOW_TEMPERATURE else v
 
     @field_validator("top_p")
     @classmethod
@@ -60,8 +72,28 @@ class SamplingParams(BaseModel):
             return []
         if isinstance(v, str):
             v = [v]
-        if any(not isinstance(s, str) or not s for s in v):
+        if not isinstance(v, (list, tuple)) or any(not isinstance(s, str) or not s for s in v):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+        longest = max((len(s) for s in v), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int]) -> list[int]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0 (and below the vocabulary size), got {bad[0]}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64 - 1] (or None), got {v}")
         return v
 
     @property

@@ -196,3 +196,41 @@ def test_sample_from_one_hot_rows_is_the_inverse_cdf():
     u[:2] = torch.tensor([0.0, ONE_MINUS])
     assert torch.equal(sample_from(probs, u, one_hot=True), sample_from(probs, u))
     assert torch.equal(sample_from(probs, u, one_hot=True), hot)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-30, 1e-40, 1e-45])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
+def test_process_logits_tiny_temperature_is_the_one_hot_limit(temperature, top_k, top_p):
+    """Dividing raw logits by a tiny temperature overflows to inf and the softmax to nan; the
+    limit T -> 0 is one-hot on the argmax, and any accepted temperature must reach it finitely."""
+    gen = torch.Generator().manual_seed(25)
+    logits = torch.randn(4, 3, 40, generator=gen) * torch.tensor([1.0, 10.0, 1e4, 1e30]).view(4, 1, 1)
+    probs = process_logits(logits, _sampling([temperature] * 4, [top_k] * 4, [top_p] * 4))
+    assert bool(torch.isfinite(probs).all())
+    expected = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    assert torch.equal(probs, expected)
+    u = torch.rand(4, 3, generator=gen)
+    u[0] = ONE_MINUS
+    assert torch.equal(sample_from(probs, u), logits.argmax(-1))
+
+
+def test_process_logits_huge_logits_stay_finite():
+    """Logits near float32's range at an ordinary temperature: still a distribution."""
+    logits = torch.tensor([[[3e38, 2.9e38, -3e38, 0.0]]])
+    probs = process_logits(logits, _sampling([0.5], [0], [1.0]))
+    assert bool(torch.isfinite(probs).all()) and probs[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_sample_from_at_the_rounding_edge_steps_back_to_positive_mass():
+    """u * total can round up to the total (or a blocked cumsum can overshoot it): the search then
+    lands past the last positive-mass token, here on trailing zeros; u = 1.0 forces that edge."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    assert sample_from(probs, torch.tensor([1.0, 1.0])).tolist() == [3, 5]
+    assert sample_from(probs, torch.tensor([ONE_MINUS, ONE_MINUS])).tolist() == [3, 5]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0])
+def test_sample_from_refuses_a_row_without_mass(bad):
+    probs = torch.tensor([[0.2, 0.8, 0.0], [bad, bad, bad]])
+    with pytest.raises(RuntimeError, match="no positive mass"):
+        sample_from(probs, torch.tensor([0.5, 0.5]))
