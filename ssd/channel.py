@@ -1,13 +1,15 @@
-"""How the target reaches its drafter: one interface, several transports.
+"""How the target reaches its drafter: one client interface, one channel interface, several transports.
 
 `DraftClient` is what the SSD proposer calls. `InProcessClient` runs the drafter in the caller's
 thread (unit tests, debugging: no overlap with verification). The process transport
-(ssd/draft_process.py) runs it in its own process, reached over shared-memory mailboxes or a
-torch.distributed pair group.
+(ssd/draft_process.py) runs it in a worker process (ssd/draft_worker.py) and talks to it over a
+`Channel`: shared-memory mailboxes (ssd/shm_channel.py) or a torch.distributed pair group
+(ssd/gloo_channel.py).
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Protocol
 
 from ssd.drafter import Drafter
@@ -16,6 +18,29 @@ from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, Resol
 
 class DrafterUnavailable(RuntimeError):
     """The drafter died, stalled past its deadline, or answered out of protocol."""
+
+
+class Channel(Protocol):
+    """Typed messages (ssd/messages.py, framed by ssd/wire.py) between a target and one drafter.
+
+    Messages arrive whole and in order. A timeout of None waits as long as the peer lives; a
+    peer that is gone or silent past the timeout raises RuntimeError (the client turns it into
+    DrafterUnavailable)."""
+
+    fp: int  # configuration fingerprint every frame carries; frames with another are refused
+
+    def send(self, msg, timeout: datetime.timedelta | None = None) -> None: ...
+
+    def send_raw(self, kind, round_id: int, ints, floats, timeout: datetime.timedelta | None = None) -> None:
+        """A frame of any type (control messages READY, ERROR, SHUTDOWN have no message class)."""
+
+    def poll(self) -> bool:
+        """Whether the next message has begun to arrive. Never blocks, takes nothing."""
+
+    def recv(self, timeout: datetime.timedelta | None = None) -> tuple:
+        """-> (MsgType, message or None for control messages, the frame's int body)"""
+
+    def close(self) -> None: ...
 
 
 class DraftClient(Protocol):

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ssd.sampling_params import MAX_SEED
+
 MODES = ("ar", "sd", "ssd")
 
 # The bundled demo pair lives beside the package in the source tree (models/ at the repo root).
@@ -30,12 +32,13 @@ class EngineArgs(BaseModel):
     device: str = Field("cpu", description="torch device for both models, e.g. cpu, cuda, cuda:1.")
     draft_device: str | None = Field(None, description="torch device for the draft; None = same as device.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process; None = torch's default.")
-    seed: int = Field(0, description="Seed for requests that carry no seed of their own.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed in [0, 2**64 - 1] from which requests that carry no seed of their own draw theirs.")
     ssd_budget: int = Field(16, ge=1, le=4096, description="SSD: speculation-cache budget B (branches per sequence per round).")
     ssd_autobudget: bool = Field(True, description="SSD: lower B below ssd_budget while the drafter cannot build the cache within one verification.")
     ssd_fanout: Literal["geometric", "uniform"] = Field("geometric", description="SSD: fan-out over outcomes k (Saguaro's geometric, or uniform).")
     saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling.")
     ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
+    ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
     draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
     draft_channel: Literal["shm", "gloo"] = Field("shm", description="SSD, process transport: how target and drafter exchange messages. shm: shared-memory mailboxes polled by both sides (same host; a message in microseconds); gloo: a torch.distributed gloo pair group on loopback (about 0.5 ms per transfer on a busy 2-core machine).")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
@@ -67,10 +70,13 @@ class EngineArgs(BaseModel):
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             ssd_budget=self.ssd_budget,
-            ssd_autobudget=self.ssd_autobudget,
+            # Reproducible runs keep everything that follows wall-clock timings or the history
+            # of other requests fixed (the worker also stops cutting trees short).
+            ssd_autobudget=self.ssd_autobudget and not self.ssd_reproducible,
             ssd_fanout=self.ssd_fanout,
             saguaro_c=self.saguaro_c,
-            ssd_backup=self.ssd_backup,
+            ssd_backup="neural" if self.ssd_reproducible and self.ssd_backup == "auto" else self.ssd_backup,
+            ssd_reproducible=self.ssd_reproducible,
             draft_transport=self.draft_transport,
             draft_channel=self.draft_channel,
             draft_num_threads=self.draft_num_threads,
@@ -99,6 +105,7 @@ class EngineConfig:
     ssd_fanout: str = "geometric"
     saguaro_c: float = 1.0
     ssd_backup: str = "auto"
+    ssd_reproducible: bool = False
     draft_transport: str = "process"
     draft_channel: str = "shm"
     draft_num_threads: int = 1

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ssd.draft_proposer import DraftModelProposer, pad_rows
 from ssd.kv_cache import additive_mask
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ResolveMsg, SpeculationReply
+from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
 from ssd.runner import ModelRunner
 from ssd.sampling import BatchSampling, sample_from
 from ssd.saguaro import row_fanout, saguaro_probs
@@ -75,6 +76,7 @@ class Drafter:
         self.states: dict[int, _SeqState] = {}
         self.order: list[int] = []  # seq id of each cache row
         self.round: _Round | None = None
+        self.counters = DrafterCounters()
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -285,12 +287,17 @@ class Drafter:
                     probs[r, : rnd.depth] = rnd.probs[i, n]
         build_seconds = rnd.build_seconds if rnd is not None else 0.0
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
+        if rnd is not None:
+            self.counters.rounds += 1
+            self.counters.cut += int(rnd.depth < k)
         self.round = None
         if msg.neural_backup and not bool(hit.all()):
             spec = self.draft_now(seq_ids, (~hit).tolist())
             tokens[~hit], probs[~hit] = spec.tokens[~hit], spec.probs[~hit]
             num_draft = torch.where(hit, num_draft, k)
-        return SpeculationReply(msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds)
+        return SpeculationReply(
+            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters)
+        )
 
     @torch.inference_mode()
     def draft_reply(self, msg: DraftNowMsg) -> SpeculationReply:
@@ -299,7 +306,7 @@ class Drafter:
         b = len(msg.seq_ids)
         return SpeculationReply(
             round_id=msg.round_id, seq_ids=msg.seq_ids, hit=torch.zeros(b, dtype=torch.bool),
-            tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft,
+            tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft, counters=dataclasses.replace(self.counters),
         )
 
     @torch.inference_mode()

@@ -105,7 +105,9 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Everything about a request that only the engine can check (the prompt's tokens and
+        length, stop token ids against the vocabulary); -> the prompt's token ids."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
@@ -114,6 +116,14 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
                 f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - len(ids)} or shorten the prompt"
             )
+        # SamplingParams already refused negative ids; only the engine knows the vocabulary.
+        beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if beyond:
+            raise ValueError(f"stop_token_ids: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        ids = self.check_request(prompt, params)
         seq_id = next(self._ids)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
         seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed))
@@ -236,11 +246,11 @@ class LLMEngine:
         return self.metrics.as_dict()
 
     def _output(self, seq: Sequence) -> CompletionOutput:
-        text = self.stopper.text(seq)
-        sendable = self.stopper.streamable_text(seq, text)
-        delta_text = sendable[seq.sent_text :] if len(sendable) > seq.sent_text else ""
+        text = self.stopper.text(seq)  # incremental: no full decode per round
+        sendable_end = self.stopper.streamable_end(seq, text)
+        delta_text = text[seq.sent_text : sendable_end] if sendable_end > seq.sent_text else ""
         delta_tokens = seq.output_ids[seq.sent_tokens :]
-        seq.sent_text = max(seq.sent_text, len(sendable))
+        seq.sent_text = max(seq.sent_text, sendable_end)
         seq.sent_tokens = len(seq.output_ids)
         return CompletionOutput(
             request_id=seq.request_id,
@@ -265,7 +275,7 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
 
     ssd_config = SSDConfig(
         k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
-        backup=config.ssd_backup, deadline_s=config.draft_deadline_s,
+        backup=config.ssd_backup, deadline_s=config.draft_deadline_s, reproducible=config.ssd_reproducible,
     )
     if config.draft_transport == "inprocess":
         drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)

@@ -72,6 +72,26 @@ class DraftNowMsg:
     need: list[bool]  # [b]
 
 
+@dataclass
+class DrafterCounters:
+    """What a drafter did since it started (cumulative; every reply carries a snapshot)."""
+
+    rounds: int = 0  # rounds whose cache answered an outcome
+    cut: int = 0  # of which the tree stopped before depth K (the outcome arrived first)
+    predicted: int = 0  # rounds begun on a prediction, before the target announced them
+    confirmed: int = 0  # of which the announcement matched
+    taken_back: int = 0  # of which the announcement differed: cache and generators restored
+
+    def as_list(self) -> list[int]:
+        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back]
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())}
+
+
+COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back")
+
+
 @dataclass(frozen=True)
 class SpeculationReply:
     round_id: int
@@ -81,3 +101,4 @@ class SpeculationReply:
     probs: torch.Tensor  # [b, K, V] float32 (draft distributions the tokens were drawn from)
     num_draft: torch.Tensor  # [b] long: 0 where the reply has no speculation for the row
     build_seconds: float = 0.0  # drafter time spent building this round's cache (glue + tree)
+    counters: DrafterCounters = field(default_factory=DrafterCounters)  # the drafter's, at reply time

@@ -12,6 +12,7 @@ Glossary:
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -102,14 +103,19 @@ def saguaro_probs(probs: torch.Tensor, fanout: torch.Tensor, c: float) -> torch.
 
 @dataclass
 class OnlineEstimates:
-    """Running estimates of a and r from rounds already run (exponentially weighted)."""
+    """Running estimates of a and r from rounds already run (exponentially weighted).
+
+    Feed every sequence-round with observe_round (acceptance) and observe_hit (miss law); the
+    miss exponent is refitted by fit_r, once per round (a fit costs a grid over the window)."""
 
     a: float = 0.7
     r: float = 0.6
     decay: float = 0.995
+    window: int = 256
     _accepted: float = 0.0
     _stops: float = 0.0
-    _obs: list[tuple[float, float, float]] | None = None  # (log F, hit weight, miss weight)
+    _obs: deque | None = None  # (log F, hit, observation index), the latest `window`
+    _seen: int = 0
 
     def observe_round(self, accepted: int, k: int) -> None:
         """One sequence-round: `accepted` of k draft tokens accepted."""
@@ -119,24 +125,29 @@ class OnlineEstimates:
         self.a = (self._accepted + 0.7 * 4) / (self._accepted + self._stops + 4)
 
     def observe_hit(self, fanout: int, hit: bool) -> None:
-        """The real outcome had `fanout` cached candidates at its k; it hit or missed."""
+        """The real outcome had `fanout` cached candidates at its k; it hit or missed. F = 1
+        says nothing under the law (it predicts a miss whatever r), so it is not recorded."""
         if fanout <= 1:
             return
         if self._obs is None:
-            self._obs = []
-        self._obs = [(lf, h * self.decay, m * self.decay) for lf, h, m in self._obs[-255:]]
-        self._obs.append((math.log(fanout), 1.0 if hit else 0.0, 0.0 if hit else 1.0))
-        self.r = self._fit_r()
+            self._obs = deque(maxlen=self.window)
+        self._obs.append((math.log(fanout), 1.0 if hit else 0.0, self._seen))
+        self._seen += 1
 
-    def _fit_r(self) -> float:
-        """Grid maximum likelihood of r (0.025..3.0), vectorized: it runs every round."""
+    def fit_r(self) -> float:
+        """Grid maximum likelihood of r (0.025..3.0) over the window, newer observations
+        weighted more (decay per observation), with a weak prior at 0.6."""
+        if not self._obs:
+            return self.r
         grid = torch.arange(1, 121, dtype=torch.float64) * 0.025  # [G]
-        obs = torch.tensor(self._obs or [], dtype=torch.float64).reshape(-1, 3)  # [n, 3]
-        log_f, hit, miss = obs.unbind(1)
+        obs = torch.tensor(list(self._obs), dtype=torch.float64)  # [n, 3]
+        log_f, hit, index = obs.unbind(1)
+        weight = self.decay ** (self._seen - 1 - index)  # [n]
         p_miss = torch.exp(-grid.unsqueeze(1) * log_f.unsqueeze(0))  # [G, n]
-        ll = -0.5 * (grid - 0.6) ** 2  # weak prior keeps r sane with few observations
-        ll = ll + (miss * p_miss.clamp(min=1e-9).log() + hit * (1 - p_miss).clamp(min=1e-9).log()).sum(1)
-        return float(grid[int(ll.argmax())])
+        ll = -0.5 * (grid - 0.6) ** 2
+        ll = ll + (weight * ((1 - hit) * p_miss.clamp(min=1e-9).log() + hit * (1 - p_miss).clamp(min=1e-9).log())).sum(1)
+        self.r = float(grid[int(ll.argmax())])
+        return self.r
 
 
 def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_backup: float) -> float:

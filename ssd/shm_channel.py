@@ -10,32 +10,41 @@ the drafter learns that the outcome is in with one non-blocking check between tr
 Layout: one `Mailbox` per direction, a single slot of `capacity` bytes guarded by two
 semaphores (`full`: a chunk is waiting; `empty`: the slot is free). A message (the frame of
 ssd/wire.py: header, then body) is written as a byte stream in chunks of at most `capacity`;
-the reader copies them out in order. The semaphores' acquire and release are the memory
+the reader copies them out in order.
+
+Everything a mailbox holds is a file descriptor: the slot is an anonymous memfd and each
+semaphore an eventfd in semaphore mode. So a mailbox reaches a process started by any means
+(inherited fds of a `subprocess`, or fds passed over a Unix socket), with no names to choose or
+clean up: the kernel frees all of it with the last process that holds it, so a killed pair
+leaves nothing behind. Each eventfd read or write is a system call, and those are the memory
 barriers that make the slot's bytes visible before the reader takes them, on any CPU.
 
 Waiting: a receiver spins (non-blocking tries, yielding the core to anything runnable) for
 SPIN_S, then blocks in short slices. Spinning is what makes a reply arrive in microseconds; the
 slices keep an idle drafter from burning a core and let a waiter notice a dead peer or a
-deadline. Semaphores and buffers come from multiprocessing, so the kernel frees them with the
-last process that holds them: a killed pair leaves nothing behind.
+deadline.
 """
 
 from __future__ import annotations
 
 import datetime
+import mmap
 import os
+import select
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ssd.wire import HEADER, body_size, encode, frame, unframe
+from ssd.wire import HEADER, MsgType, body_size, encode, frame, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
 # is for (a few to a few tens of milliseconds), after which latency no longer matters.
 SPIN_S = 0.05
 _SLICE_S = 0.05
 _LEN = 8  # bytes of the chunk-length field at the start of the slot
+DEFAULT_CAPACITY = 1 << 20
 
 
 class ChannelTimeout(RuntimeError):
@@ -46,29 +55,91 @@ class ChannelClosed(RuntimeError):
     """The peer process is gone."""
 
 
-class Mailbox:
-    """One direction of the channel; picklable to a spawned child (created from its context)."""
+class _EventSemaphore:
+    """A counting semaphore on an eventfd (EFD_SEMAPHORE): a read takes one unit, a write adds one."""
 
-    def __init__(self, ctx, capacity: int = 1 << 20) -> None:
-        self.capacity = capacity
-        self.full = ctx.Semaphore(0)
-        self.empty = ctx.Semaphore(1)
-        self.slot = ctx.RawArray("B", _LEN + capacity)
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def try_acquire(self) -> bool:
+        try:
+            os.eventfd_read(self.fd)
+            return True
+        except BlockingIOError:
+            return False
+
+    def acquire(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for a unit. One reader per semaphore, so a unit seen by poll()
+        is still there for the read that follows."""
+        if self.try_acquire():
+            return True
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout_s * 1000)))) and self.try_acquire()
+
+    def release(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+
+@dataclass(frozen=True)
+class MailboxFds:
+    """What another process needs to attach to a mailbox: its three file descriptors."""
+
+    slot: int
+    full: int
+    empty: int
+    capacity: int
+
+    def fds(self) -> tuple[int, int, int]:
+        return self.slot, self.full, self.empty
+
+
+class Mailbox:
+    """One direction of the channel. create() makes a new one; attach() maps one whose file
+    descriptors this process inherited or received."""
+
+    def __init__(self, fds: MailboxFds) -> None:
+        self.handle = fds
+        self.capacity = fds.capacity
+        self.full = _EventSemaphore(fds.full)
+        self.empty = _EventSemaphore(fds.empty)
+        self._map = mmap.mmap(fds.slot, _LEN + fds.capacity)
+
+    @classmethod
+    def create(cls, capacity: int = DEFAULT_CAPACITY) -> "Mailbox":
+        flags = os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC
+        slot = os.memfd_create("ssd-mailbox", os.MFD_CLOEXEC)
+        os.ftruncate(slot, _LEN + capacity)
+        return cls(MailboxFds(slot, os.eventfd(0, flags), os.eventfd(1, flags), capacity))
+
+    @classmethod
+    def attach(cls, fds: MailboxFds) -> "Mailbox":
+        for fd in (fds.full, fds.empty):  # inherited descriptors may have lost O_NONBLOCK
+            os.set_blocking(fd, False)
+        return cls(fds)
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slot's bytes [_LEN + capacity] uint8, its chunk-length field [1] int64), zero-copy."""
-        slot = torch.frombuffer(self.slot, dtype=torch.uint8)
+        slot = torch.frombuffer(self._map, dtype=torch.uint8)
         return slot, slot[:_LEN].view(torch.long)
 
+    def close(self) -> None:
+        """Close this process's descriptors (the mapping goes with the last view of it)."""
+        for fd in self.handle.fds():
+            try:
+                os.close(fd)
+            except OSError:  # already closed: close() may run twice (explicitly, then at exit)
+                pass
 
-def _acquire(sem, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str) -> None:
-    if sem.acquire(False):
+
+def _acquire(sem: _EventSemaphore, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str) -> None:
+    if sem.try_acquire():
         return
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout.total_seconds()
     tries = 0
     while time.monotonic() - start < SPIN_S:
-        if sem.acquire(False):
+        if sem.try_acquire():
             return
         os.sched_yield()
         tries += 1
@@ -76,7 +147,7 @@ def _acquire(sem, timeout: datetime.timedelta | None, alive: Callable[[], bool],
             raise ChannelClosed(f"peer exited while waiting to {what}")
     while True:
         left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
-        if left > 0 and sem.acquire(True, left):
+        if left > 0 and sem.acquire(left):
             return
         if not alive():
             raise ChannelClosed(f"peer exited while waiting to {what}")
@@ -108,7 +179,7 @@ class _Reader:
 
     def poll(self) -> bool:
         """Whether a chunk is waiting (takes it without blocking)."""
-        if not self.held and self.box.full.acquire(False):
+        if not self.held and self.box.full.try_acquire():
             self.held, self.pos, self.end = True, 0, int(self.length[0])
         return self.held
 
@@ -126,25 +197,15 @@ class _Reader:
                 self.box.empty.release()
 
 
-class _ShmPosted:
-    """The next message's header, maybe not here yet: arrived() is one non-blocking check."""
-
-    def __init__(self, reader: _Reader) -> None:
-        self.reader = reader
-
-    def arrived(self) -> bool:
-        return self.reader.poll()
-
-
-class ShmEndpoint:
-    """Typed send/recv over two mailboxes; the same interface as the gloo endpoint
-    (send_raw, send, post_header, recv), so the drafter process serves either."""
+class ShmChannel:
+    """A `Channel` (ssd/channel.py) over two mailboxes: typed messages in both directions."""
 
     def __init__(self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool]) -> None:
         self.fp = fp
+        self.inbox, self.outbox = inbox, outbox
         self.reader, self.writer = _Reader(inbox, peer_alive), _Writer(outbox, peer_alive)
 
-    def send_raw(self, kind, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
+    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
                  timeout: datetime.timedelta | None = None) -> None:
         header, body = frame(kind, round_id, ints, floats, self.fp)
         self.writer.write(torch.cat([header.view(torch.uint8), body]), timeout)
@@ -152,14 +213,18 @@ class ShmEndpoint:
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
 
-    def post_header(self) -> _ShmPosted:
-        return _ShmPosted(self.reader)
+    def poll(self) -> bool:
+        """Whether the next message has begun to arrive; one non-blocking check."""
+        return self.reader.poll()
 
-    def recv(self, timeout: datetime.timedelta | None = None, posted: _ShmPosted | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints). `posted` is
-        accepted for the gloo endpoint's interface: what its arrived() took, the reader holds."""
+    def recv(self, timeout: datetime.timedelta | None = None):
+        """-> (MsgType, message or None for bodiless control messages, ints)"""
         header = torch.zeros(HEADER, dtype=torch.long)
         self.reader.read_into(header.view(torch.uint8), timeout)
         body = torch.zeros(body_size(header, self.fp), dtype=torch.uint8)
         self.reader.read_into(body, timeout)
         return unframe(header, body)
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.outbox.close()

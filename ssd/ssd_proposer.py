@@ -18,8 +18,8 @@ import torch
 
 from ssd.budget import BudgetSizer
 from ssd.channel import DraftClient, DrafterUnavailable
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
-from ssd.ngram import fast_speculation
+from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
+from ssd.ngram import NgramIndex, fast_speculation
 from ssd.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
 from ssd.sampling import BatchSampling
 from ssd.sequence import Sequence
@@ -37,6 +37,10 @@ class SSDConfig:
     saguaro_c: float
     backup: str  # "auto" | "neural" | "fast"
     deadline_s: float  # how long observe() waits for the drafter's reply
+    # Fan-out from the prior estimates, never the learned ones (which follow other requests'
+    # history): with a fixed budget and backup, a seeded request's speculations depend on
+    # nothing but its own state.
+    reproducible: bool = False
 
 
 @dataclass
@@ -70,6 +74,7 @@ class SSDProposer:
         self.prepared: dict[int, _Prepared] = {}
         self.order: list[int] = []
         self.backup_rng: dict[int, torch.Generator] = {}
+        self.ngram: dict[int, NgramIndex] = {}  # the fast backup's index of each sequence's tokens
         self.round_id = 0
         self.dead = False
         self.fanout: list[int] = []  # of the round being verified
@@ -83,12 +88,14 @@ class SSDProposer:
         self._resolve: ResolveMsg | None = None  # the current round's outcome, as sent
         self.build_ratio = _Ema(None, weight=0.1)  # drafter build time / verification time
         self.sizer = BudgetSizer(config.budget, min_budget=min(config.budget, config.k + 1))
+        self.drafter_counters = DrafterCounters()  # as of the drafter's latest reply
 
     # ---- membership -------------------------------------------------------------------------
 
     def add(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.backup_rng[s.seq_id] = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=s.generator)))
+            self.ngram[s.seq_id] = NgramIndex()  # filled on first use: most rows never need it
         self.order.extend(s.seq_id for s in seqs)
         if self.dead:
             return
@@ -107,6 +114,7 @@ class SSDProposer:
         for s in gone:
             self.prepared.pop(s, None)
             self.backup_rng.pop(s, None)
+            self.ngram.pop(s, None)
         self.order = kept
         if gone and not self.dead:
             self._call(lambda: self.client.release(ReleaseMsg(gone)))
@@ -168,27 +176,36 @@ class SSDProposer:
 
     def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         verify_s = self._verify_s
-        accepted = outcome.num_accepted.tolist()
-        drafted = speculation.num_draft.tolist()
-        for r, src in enumerate(speculation.source.tolist()):
-            self.estimates.observe_round(accepted[r], drafted[r])
-            emitted = accepted[r] + 1
-            {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(Source(src), self.e_hit).update(emitted)
-            if self.fanout and accepted[r] < len(self.fanout):
-                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
-                self.estimates.observe_hit(fanout[accepted[r]], src == int(Source.CACHE))
         batch = len(seqs)
         t0 = time.perf_counter()
         reply = self._call(lambda: self.client.reply(self._resolve, self.config.deadline_s))
         wait = time.perf_counter() - t0  # what the target waited, beyond its own bookkeeping
+        accepted = outcome.num_accepted.tolist()
+        drafted = speculation.num_draft.tolist()
+        hit = reply.hit.tolist() if reply is not None else [False] * batch
+        for r, src in enumerate(speculation.source.tolist()):
+            source = Source(src)
+            {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)
+            # a is the draft model's acceptance: n-gram and random tokens say nothing about it.
+            if source != Source.FAST:
+                self.estimates.observe_round(accepted[r], drafted[r])
+            # The miss law relates this round's outcome to the fan-out the drafter cached for
+            # it; whether that outcome was cached is the reply's hit (the speculation's own
+            # source tells whether the previous round hit).
+            if reply is not None and self.fanout:
+                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
+                self.estimates.observe_hit(fanout[accepted[r]], hit[r])
+        if reply is not None and self.fanout:
+            self.estimates.fit_r()
         hits = 0
         for r, s in enumerate(seqs):
-            if reply is not None and bool(reply.hit[r]):
+            if hit[r]:
                 hits += 1
                 self.prepared[s.seq_id] = _Prepared(reply.tokens[r, : int(reply.num_draft[r])].tolist(), reply.probs[r], Source.CACHE)
             elif reply is not None and int(reply.num_draft[r]) > 0:
                 self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
         if reply is not None:
+            self.drafter_counters = reply.counters
             self.build_ratio.update(reply.build_seconds / verify_s)
             if self.config.autobudget and self.fanout:
                 self.sizer.observe(sum(self.fanout), reply.build_seconds / verify_s)
@@ -205,8 +222,10 @@ class SSDProposer:
             self.t_fast.update((time.perf_counter() - t1) / verify_s)
 
     def _fast(self, seq: Sequence) -> _Prepared:
-        tokens = seq.prompt_ids + seq.output_ids
-        found, probs = fast_speculation(tokens, self.config.k, self.vocab, self.backup_rng[seq.seq_id])
+        index = self.ngram[seq.seq_id]
+        # Committed tokens are never taken back, so the index only needs the ones it has not seen.
+        index.extend(seq.tokens_from(len(index)))
+        found, probs = fast_speculation(index, self.config.k, self.vocab, self.backup_rng[seq.seq_id])
         return _Prepared(found, probs, Source.FAST)
 
     def _fanout(self) -> list[int]:
@@ -214,7 +233,8 @@ class SSDProposer:
         caps = [self.vocab - 1] * k + [self.vocab]
         if self.config.fanout == "uniform":
             return uniform_fanout(budget, k, caps)
-        return geometric_fanout(budget, k, self.estimates.a, self.estimates.r, caps)
+        estimates = OnlineEstimates() if self.config.reproducible else self.estimates
+        return geometric_fanout(budget, k, estimates.a, estimates.r, caps)
 
     def _live(self) -> tuple[float, ...]:
         """(p_hit, e_hit, e_neural, t_neural, e_fast, t_fast, t_primary) for Theorem 17.
@@ -248,4 +268,5 @@ class SSDProposer:
             "p_hit": round(self.p_hit.value, 4),
             "T_primary": round(self.t_primary.value, 4),
             "T_neural": round(self.t_neural.value, 4),
+            **self.drafter_counters.as_dict(),
         }

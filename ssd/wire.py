@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 
 MAGIC = 0x55D0_0001
 HEADER = 8
@@ -106,7 +106,7 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
     if isinstance(msg, SpeculationReply):
         b, k = msg.tokens.shape
-        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), msg.num_draft, msg.tokens)
+        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), msg.num_draft, msg.tokens, msg.counters.as_list())
         floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), msg.probs.reshape(-1).float()])
         return MsgType.REPLY, msg.round_id, ints, floats
     raise TypeError(f"not a drafter message: {type(msg).__name__}")
@@ -137,6 +137,7 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         b, k, v = r.one(), r.one(), r.one()
         seq_ids, hit, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).clone()
         tokens = r.take(b * k).view(b, k).clone()
+        counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
         probs = floats[1:].view(b, k, v).clone()
-        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]))
+        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters)
     raise ValueError(f"unexpected message type {kind!r}")

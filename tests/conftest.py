@@ -58,3 +58,18 @@ def demo_pair() -> tuple[str, str]:
     if not (target / "config.json").exists() or not (draft / "config.json").exists():
         pytest.fail(f"the bundled demo pair is missing under {DEMO_MODELS_DIR}; run `ssd build-demo-models`")
     return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def peaked_pair(tmp_path_factory) -> tuple[str, str]:
+    """The statistical tests' pair (tests/ssd_stats.py): a peaked tiny target and a noisy copy."""
+    from ssd_stats import save_peaked_pair
+
+    return save_peaked_pair(tmp_path_factory.mktemp("ssd_peaked"))
+
+
+@pytest.fixture(scope="session")
+def peaked_target(peaked_pair):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(peaked_pair[0], local_files_only=True, dtype=torch.float32).eval()

@@ -138,6 +138,34 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
         assert math.isclose(sd_greedy["tokens_per_round"], pair["greedy_sd_tokens_per_round"], abs_tol=0.2)
 
 
+def test_repeats_and_ssd_variants(pair, tmp_path):
+    """--repeats runs every mode that many times, interleaved; --saguaro-c and --ssd-budget give
+    SSD one row per (C, B); each figure is the median over repeats, with its range."""
+    target, draft = pair
+    results = bench.run(parse([
+        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "2", "--max-tokens", "6",
+        "--temperatures", "1", "--settings", "paper", "--modes", "ar,sd,ssd", "--saguaro-c", "1,0.5",
+        "--ssd-budget", "4", "--repeats", "3", "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
+    ]))
+    runs = {r["mode"]: r for r in results["runs"]}
+    assert list(runs) == ["ar", "sd", "ssd C=1 B=4", "ssd C=0.5 B=4"]
+    assert results["config"]["repeats"] == 3 and results["config"]["saguaro_c"] == [1.0, 0.5]
+    for label, r in runs.items():
+        assert r["repeats"] == 3 and len(r["per_repeat"]["tokens_per_s"]) == 3, r
+        values = r["per_repeat"]["tokens_per_s"]
+        assert r["tokens_per_s"] == pytest.approx(sorted(values)[1], rel=1e-3)
+        assert r["range"]["tokens_per_s"] == [min(values), max(values)]
+        # Ratios are paired by repeat, then summarized: the median of the per-repeat ratios.
+        sd = runs["sd"]["per_repeat"]["tokens_per_s"]
+        paired = [v / s_ for v, s_ in zip(values, sd)]
+        assert r["ratio_to_sd"] == pytest.approx(sorted(paired)[1], rel=1e-2)
+    assert runs["ssd C=0.5 B=4"]["saguaro_c"] == 0.5 and runs["ssd C=0.5 B=4"]["ssd_budget"] == 4
+    assert runs["ssd C=1 B=4"]["base_mode"] == "ssd" and 0 <= runs["ssd C=1 B=4"]["cache_hit_rate"] <= 1
+    assert runs["ssd C=0.5 B=4"]["ssd"]["budget"] <= 4  # B is the ceiling of the adaptive budget
+    table = bench.format_table(results["runs"])
+    assert "ssd C=0.5 B=4" in table and table.splitlines()[0].split().count("range") == 2
+
+
 def test_table_lists_every_run(bench_run):
     results, _ = bench_run
     table = bench.format_table(results["runs"])
@@ -169,6 +197,9 @@ def test_pair_stats_only(pair, tmp_path, capsys):
         (["--batch-sizes", "0"], "batch sizes"),
         (["--batch-sizes", "x"], "batch-sizes"),
         (["--k", "0"], "--k"),
+        (["--saguaro-c", "1.5"], "saguaro-c"),
+        (["--ssd-budget", "0"], "ssd-budget"),
+        (["--repeats", "0"], "--repeats"),
     ],
 )
 def test_bad_arguments_raise_value_error(pair, tmp_path, argv, message):

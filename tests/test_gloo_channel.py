@@ -1,9 +1,9 @@
-"""The draft process channel: startup failures reported at once, arrival seen while busy."""
+"""The gloo pair channel: startup failures reported at once, arrival seen while busy."""
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
+import subprocess
 import sys
 import threading
 import time
@@ -11,21 +11,18 @@ import time
 import pytest
 import torch
 
-from ssd.channel import DrafterUnavailable
-from ssd.draft_process import _await_worker, _Endpoint, pair_group, pair_store
+from ssd.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
 from ssd.messages import ResolveMsg
 from ssd.wire import MsgType
 
 
 def test_a_worker_that_dies_before_connecting_is_reported_at_once(tmp_path):
     """Regression: spawn() waited the whole 180 s connect timeout for a dead child."""
-    process = mp.get_context("spawn").Process(target=sys.exit, args=(3,), daemon=True)
-    process.start()
+    process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     started = time.monotonic()
-    with pytest.raises(DrafterUnavailable, match="exited with code 3 before connecting"):
-        _await_worker(pair_store(str(tmp_path)), process)
+    with pytest.raises(WorkerGone, match="exited with code 3 before connecting"):
+        await_worker(pair_store(str(tmp_path)), lambda: process.poll() is None, process.poll)
     assert time.monotonic() - started < 30
-    process.join(5)
 
 
 def _pair(tmp_path):
@@ -37,26 +34,26 @@ def _pair(tmp_path):
         t.start()
     for t in threads:
         t.join(60)
-    return _Endpoint(groups[0], 1, 7), _Endpoint(groups[1], 0, 7)
+    return GlooChannel(groups[0], 1, 7), GlooChannel(groups[1], 0, 7)
 
 
 def test_a_posted_receive_reports_arrival_without_being_waited_on(tmp_path):
     """Regression: the drafter polled gloo's Work.is_completed(), which stays False until
     wait() is called, so the tree decode was never cut short when the outcome came in."""
     target, drafter = _pair(tmp_path)
-    posted = drafter.post_header()
+    assert not drafter.poll()
     time.sleep(0.05)
-    assert not posted.arrived()
+    assert not drafter.poll()
     # A gloo send completes only once the peer posts the matching receive (the body's is posted
     # by recv below), so the target side sends from a thread of its own, as from its process.
     msg = ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False)
     sender = threading.Thread(target=target.send, args=(msg, datetime.timedelta(seconds=30)))
     sender.start()
     deadline = time.monotonic() + 10
-    while not posted.arrived() and time.monotonic() < deadline:
+    while not drafter.poll() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert posted.arrived()
-    kind, msg, _ = drafter.recv(posted=posted)
+    assert drafter.poll()
+    kind, msg, _ = drafter.recv()
     sender.join(30)
     assert not sender.is_alive()
     assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.seq_ids == [11]

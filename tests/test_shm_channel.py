@@ -4,30 +4,38 @@ without consuming, and a dead or silent peer ends a wait with a clear error."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import os
+import json
+import subprocess
+import sys
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
+from ssd.draft_process import worker_env
 from ssd.messages import ResolveMsg, SpeculationReply
-from ssd.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmEndpoint
+from ssd.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmChannel
 from ssd.wire import MsgType
 
 FP = 7
 LONG = datetime.timedelta(seconds=60)
 
-
-def _echo(inbox: Mailbox, outbox: Mailbox) -> None:
-    """Child: send every message back until SHUTDOWN."""
-    parent = os.getppid()
-    end = ShmEndpoint(inbox, outbox, FP, lambda: os.getppid() == parent)
-    while True:
-        kind, msg, ints = end.recv()
-        if kind == MsgType.SHUTDOWN:
-            return
-        end.send(msg)
+# A child that knows nothing but the descriptors it inherited: echo every message until SHUTDOWN.
+ECHO = """
+import json, os, sys
+from ssd.shm_channel import Mailbox, MailboxFds, ShmChannel
+from ssd.wire import MsgType
+spec = json.loads(sys.argv[1])
+parent = os.getppid()
+end = ShmChannel(Mailbox.attach(MailboxFds(**spec["inbox"])), Mailbox.attach(MailboxFds(**spec["outbox"])), 7,
+                 lambda: os.getppid() == parent)
+while True:
+    kind, msg, ints = end.recv()
+    if kind == MsgType.SHUTDOWN:
+        break
+    end.send(msg)
+"""
 
 
 def _reply(b: int, k: int, v: int, seed: int) -> SpeculationReply:
@@ -41,12 +49,12 @@ def _reply(b: int, k: int, v: int, seed: int) -> SpeculationReply:
 
 def test_messages_cross_processes_intact_in_chunks():
     """A 4 KB slot carries replies of up to 1.5 MB (chunked) and small messages between them."""
-    ctx = mp.get_context("spawn")
-    to_child, to_parent = Mailbox(ctx, capacity=4096), Mailbox(ctx, capacity=4096)
-    child = ctx.Process(target=_echo, args=(to_child, to_parent), daemon=True)
-    child.start()
+    to_child, to_parent = Mailbox.create(capacity=4096), Mailbox.create(capacity=4096)
+    spec = json.dumps({"inbox": asdict(to_child.handle), "outbox": asdict(to_parent.handle)})
+    child = subprocess.Popen([sys.executable, "-c", ECHO, spec], env=worker_env(),
+                             pass_fds=to_child.handle.fds() + to_parent.handle.fds())
     try:
-        end = ShmEndpoint(to_parent, to_child, FP, child.is_alive)
+        end = ShmChannel(to_parent, to_child, FP, lambda: child.poll() is None)
         for i, (b, k, v) in enumerate([(1, 6, 258), (16, 6, 4000), (2, 1, 3)]):
             sent = _reply(b, k, v, i)
             end.send(sent, LONG)
@@ -59,48 +67,45 @@ def test_messages_cross_processes_intact_in_chunks():
             kind, back, _ = end.recv(LONG)
             assert kind == MsgType.RESOLVE and back.seq_ids == [3, 4] and back.neural_backup
         end.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0), LONG)
-        child.join(30)
-        assert child.exitcode == 0
+        assert child.wait(30) == 0
     finally:
         child.kill()
+        child.wait(5)
 
 
-def _pair(ctx, alive=lambda: True):
-    a_to_b, b_to_a = Mailbox(ctx, capacity=256), Mailbox(ctx, capacity=256)
-    return ShmEndpoint(b_to_a, a_to_b, FP, alive), ShmEndpoint(a_to_b, b_to_a, FP, alive)
+def _pair(alive=lambda: True):
+    a_to_b, b_to_a = Mailbox.create(capacity=256), Mailbox.create(capacity=256)
+    return ShmChannel(b_to_a, a_to_b, FP, alive), ShmChannel(a_to_b, b_to_a, FP, alive)
 
 
 def test_arrival_is_seen_without_consuming_the_message():
-    a, b = _pair(mp.get_context("spawn"))
-    posted = b.post_header()
-    assert not posted.arrived()
+    a, b = _pair()
+    assert not b.poll()
     a.send(ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
-    assert posted.arrived() and posted.arrived()  # asking twice takes nothing
-    kind, msg, _ = b.recv(posted=posted)
+    assert b.poll() and b.poll()  # asking twice takes nothing
+    kind, msg, _ = b.recv()
     assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.bonus_tokens.tolist() == [65]
-    assert not b.post_header().arrived()
+    assert not b.poll()
 
 
 def test_a_silent_peer_times_out_and_a_dead_one_is_reported():
-    ctx = mp.get_context("spawn")
-    _, b = _pair(ctx)
+    _, b = _pair()
     started = time.monotonic()
     with pytest.raises(ChannelTimeout, match="0.2 s"):
         b.recv(datetime.timedelta(seconds=0.2))
     assert time.monotonic() - started < 5
-    child = ctx.Process(target=time.sleep, args=(0.3,), daemon=True)
-    child.start()
-    _, b = _pair(ctx, child.is_alive)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    _, b = _pair(lambda: child.poll() is None)
     started = time.monotonic()
     with pytest.raises(ChannelClosed, match="peer exited"):
         b.recv()  # no deadline: only the peer's death ends this wait
     assert time.monotonic() - started < 10
-    child.join(5)
+    child.wait(5)
 
 
 def test_a_sender_waits_for_the_slot_and_gives_up_at_its_deadline():
     """One chunk in flight per direction: a peer that never reads blocks the next send."""
-    a, _ = _pair(mp.get_context("spawn"))
+    a, _ = _pair()
     a.send(ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
     with pytest.raises(ChannelTimeout):
         a.send(ResolveMsg(2, [1], torch.tensor([0]), torch.tensor([1]), False), datetime.timedelta(seconds=0.2))

@@ -13,24 +13,18 @@ Unit tests of ssd/saguaro.py and ssd/wire.py are in test_saguaro_wire.py.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import threading
 import time
-from collections import Counter, defaultdict
 
-import numpy as np
 import pytest
-import torch
-from scipy.stats import chi2
-from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
-from refimpl import chi_square_bins, hf_greedy, reference_probs
-from ssd.demo_models import ModelShape, heldout_prompts
-from ssd.saguaro import OnlineEstimates
-from tiny_models import noisy_copy, peaked_model, save_models
+from refimpl import hf_greedy
+from ssd.demo_models import heldout_prompts
+from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
+from workers import live_draft_workers
 
 MAX_TOKENS = 32
 SSD = dict(mode="ssd", k=4, ssd_budget=12)
@@ -67,7 +61,7 @@ def tiny_reference(tiny_pair, prompts) -> list[list[int]]:
 def no_leaked_workers():
     """Every test closes its engines: no draft worker may outlive it."""
     yield
-    assert multiprocessing.active_children() == []
+    assert live_draft_workers() == []
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
@@ -150,12 +144,11 @@ def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference,
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
         process = llm.engine.proposer.client.process
-        assert process.is_alive()
+        assert process.poll() is None
     assert 0 < m["cache_hit_rate"], m
     assert m["backup_neural_rounds"] > 0, m
     assert metric(m, "drafter_alive") is True
-    process.join(10)
-    assert not process.is_alive()
+    assert process.wait(10) == 0  # shut down cleanly on close
 
 
 def test_greedy_matches_hf_demo_pair_process_transport(demo_pair):
@@ -196,6 +189,26 @@ def test_seeded_sample_reproducible_on_a_fresh_engine(tiny_pair):
         with ssd_llm(target, draft, **kw) as llm:
             runs.append(llm.generate("def f(x):", seeded(7))[0].token_ids)
     assert runs[0] == runs[1]
+
+
+def test_reproducible_setting_on_the_default_transport(tiny_pair):
+    """ssd_reproducible=True with the process transport: a seeded request gives the same tokens
+    on a fresh engine, after other requests, and batched with others, although without it the
+    tree depth of a round follows the outcome's arrival time."""
+    target, draft = tiny_pair
+    prompts = ["def f(x):", "hello", "import os\n"]
+    params = [SamplingParams(temperature=1.0, max_tokens=48, seed=s, ignore_eos=True) for s in (7, 8, 9)]
+    kw = dict(mode="ssd", k=4, ssd_reproducible=True)
+    with LLM(target, draft, **kw) as llm:
+        assert llm.engine.config.draft_transport == "process"
+        alone = llm.generate(prompts[0], params[0])[0].token_ids
+    with LLM(target, draft, **kw) as llm:
+        llm.generate(["x", "yz"], [SamplingParams(temperature=1.0, max_tokens=30, seed=s) for s in (1, 2)])
+        batched = [o.token_ids for o in llm.generate(prompts, params)]
+        again = llm.generate(prompts[0], params[0])[0].token_ids
+        m = llm.metrics()
+    assert batched[0] == alone and again == alone
+    assert m["cache_hit_rate"] > 0 and m["ssd"]["drafter_rounds_cut"] == 0, m
 
 
 def test_seeded_sample_independent_of_batch(tiny_pair):
@@ -239,103 +252,6 @@ def test_draft_equal_to_target_accepts_and_hits_nearly_always(tiny_pair, prompts
 # bugs this file was tried against (verifier given the wrong draft distribution on cache hits,
 # on neural-backup rounds, or on fast-backup rounds) gave p < 1e-14.
 P_MIN = 1e-4
-N_SAMPLES = 3000
-STAT_K = 2
-STAT_PROMPT = "def f(x):"
-STAT_MAX_TOKENS = 6  # rounds emit at most K+1 = 3 tokens: tokens 4 to 6 always come from round 2+
-
-
-@pytest.fixture(scope="module")
-def peaked_pair(tmp_path_factory) -> tuple[str, str]:
-    """A tiny target with scaled-up weights, so that a few continuations of STAT_PROMPT hold most
-    of the mass (the most likely 3-token prefix has probability ~0.7) while the next tokens still
-    vary; and a noisy copy as the draft (acceptance ~0.7 at K = 2)."""
-    target = peaked_model(2, ModelShape(64, 2, 2, 128), scale=60.0)
-    paths = save_models(tmp_path_factory.mktemp("ssd_peaked"), {"target": target, "draft": noisy_copy(target, seed=5, relative=0.05)})
-    return paths["target"], paths["draft"]
-
-
-@pytest.fixture(scope="module")
-def peaked_target(peaked_pair):
-    return AutoModelForCausalLM.from_pretrained(peaked_pair[0], local_files_only=True, dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def fast_r_fit(monkeypatch):
-    """OnlineEstimates.observe_hit refits r over a 120-point grid in pure Python once per row and
-    round (~30 ms each here): thousands of rows would take minutes. The r estimate only shapes the
-    fan-out, never what is emitted, so these tests keep r at its prior."""
-    monkeypatch.setattr(OnlineEstimates, "_fit_r", lambda self: self.r)
-
-
-@torch.no_grad()
-def exact_next(model, contexts: list[tuple[int, ...]], params: SamplingParams) -> dict[tuple[int, ...], np.ndarray]:
-    """Exact next-token distribution of the target after every context (HF forward, by length)."""
-    out = {}
-    by_len = defaultdict(list)
-    for c in contexts:
-        by_len[len(c)].append(c)
-    for group in by_len.values():
-        logits = model(input_ids=torch.tensor(group)).logits[:, -1].double().numpy()
-        for c, row in zip(group, logits):
-            out[c] = reference_probs(row, params.temperature, params.top_k, params.top_p)
-    return out
-
-
-def chi_square_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
-    """(statistic, degrees of freedom) of counts against probs, over refimpl's bins."""
-    obs, exp = chi_square_bins(counts, probs)
-    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
-
-
-def sample_with_sources(llm: LLM, prompt_ids: list[int], params: SamplingParams, seed_base: int, n: int = N_SAMPLES,
-                        max_tokens: int = STAT_MAX_TOKENS):
-    """Stream n seeded samples; return, per request, (token, source of the round that emitted it,
-    round number). The source comes from the per-round change of the request's own counters."""
-    plist = [params.model_copy(update={"seed": seed_base + i, "max_tokens": max_tokens, "ignore_eos": True}) for i in range(n)]
-    tokens: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
-    last: dict[str, tuple[int, int, int]] = {}
-    for out in llm.generate_stream([prompt_ids] * n, plist):
-        m = out.metrics
-        now = (m["rounds"], m["backup_neural_rounds"], m["backup_fast_rounds"])
-        before = last.get(out.request_id, (0, 0, 0))
-        assert now[0] == before[0] + 1, (before, now)
-        source = "neural" if now[1] > before[1] else "fast" if now[2] > before[2] else "cache"
-        last[out.request_id] = now
-        tokens[out.request_id].extend((t, source, now[0]) for t in out.delta_token_ids)
-    assert len(tokens) == n and all(len(v) == max_tokens for v in tokens.values())
-    return list(tokens.values())
-
-
-def check_conditionals(target, prompt_ids, samples, params: SamplingParams, min_count: int = 20) -> dict:
-    """For each subset of emitted tokens (by source of their round, later rounds only, and all),
-    group by the context they were emitted after and combine the chi-square tests of every
-    context with enough samples into one. -> {subset: (p value, tokens tested, df)}"""
-    groups: dict[str, dict[tuple[int, ...], Counter]] = defaultdict(lambda: defaultdict(Counter))
-    for sample in samples:
-        context = tuple(prompt_ids)
-        for tok, source, rnd in sample:
-            groups["all"][context][tok] += 1
-            if rnd >= 2:
-                groups[f"{source}_later"][context][tok] += 1
-            context = context + (tok,)
-    contexts = {c for g in groups.values() for c, counts in g.items() if sum(counts.values()) >= min_count}
-    exact = exact_next(target, sorted(contexts), params)
-    vocab = target.config.vocab_size
-    result = {}
-    for name, g in groups.items():
-        stat, df, tested = 0.0, 0, 0
-        for context, counts in g.items():
-            total = sum(counts.values())
-            if total < min_count:
-                continue
-            arr = np.zeros(vocab)
-            for t, c in counts.items():
-                arr[t] = c
-            s, d = chi_square_stat(arr, exact[context])
-            stat, df, tested = stat + s, df + d, tested + total
-        result[name] = (float(chi2.sf(stat, df)) if df > 0 else 1.0, tested, df)
-    return result
 
 
 STAT_CASES = {
@@ -352,7 +268,7 @@ STAT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(STAT_CASES))
-def test_sampled_tokens_follow_target_distribution(peaked_pair, peaked_target, fast_r_fit, case):
+def test_sampled_tokens_follow_target_distribution(peaked_pair, peaked_target, case):
     params, options, required = STAT_CASES[case]
     with ssd_llm(*peaked_pair, **{**SSD, "k": STAT_K, "draft_transport": "inprocess", "max_num_seqs": 4096, **options}) as llm:
         prompt_ids = llm.tokenizer.encode(STAT_PROMPT, add_special_tokens=False)
@@ -385,17 +301,17 @@ def test_dead_draft_worker_target_goes_on_alone(tiny_pair, prompts, tiny_referen
         assert llm.metrics()["cache_hit_rate"] > 0
         process = llm.engine.proposer.client.process
         process.kill()
-        process.join(10)
+        process.wait(10)
         # New requests (admission after the death) and several rounds without a drafter.
         outs = llm.generate(prompts, greedy())
         assert [o.token_ids for o in outs] == tiny_reference
         m = llm.metrics()
         assert metric(m, "drafter_alive") is False
         assert m["backup_fast_rounds"] > 0
-        assert not process.is_alive()
+        assert process.poll() is not None
     assert any(r.levelno == logging.WARNING and "draft worker" in r.getMessage() for r in caplog.records), caplog.text
-    assert not process.is_alive()
-    assert multiprocessing.active_children() == []
+    assert process.poll() is not None
+    assert live_draft_workers() == []
 
 
 def run_bounded(fn, seconds: float):
@@ -443,9 +359,9 @@ def test_stalled_draft_worker_is_dropped_after_deadline(tiny_pair, prompts, tiny
             assert [o.token_ids for o in outs] == tiny_reference[2:]
             assert metric(llm.metrics(), "drafter_alive") is False
         finally:
-            if process.is_alive():
+            if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
-                process.join(10)
+                process.wait(10)
     assert any("draft worker" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert not process.is_alive()
-    assert multiprocessing.active_children() == []
+    assert process.poll() is not None
+    assert live_draft_workers() == []

@@ -9,9 +9,10 @@ import logging
 import sys
 import time
 
-from ssd.bench.modes import SETTINGS, available_cpus
+from ssd.bench.contention import format_contention
+from ssd.bench.modes import SETTINGS, available_cpus, variants
 from ssd.bench.plan import BenchPlan, _plan, add_arguments
-from ssd.bench.report import _add_ratios, _ordered, format_pair_stats, new_results, write_results
+from ssd.bench.report import _aggregate, _ordered, format_pair_stats, new_results, write_results
 from ssd.bench.worker import _spawn, worker_main
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,14 @@ def _base_spec(plan: BenchPlan) -> dict:
         "device": plan.device,
         "seed": plan.seed,
         "pair_reps": plan.pair_reps,
+        "saguaro_c": plan.saguaro_c,
+        "ssd_budgets": plan.ssd_budgets,
+        "repeats": plan.repeats,
+        "contention_budget": (plan.ssd_budgets or [16])[0],
+        "contention_reps": 10,
+        "contention_cycles": plan.contention_cycles,
+        "contention_context": 128,
+        "contention_settle_ms": 15,
         "log_level": logging.getLogger("ssd").getEffectiveLevel(),
     }
 
@@ -46,7 +55,8 @@ def run(args: argparse.Namespace) -> dict:
 
     plan = _plan(args)
     settings = {name: SETTINGS[name].threads() for name in plan.settings}
-    runs_per_setting = len(plan.modes) * len(plan.temperatures) * len(plan.batch_sizes)
+    labels = [v.label for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets)]
+    runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats
     total = 1 + (0 if plan.pair_stats_only else runs_per_setting * len(settings))
     results = new_results(plan, args, settings)
     load = results["environment"]["load_average_at_start"]
@@ -56,6 +66,8 @@ def run(args: argparse.Namespace) -> dict:
     results["config"]["prompts"] = base["prompts"]
     # One worker per setting; the pair stats (one thread) ride with the first one-thread setting,
     # which then runs first, or get a worker of their own.
+    if plan.contention:
+        return _run_contention(plan, args, base)
     jobs = [] if plan.pair_stats_only else [{"setting": s, "threads": t, "tasks": ["modes"]} for s, t in settings.items()]
     if plan.draft is None:
         logger.warning("no draft model: pair stats skipped")
@@ -70,15 +82,18 @@ def run(args: argparse.Namespace) -> dict:
     with tqdm(total=total, desc="bench", unit="run", disable=not plan.progress, leave=False) as bar:
 
         def on_event(event: dict) -> None:
-            if event.get("event") == "pair_stats":
+            if event.get("event") == "started":
+                # The worker's torch (a local build's version string carries its +cu/+cpu tag).
+                results["environment"]["torch_version"] = event["torch_version"]
+            elif event.get("event") == "pair_stats":
                 results["pair_stats"] = event["pair_stats"]
                 bar.update(1)
                 tqdm.write(format_pair_stats(results["pair_stats"]), file=sys.stdout)
             elif event.get("event") == "record":
                 r = event["record"]
                 results["runs"].append(r)
-                bar.set_postfix_str(f"{r['setting']} T={r['temperature']:g} b={r['batch_size']} {r['mode']}")
-                bar.update(1)
+                bar.set_postfix_str(f"{r['setting']} T={r['temperature']:g} b={r['batch_size']} {r['mode']} #{r.get('repeat', 0) + 1}")
+                bar.update(1 if r.get("supported") else plan.repeats)
 
         if plan.draft is None:
             bar.update(1)
@@ -89,11 +104,29 @@ def run(args: argparse.Namespace) -> dict:
     sys.stdout.flush()
     results["elapsed_s"] = round(time.perf_counter() - started, 2)
     results["runs"] = _ordered(
-        results["runs"],
-        {"setting": plan.settings, "temperature": plan.temperatures, "batch_size": plan.batch_sizes, "mode": plan.modes},
+        _aggregate(results["runs"]),
+        {"setting": plan.settings, "temperature": plan.temperatures, "batch_size": plan.batch_sizes, "mode": labels},
     )
-    _add_ratios(results["runs"])
 
+    write_results(results, plan.out_dir)
+    return results
+
+
+def _run_contention(plan: BenchPlan, args: argparse.Namespace, base: dict) -> dict:
+    """`ssd bench --contention`: the A/B alone, in a one-thread worker; prints it and writes
+    out_dir/bench.json with the result under "contention"."""
+    results = new_results(plan, args, {"paper": 1})
+    started = time.perf_counter()
+
+    def on_event(event: dict) -> None:
+        if event.get("event") == "started":
+            results["environment"]["torch_version"] = event["torch_version"]
+        elif event.get("event") == "contention":
+            results["contention"] = event["contention"]
+            sys.stdout.write(format_contention(event["contention"]) + "\n")
+
+    _spawn({**base, "setting": "paper", "threads": 1, "tasks": ["contention"]}, on_event)
+    results["elapsed_s"] = round(time.perf_counter() - started, 2)
     write_results(results, plan.out_dir)
     return results
 

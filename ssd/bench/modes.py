@@ -67,6 +67,8 @@ class BenchContext:
     num_threads: int
     max_batch_size: int
     seed: int
+    # SSD engine options of this variant (saguaro_c, ssd_budget); ignored by other modes.
+    ssd_options: dict = field(default_factory=dict)
 
 
 class ModeRunner(Protocol):
@@ -83,6 +85,7 @@ class BenchMode:
     needs_draft: bool = True
     max_batch_size: int | None = None  # None = any batch size
     unsupported_reason: str = ""
+    ssd: bool = False  # an SSD mode of this engine: --saguaro-c and --ssd-budget sweep it
 
     def supports(self, batch_size: int) -> bool:
         return self.max_batch_size is None or batch_size <= self.max_batch_size
@@ -114,7 +117,7 @@ class EngineRunner:
             # SSD's draft process takes one core of the setting's budget for itself.
             num_threads=max(1, ctx.num_threads - 1) if mode == "ssd" else ctx.num_threads,
             seed=ctx.seed,
-            **llm_kwargs,
+            **{**llm_kwargs, **(ctx.ssd_options if mode == "ssd" else {})},
         )
 
     def generate(self, prompts: list[str], seeds: list[int], temperature: float, max_tokens: int) -> BatchCounters:
@@ -159,6 +162,40 @@ def engine_mode(mode: str, needs_draft: bool = True, **llm_kwargs) -> Callable[[
         return EngineRunner(ctx, mode, needs_draft, **llm_kwargs)
 
     return build
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row group of the bench: a mode, with SSD options where the plan sweeps them."""
+
+    label: str  # the mode's name, then e.g. " C=0.5 B=32" for a swept SSD mode
+    mode: str
+    ssd_options: dict
+
+    @property
+    def record(self) -> dict:
+        """What a record says about the variant besides its label."""
+        out = {"base_mode": self.mode}
+        if "saguaro_c" in self.ssd_options:
+            out["saguaro_c"] = self.ssd_options["saguaro_c"]
+        if "ssd_budget" in self.ssd_options:
+            out["ssd_budget"] = self.ssd_options["ssd_budget"]
+        return out
+
+
+def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int] | None) -> list[Variant]:
+    """Every mode once, and every SSD mode once per (C, B) pair of the sweep."""
+    out = []
+    for name in modes:
+        if not MODES[name].ssd or (saguaro_c is None and budgets is None):
+            out.append(Variant(name, name, {}))
+            continue
+        for c in saguaro_c or [None]:
+            for b in budgets or [None]:
+                options = {k: v for k, v in (("saguaro_c", c), ("ssd_budget", b)) if v is not None}
+                suffix = "".join(f" {tag}={v:g}" for tag, v in (("C", c), ("B", b)) if v is not None)
+                out.append(Variant(name + suffix, name, options))
+    return out
 
 
 class HFAssistedRunner:
@@ -251,8 +288,8 @@ class HFAssistedRunner:
 
 register_mode(BenchMode("ar", "target only, one token per round (this engine)", engine_mode("ar", needs_draft=False), needs_draft=False))
 register_mode(BenchMode("sd", "ordinary speculative decoding (this engine)", engine_mode("sd")))
-register_mode(BenchMode("ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd")))
-register_mode(BenchMode("ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform")))
+register_mode(BenchMode("ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd"), ssd=True))
+register_mode(BenchMode("ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform"), ssd=True))
 for _name, _constant, _what in (
     ("hf-assisted", True, "constant K, like sd"),
     ("hf-assisted-default", False, "Hugging Face's default assistant schedule"),

@@ -1,7 +1,8 @@
 """Pair stats (one thread, inside a worker): single-token decode time of target and draft with a
-KV cache of a ~128-token context, their ratio, and the draft's greedy per-token acceptance along
-the target's greedy path (teacher forcing) on held-out prompts, with the greedy SD rounds that
-path implies."""
+KV cache of a ~128-token context, through the plain Hugging Face forward and through the
+engine's own runners (the lean forward, the target's projections packed as the engine packs
+them), their ratios, and the draft's greedy per-token acceptance along the target's greedy path
+(teacher forcing) on held-out prompts, with the greedy SD rounds that path implies."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def _pair_stats(spec: dict) -> dict:
         return 1000 * statistics.median(times)
 
     target_ms, draft_ms = decode_ms(target), decode_ms(draft)
+    target_lean_ms = _engine_decode_ms(target, "target", context_ids, spec, sync)
+    draft_lean_ms = _engine_decode_ms(draft, "draft", context_ids, spec, sync)
 
     @torch.inference_mode()
     def greedy_path(ids: list[int], n: int) -> list[int]:
@@ -93,6 +96,10 @@ def _pair_stats(spec: dict) -> dict:
         "target_decode_ms": round(target_ms, 4),
         "draft_decode_ms": round(draft_ms, 4),
         "draft_to_target_ratio": round(draft_ms / target_ms, 4),
+        "target_to_draft_ratio": round(target_ms / draft_ms, 3),
+        "target_decode_ms_engine": round(target_lean_ms, 4),
+        "draft_decode_ms_engine": round(draft_lean_ms, 4),
+        "target_to_draft_ratio_engine": round(target_lean_ms / draft_lean_ms, 3),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "greedy_acceptance": round(accept, 4),
@@ -103,6 +110,30 @@ def _pair_stats(spec: dict) -> dict:
         "greedy_sd_tokens_per_round": round(n * len(encoded) / sim_rounds, 4),
         "iid_tokens_per_round": round(iid, 4),
     }
+
+
+def _engine_decode_ms(model, role: str, context_ids, spec: dict, sync) -> float:
+    """Single-token decode time through the engine's runner for this role (the lean forward
+    where the model allows it; the target's projections packed as the engine packs them)."""
+    import torch
+
+    from ssd.runner import draft_runner, target_runner
+
+    runner = target_runner(model, spec["device"], True, True) if role == "target" else draft_runner(model, spec["device"], True)
+    cache = runner.new_cache()
+    with torch.inference_mode():
+        logits = runner.forward(cache, context_ids.cpu())
+        nxt = logits[:, -1:].argmax(-1)
+        times = []
+        for rep in range(spec["pair_reps"] + 5):
+            sync()
+            t0 = time.perf_counter()
+            runner.forward(cache, nxt)
+            sync()
+            if rep >= 5:
+                times.append(time.perf_counter() - t0)
+            cache.drop_last(torch.ones(1, dtype=torch.long))
+    return 1000 * statistics.median(times)
 
 
 def _crop(cache, length: int) -> None:

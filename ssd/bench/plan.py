@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"], help="dtype of the draft in every mode (default: --dtype); never changes the output's distribution, only acceptance and speed.")
     parser.add_argument("--device", default="cpu", help="torch device of both models in every mode (cpu, cuda, cuda:1, ...).")
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
-    parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i is sampled with seed+i in every mode.")
+    parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i of repeat j is sampled with seed + j*n + i (n requests per run) in every mode.")
+    parser.add_argument("--saguaro-c", default=None, help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows labelled C=...). Default: the engine's default only.")
+    parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value (rows labelled B=...; the adaptive budget stays on, B is its ceiling). Default: the engine's default only.")
+    parser.add_argument("--contention", action="store_true", help="Only run the contention A/B: the target's verification time with its drafter process idle, building a tree, or spinning (ssd/bench/contention.py).")
+    parser.add_argument("--contention-cycles", type=int, default=20, help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).")
+    parser.add_argument("--repeats", type=int, default=1, help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio as the median over repeats with its range.")
 
 
 def _split(text: str, name: str) -> list[str]:
@@ -57,6 +62,11 @@ class BenchPlan:
     device: str
     progress: bool
     seed: int
+    contention: bool = False
+    contention_cycles: int = 20
+    saguaro_c: list[float] | None = None  # SSD variants to run (None: the engine's default)
+    ssd_budgets: list[int] | None = None
+    repeats: int = 1
 
 
 def _plan(args: argparse.Namespace) -> BenchPlan:
@@ -88,10 +98,15 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
+    if get("contention", False) and draft is None:
+        raise ValueError("--contention needs a draft model: pass --draft")
     if draft is None and any(MODES[m].needs_draft for m in modes):
         raise ValueError(f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar")
+    saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
-    for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps)):
+    repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
+    for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps), ("repeats", repeats),
+                        ("contention-cycles", cycles)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     return BenchPlan(
@@ -112,4 +127,29 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         device=get("device", "cpu"),
         progress=not get("no_progress", False),
         seed=get("seed", 0) or 0,
+        saguaro_c=saguaro_c,
+        ssd_budgets=budgets,
+        repeats=repeats,
+        contention=bool(get("contention", False)),
+        contention_cycles=cycles,
     )
+
+
+def _ssd_values(saguaro_c: str | None, budgets: str | None) -> tuple[list[float] | None, list[int] | None]:
+    """--saguaro-c and --ssd-budget as lists (None when not given), validated."""
+    cs = bs = None
+    if saguaro_c is not None:
+        try:
+            cs = [float(c) for c in _split(saguaro_c, "saguaro-c")]
+        except ValueError as err:
+            raise ValueError(f"--saguaro-c takes comma-separated numbers in [0, 1]: {err}") from None
+        if any(not 0.0 <= c <= 1.0 for c in cs):
+            raise ValueError(f"--saguaro-c values must be in [0, 1], got {cs}")
+    if budgets is not None:
+        try:
+            bs = [int(b) for b in _split(budgets, "ssd-budget")]
+        except ValueError as err:
+            raise ValueError(f"--ssd-budget takes comma-separated integers >= 1: {err}") from None
+        if any(b < 1 for b in bs):
+            raise ValueError(f"--ssd-budget values must be >= 1, got {bs}")
+    return cs, bs

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,12 @@ logger = logging.getLogger(__name__)
 JSON_VERSION = 1
 DEFINITIONS = {
     "tokens_per_s": "generated tokens / wall time of the timed generate calls (after one untimed warm-up per mode)",
-    "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature and batch size",
+    "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature, batch size and repeat (median over repeats)",
+    "ratio_to_sd": "tokens_per_s / tokens_per_s of sd with the same setting, temperature, batch size and repeat (median over repeats)",
+    "repeats": "timed runs of the mode, interleaved with the other modes; every figure in MEDIAN_FIELDS is the median over them",
+    "range": "[min, max] over the repeats of each median figure",
+    "per_repeat": "each median figure's values, in repeat order",
+    "acceptance_rate": "accepted draft tokens / draft tokens offered (engine modes)",
     "decode_tokens_per_s": "engine modes: generated tokens / wall time of the engine's steps (prefill excluded)",
     "rounds": "sequence-rounds: one verification of one sequence (a step over b sequences counts b)",
     "mean_accepted_per_round": "accepted draft tokens / rounds (0..K)",
@@ -54,6 +60,9 @@ def new_results(plan: BenchPlan, args: argparse.Namespace, settings: dict[str, i
             "dtype": plan.dtype,
             "draft_dtype": plan.draft_dtype,
             "device": plan.device,
+            "saguaro_c": plan.saguaro_c,
+            "ssd_budgets": plan.ssd_budgets,
+            "repeats": plan.repeats,
         },
         "definitions": DEFINITIONS,
         "pair_stats": None,
@@ -96,15 +105,54 @@ def _ordered(records: list[dict], order: dict[str, list] | None = None) -> list[
 
 
 def _add_ratios(records: list[dict]) -> None:
-    baseline = {
-        (r["setting"], r["temperature"], r["batch_size"]): r["tokens_per_s"]
-        for r in records
-        if r["mode"] == "ar" and r.get("supported")
-    }
+    """ratio_to_ar and ratio_to_sd of every record, against the baseline run of the same setting,
+    temperature, batch size and repeat (paired: both measured minutes apart at most)."""
+    def key(r: dict) -> tuple:
+        return r["setting"], r["temperature"], r["batch_size"], r.get("repeat", 0)
+
+    for base, field in (("ar", "ratio_to_ar"), ("sd", "ratio_to_sd")):
+        baseline = {key(r): r["tokens_per_s"] for r in records if r["mode"] == base and r.get("supported")}
+        for r in records:
+            ref = baseline.get(key(r))
+            tps = r.get("tokens_per_s")
+            r[field] = round(tps / ref, 4) if r.get("supported") and tps and ref else None
+
+
+# Figures reported as the median over repeats, with their range.
+MEDIAN_FIELDS = (
+    "tokens_per_s", "ratio_to_ar", "ratio_to_sd", "decode_tokens_per_s", "mean_accepted_per_round", "acceptance_rate",
+    "tokens_per_round", "draft_ms_per_round", "verify_ms_per_round", "cache_hit_rate", "upper_bound_tokens_per_s",
+    "fraction_of_bound", "wall_s",
+)
+
+
+def _aggregate(records: list[dict]) -> list[dict]:
+    """One record per setting, temperature, batch size and mode: the run whose tokens/s is the
+    median (its counters and live figures), with every figure of MEDIAN_FIELDS replaced by its
+    median over the repeats, `range` [min, max] and `per_repeat` (values in repeat order)."""
+    _add_ratios(records)
+    groups: dict[tuple, list[dict]] = {}
     for r in records:
-        ar = baseline.get((r["setting"], r["temperature"], r["batch_size"]))
-        tps = r.get("tokens_per_s")
-        r["ratio_to_ar"] = round(tps / ar, 4) if r.get("supported") and tps and ar else None
+        groups.setdefault((r["setting"], r["temperature"], r["batch_size"], r["mode"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        runs = sorted(runs, key=lambda r: r.get("repeat", 0))
+        if not runs[0].get("supported"):
+            out.append({k: v for k, v in runs[0].items() if k != "repeat"})
+            continue
+        middle = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)[(len(runs) - 1) // 2]
+        agg = {k: v for k, v in middle.items() if k != "repeat"}
+        agg["repeats"] = len(runs)
+        agg["range"], agg["per_repeat"] = {}, {}
+        for name in MEDIAN_FIELDS:
+            values = [r.get(name) for r in runs]
+            if any(v is None for v in values):
+                continue
+            agg[name] = round(statistics.median(values), 4)
+            agg["range"][name] = [min(values), max(values)]
+            agg["per_repeat"][name] = values
+        out.append(agg)
+    return out
 
 
 def write_results(results: dict, out_dir: Path) -> None:
@@ -134,7 +182,10 @@ def format_pair_stats(stats: dict | None) -> str:
     return "\n".join(
         [
             f"pair stats (1 thread, {stats['context_tokens']}-token context, median of {stats['reps']}):",
-            f"  decode ms/token: target {stats['target_decode_ms']:.3f}, draft {stats['draft_decode_ms']:.3f}, draft/target {stats['draft_to_target_ratio']:.3f}",
+            f"  decode ms/token, Hugging Face forward: target {stats['target_decode_ms']:.3f}, draft {stats['draft_decode_ms']:.3f}"
+            f" (target/draft {stats['target_to_draft_ratio']:.2f}x)",
+            f"  decode ms/token, engine forward (lean, packed target): target {stats['target_decode_ms_engine']:.3f},"
+            f" draft {stats['draft_decode_ms_engine']:.3f} (target/draft {stats['target_to_draft_ratio_engine']:.2f}x)",
             f"  greedy per-token acceptance {stats['greedy_acceptance']:.3f} over {stats['acceptance_positions']} positions"
             f" (per prompt: {', '.join(f'{a:.2f}' for a in stats['greedy_acceptance_per_prompt'])})",
             f"  greedy SD along the target's path, K={stats['k']}: {stats['greedy_sd_mean_accepted_per_round']:.2f} accepted,"
@@ -143,30 +194,41 @@ def format_pair_stats(stats: dict | None) -> str:
     )
 
 
+def _range(r: dict, name: str, spec: str) -> str:
+    lo_hi = r.get("range", {}).get(name)
+    return "-" if not lo_hi else f"{format(lo_hi[0], spec)}-{format(lo_hi[1], spec)}"
+
+
 def format_table(records: list[dict]) -> str:
-    headers = ["setting", "thr", "T", "batch", "mode", "tok/s", "x ar", "decode tok/s", "acc/round", "tok/round", "draft ms/rd", "verify ms/rd", "hit", "of bound"]
+    """One line per record; with repeats, tok/s and the ratios are medians and a range column
+    follows each."""
+    ranged = any(r.get("repeats", 1) > 1 for r in records)
+    columns = [  # (header, cell of a supported record)
+        ("setting", lambda r: r["setting"]),
+        ("thr", lambda r: str(r["threads"])),
+        ("T", lambda r: f"{r['temperature']:g}"),
+        ("batch", lambda r: str(r["batch_size"])),
+        ("mode", lambda r: r["mode"]),
+        ("tok/s", lambda r: _fmt(r["tokens_per_s"], ".1f")),
+        *([("range", lambda r: _range(r, "tokens_per_s", ".0f"))] if ranged else []),
+        ("x ar", lambda r: _fmt(r.get("ratio_to_ar"), ".2f")),
+        ("x sd", lambda r: _fmt(r.get("ratio_to_sd"), ".2f")),
+        *([("range", lambda r: _range(r, "ratio_to_sd", ".2f"))] if ranged else []),
+        ("decode tok/s", lambda r: _fmt(r.get("decode_tokens_per_s"), ".1f")),
+        ("acc rate", lambda r: _fmt(r.get("acceptance_rate"))),
+        ("tok/round", lambda r: _fmt(r["tokens_per_round"])),
+        ("draft ms/rd", lambda r: _fmt(r["draft_ms_per_round"])),
+        ("verify ms/rd", lambda r: _fmt(r["verify_ms_per_round"])),
+        ("hit", lambda r: _fmt(r.get("cache_hit_rate"), ".2f")),
+        ("of bound", lambda r: _fmt(r.get("fraction_of_bound"), ".0%")),
+    ]
+    headers = [h for h, _ in columns]
     rows = []
     for r in records:
-        if not r.get("supported"):
-            cells = [r["setting"], str(r["threads"]), f"{r['temperature']:g}", str(r["batch_size"]), r["mode"], "unsupported", "", "", "", "", "", "", "", ""]
+        if r.get("supported"):
+            rows.append([cell(r) for _, cell in columns])
         else:
-            cells = [
-                r["setting"],
-                str(r["threads"]),
-                f"{r['temperature']:g}",
-                str(r["batch_size"]),
-                r["mode"],
-                _fmt(r["tokens_per_s"], ".1f"),
-                _fmt(r.get("ratio_to_ar"), ".2f"),
-                _fmt(r.get("decode_tokens_per_s"), ".1f"),
-                _fmt(r["mean_accepted_per_round"]),
-                _fmt(r["tokens_per_round"]),
-                _fmt(r["draft_ms_per_round"]),
-                _fmt(r["verify_ms_per_round"]),
-                _fmt(r.get("cache_hit_rate"), ".2f"),
-                _fmt(r.get("fraction_of_bound"), ".0%"),
-            ]
-        rows.append(cells)
+            rows.append([cell(r) for _, cell in columns[:5]] + ["unsupported"] + [""] * (len(columns) - 6))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     left = {0, 4}  # text columns
     line = lambda cells: "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
@@ -182,8 +244,9 @@ def format_table(records: list[dict]) -> str:
 
 
 def write_plot(results: dict, path: Path) -> None:
-    """Grouped bars of tokens/s: one panel per setting x temperature, groups = batch sizes,
-    bars = modes (labelled with the ratio to ar)."""
+    """Grouped bars of tokens/s (median over repeats, whiskers: the range): one panel per setting
+    x temperature, groups = batch sizes, bars = modes and their SSD variants (labelled with the
+    ratio to ar and, for SSD, the cache hit rate)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -193,7 +256,8 @@ def write_plot(results: dict, path: Path) -> None:
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     batches = list(dict.fromkeys(r["batch_size"] for r in runs))
     index = {(r["setting"], r["temperature"], r["batch_size"], r["mode"]): r for r in runs}
-    fig = Figure(figsize=(4.2 * len(temperatures) + 1, 3.4 * len(settings) + 0.6), layout="constrained")
+    panel_width = max(4.2, 0.5 * len(modes) * len(batches))
+    fig = Figure(figsize=(panel_width * len(temperatures) + 1, 3.6 * len(settings) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(settings), len(temperatures), squeeze=False)
     width = 0.8 / max(len(modes), 1)
@@ -202,7 +266,7 @@ def write_plot(results: dict, path: Path) -> None:
         for j, temperature in enumerate(temperatures):
             ax = axes[i][j]
             for m, mode in enumerate(modes):
-                xs, heights, labels = [], [], []
+                xs, heights, labels, errors = [], [], [], []
                 for b, batch in enumerate(batches):
                     r = index.get((setting, temperature, batch, mode))
                     x = b + (m - (len(modes) - 1) / 2) * width
@@ -211,16 +275,23 @@ def write_plot(results: dict, path: Path) -> None:
                         continue
                     xs.append(x)
                     heights.append(r["tokens_per_s"])
-                    labels.append(f"{r['ratio_to_ar']:.2f}x" if r.get("ratio_to_ar") else "")
-                bars = ax.bar(xs, heights, width, label=mode, color=colors[m % len(colors)])
-                ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
+                    lo, hi = r.get("range", {}).get("tokens_per_s", [r["tokens_per_s"]] * 2)
+                    errors.append((r["tokens_per_s"] - lo, hi - r["tokens_per_s"]))
+                    label = f"{r['ratio_to_ar']:.2f}x" if r.get("ratio_to_ar") else ""
+                    if r.get("cache_hit_rate") is not None:
+                        label += f"\nhit {r['cache_hit_rate']:.2f}"
+                    labels.append(label)
+                yerr = list(zip(*errors)) if errors and any(e != (0, 0) for e in errors) else None
+                bars = ax.bar(xs, heights, width, yerr=yerr, capsize=2, label=mode, color=colors[m % len(colors)])
+                ax.bar_label(bars, labels=labels, fontsize=6, padding=1)
             threads = results["config"]["settings"].get(setting, {}).get("threads")
             ax.set_title(f"{setting} ({threads} thread{'s' if threads != 1 else ''}), T={temperature:g}", fontsize=9)
             ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
             ax.set_xlim(-0.5, len(batches) - 0.5)
             ax.set_ylabel("tokens/s")
             ax.margins(y=0.15)
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7, ncols=2 if len(modes) > 6 else 1)
     cfg = results["config"]
-    fig.suptitle(f"ssd bench: K={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens", fontsize=10)
+    repeats = f", median of {cfg['repeats']} interleaved repeats" if cfg.get("repeats", 1) > 1 else ""
+    fig.suptitle(f"ssd bench: K={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens{repeats}", fontsize=10)
     fig.savefig(path, dpi=110)

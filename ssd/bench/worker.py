@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ssd.bench.modes import MODES, BatchCounters, BenchContext
+from ssd.bench.modes import MODES, BatchCounters, BenchContext, variants
 from ssd.bench.pair_stats import _pair_stats
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,11 @@ def _prompt_requests(num_prompts: int, batch_size: int) -> int:
 
 
 def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
+    """Build every variant's runner (one warm-up generation each), then run the timed grid
+    `repeats` times, interleaved: variant after variant within a repeat, so slow drift of the
+    machine spreads over every variant alike instead of favouring the one measured first."""
     import gc
+    from dataclasses import replace
 
     prompts = spec["prompts"]
     ctx = BenchContext(
@@ -52,40 +56,53 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
         seed=spec["seed"],
     )
     max_tokens, seed = spec["max_tokens"], spec["seed"]
-    for name in spec["modes"]:
-        mode = MODES[name]
-        base = {"setting": spec["setting"], "threads": spec["threads"], "mode": name}
-        runner = None
-        if any(mode.supports(b) for b in spec["batch_sizes"]):
-            logger.info("[%s] building %s", spec["setting"], name)
-            runner = mode.build(ctx)
-            # Warm-up: one generation, not timed (first-call allocations, lazy inits).
-            runner.generate(prompts[:1], [seed], spec["temperatures"][0], max_tokens)
-        try:
+    runners: dict[str, object] = {}
+    todo = variants(spec["modes"], spec.get("saguaro_c"), spec.get("ssd_budgets"))
+    try:
+        for v in todo:
+            if any(MODES[v.mode].supports(b) for b in spec["batch_sizes"]):
+                logger.info("[%s] building %s", spec["setting"], v.label)
+                runners[v.label] = MODES[v.mode].build(replace(ctx, ssd_options=v.ssd_options))
+                # Warm-up: one generation, not timed (first-call allocations, lazy inits).
+                runners[v.label].generate(prompts[:1], [seed], spec["temperatures"][0], max_tokens)
+        for repeat in range(spec.get("repeats", 1)):
             for temperature in spec["temperatures"]:
                 for batch_size in spec["batch_sizes"]:
-                    record = {**base, "temperature": temperature, "batch_size": batch_size}
-                    if runner is None or not mode.supports(batch_size):
-                        emit({"event": "record", "record": {**record, "supported": False, "reason": mode.unsupported_reason}})
-                        continue
-                    n = _prompt_requests(len(prompts), batch_size)
-                    requests = [prompts[i % len(prompts)] for i in range(n)]
-                    totals: list[BatchCounters] = []
-                    wall = 0.0
-                    for start in range(0, n, batch_size):
-                        seeds = [seed + i for i in range(start, start + batch_size)]
-                        t0 = time.perf_counter()
-                        totals.append(runner.generate(requests[start : start + batch_size], seeds, temperature, max_tokens))
-                        wall += time.perf_counter() - t0
-                    summary = _summarize(totals, wall, n)
-                    if hasattr(os, "getloadavg"):  # other processes skew timings on a small machine
-                        summary["load_average_1min"] = round(os.getloadavg()[0], 2)
-                    emit({"event": "record", "record": {**record, **summary}})
-        finally:
-            if runner is not None:
-                runner.close()
-            del runner
-            gc.collect()
+                    for v in todo:
+                        record = {"setting": spec["setting"], "threads": spec["threads"], "mode": v.label, **v.record,
+                                  "temperature": temperature, "batch_size": batch_size, "repeat": repeat}
+                        runner = runners.get(v.label)
+                        if runner is None or not MODES[v.mode].supports(batch_size):
+                            if repeat == 0:
+                                emit({"event": "record", "record": {**record, "supported": False, "reason": MODES[v.mode].unsupported_reason}})
+                            continue
+                        summary = _timed(runner, prompts, batch_size, seed, repeat, temperature, max_tokens)
+                        emit({"event": "record", "record": {**record, **summary}})
+    finally:
+        for runner in runners.values():
+            runner.close()
+        runners.clear()
+        gc.collect()
+
+
+def _timed(runner, prompts: list[str], batch_size: int, seed: int, repeat: int, temperature: float, max_tokens: int) -> dict:
+    """One timed run of a runner over the prompts, in batches of batch_size. Request i of repeat
+    j has seed seed + j n + i: every mode of a repeat samples with the same seeds, and each
+    repeat samples new continuations (at T > 0 one continuation's acceptance is a noisy draw,
+    so the median over repeats averages over them)."""
+    n = _prompt_requests(len(prompts), batch_size)
+    requests = [prompts[i % len(prompts)] for i in range(n)]
+    totals: list[BatchCounters] = []
+    wall = 0.0
+    for start in range(0, n, batch_size):
+        seeds = [seed + repeat * n + i for i in range(start, start + batch_size)]
+        t0 = time.perf_counter()
+        totals.append(runner.generate(requests[start : start + batch_size], seeds, temperature, max_tokens))
+        wall += time.perf_counter() - t0
+    summary = _summarize(totals, wall, n)
+    if hasattr(os, "getloadavg"):  # other processes skew timings on a small machine
+        summary["load_average_1min"] = round(os.getloadavg()[0], 2)
+    return summary
 
 
 def _sum_or_none(values: list) -> float | None:
@@ -122,6 +139,7 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
         "rounds": rounds,
         "accepted_tokens": accepted,
         "mean_accepted_per_round": per_round(accepted),
+        "acceptance_rate": round(accepted / counters["draft_tokens"], 4) if accepted is not None and counters.get("draft_tokens") else None,
         "tokens_per_round": per_round(generated),
         # Engine modes: tokens per second of the engine's steps alone (prefill excluded).
         "decode_tokens_per_s": round(generated / step_s, 3) if step_s else None,
@@ -185,6 +203,10 @@ def worker_main(spec_path: str) -> int:
                 emit({"event": "pair_stats", "pair_stats": _pair_stats(spec)})
             elif task == "modes":
                 _run_modes(spec, emit)
+            elif task == "contention":
+                from ssd.bench.contention import _contention
+
+                emit({"event": "contention", "contention": _contention(spec)})
             else:
                 raise ValueError(f"unknown worker task {task!r}")
         emit({"event": "done"})
@@ -230,6 +252,7 @@ def _run_worker(cmd: list[str], env: dict, spec: dict, on_event: Callable[[dict]
                 logger.info("worker %s: torch %s, %d threads", spec["setting"], event["torch_version"], event["torch_threads"])
                 if event["torch_threads"] != spec["threads"]:
                     logger.warning("worker %s asked for %d threads but torch uses %d", spec["setting"], spec["threads"], event["torch_threads"])
+                on_event(event)
             else:
                 on_event(event)
         rc = proc.wait()

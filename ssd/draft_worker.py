@@ -1,0 +1,203 @@
+"""The draft worker: a `Drafter` driven by the messages of a `Channel`, and the process that runs it.
+
+`DraftWorker.serve()` is the drafter's state machine, whatever carries its messages:
+    ADMIT / RELEASE      membership
+    BEGIN_ROUND          glue, fork and tree decode; the next message (the outcome) cuts the tree
+    RESOLVE              answer with the cached branches (and neural backups when asked)
+    DRAFT_NOW            just-in-time speculations
+    SHUTDOWN             return
+After a reply in which every row hit, the next announcement is known but for its arrival
+(Drafter.predict_round): the worker begins that round at once and takes it back whole if the
+announcement differs (_build_predicted).
+
+`python -m ssd.draft_worker` is the process a target starts for its drafter (ssd/draft_process.py).
+It is started through the package's own entry point, never by re-importing the caller's main
+module, so SSD works from stdin scripts, `python -c`, notebooks, scripts without a
+`__main__` guard and Ray actors alike. It reads its spec (engine config, vocabulary, link) as
+JSON on stdin, then serves until SHUTDOWN; a failure is reported to the target as an ERROR
+message before the process exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from ssd.channel import Channel
+from ssd.messages import BeginRoundMsg
+from ssd.wire import MsgType, fingerprint
+
+logger = logging.getLogger(__name__)
+
+PROCESS_NAME = "ssd-draft-worker"
+
+
+def config_fingerprint(config, vocab: int) -> int:
+    """Ties both ends of a channel to one configuration: a message from a worker of another
+    model, K, dtype or C is refused."""
+    return fingerprint(vocab, config.k, config.draft, config.draft_dtype, config.saguaro_c)
+
+
+class _NextRound:
+    """Reads the channel while the drafter builds a round it predicted: the target's
+    announcement confirms the round when it matches (then the outcome's arrival cuts the tree
+    as usual); anything else makes the round stale and is kept for the worker to handle."""
+
+    def __init__(self, channel: Channel, predicted: BeginRoundMsg) -> None:
+        self.channel, self.predicted = channel, predicted
+        self.confirmed = False
+        self.other: tuple | None = None  # (kind, message) that superseded the prediction
+
+    def _read(self, block: bool) -> None:
+        if self.confirmed or self.other is not None or not (block or self.channel.poll()):
+            return
+        kind, msg, _ = self.channel.recv()
+        if kind == MsgType.BEGIN_ROUND and msg.same_round(self.predicted):
+            self.confirmed = True
+        else:
+            self.other = (kind, msg)
+
+    def stale(self) -> bool:
+        self._read(block=False)
+        return self.other is not None
+
+    def outcome_arrived(self) -> bool:
+        self._read(block=False)
+        return self.confirmed and self.channel.poll()
+
+    def settle(self) -> None:
+        """After the build: wait for the announcement if it has not come yet."""
+        self._read(block=True)
+
+
+class DraftWorker:
+    """Serves one target over one channel. cut_trees=False builds every tree to depth K
+    whatever the timing (reproducible output, at the cost of waiting for the whole build)."""
+
+    def __init__(self, drafter, channel: Channel, cut_trees: bool = True) -> None:
+        self.drafter, self.channel, self.cut_trees = drafter, channel, cut_trees
+
+    def serve(self) -> None:
+        queued = None  # a message read while building a predicted round that it superseded
+        while True:
+            if queued is not None:
+                (kind, msg), queued = queued, None
+            else:
+                kind, msg, _ = self.channel.recv()
+            if kind == MsgType.SHUTDOWN:
+                return
+            if kind == MsgType.ADMIT:
+                self.drafter.admit(msg)
+            elif kind == MsgType.RELEASE:
+                self.drafter.release(msg.seq_ids)
+            elif kind == MsgType.BEGIN_ROUND:
+                # The next message (the round's outcome) cuts the tree decode short: the target
+                # is waiting, and branches of the depth reached are still usable speculations.
+                self.drafter.begin_round(msg, interrupted=self.channel.poll if self.cut_trees else None)
+            elif kind == MsgType.RESOLVE:
+                reply = self.drafter.resolve(msg)
+                self.channel.send(reply)
+                predicted = self.drafter.predict_round(msg, reply)
+                if predicted is not None:
+                    queued = self._build_predicted(predicted)
+            elif kind == MsgType.DRAFT_NOW:
+                self.channel.send(self.drafter.draft_reply(msg))
+            else:
+                raise ValueError(f"draft worker got unexpected {kind.name}")
+
+    def _build_predicted(self, predicted: BeginRoundMsg):
+        """Build the round predicted after an all-hit reply while the target is still finishing
+        its step (bookkeeping, the next proposal, the announcement). The announcement confirms
+        it, or the round is taken back (cache and generators as before, so outputs do not
+        depend on the prediction) and the message that came instead is handled as usual.
+        -> a message to handle first, or None."""
+        counters = self.drafter.counters
+        counters.predicted += 1
+        watch = _NextRound(self.channel, predicted)
+        built = self.drafter.begin_round(
+            predicted, interrupted=watch.outcome_arrived if self.cut_trees else None, stale=watch.stale
+        )
+        watch.settle()
+        if watch.other is None:
+            counters.confirmed += 1
+            return None
+        counters.taken_back += 1
+        if built:
+            self.drafter.abandon_round()
+        return watch.other
+
+
+# ---- the process ---------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to kill this process when its parent dies (PR_SET_PDEATHSIG), and name it
+    (PR_SET_NAME: what `ps -e`, `top` and `pgrep ssd-draft` show)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, PROCESS_NAME.encode()[:15])  # PR_SET_NAME (15 bytes at most)
+    except OSError:
+        logger.warning("prctl unavailable: the draft worker may outlive a killed parent")
+
+
+def _channel(link: dict, fp: int) -> Channel:
+    if link["kind"] == "shm":
+        from ssd.shm_channel import Mailbox, MailboxFds, ShmChannel
+
+        parent = link["parent_pid"]
+        inbox, outbox = (Mailbox.attach(MailboxFds(**link[name])) for name in ("inbox", "outbox"))
+        return ShmChannel(inbox, outbox, fp, lambda: os.getppid() == parent)
+    from ssd.gloo_channel import JOINING_KEY, GlooChannel, pair_group, pair_store
+
+    store = pair_store(link["store_dir"])
+    store.set(JOINING_KEY, str(os.getpid()))
+    return GlooChannel(pair_group(store, 1), 0, fp)
+
+
+def run(spec: dict) -> int:
+    """Load the draft, then serve messages until SHUTDOWN. spec: {"config": EngineConfig fields,
+    "vocab": int, "link": {"kind": "shm", "inbox": MailboxFds, "outbox": MailboxFds,
+    "parent_pid": int} or {"kind": "gloo", "store_dir": str}}."""
+    from ssd.config import EngineConfig
+
+    cfg = EngineConfig(**spec["config"])
+    torch.set_num_threads(cfg.draft_num_threads)
+    fp = config_fingerprint(cfg, spec["vocab"])
+    channel = _channel(spec["link"], fp)
+    try:
+        from ssd.drafter import Drafter
+        from ssd.loader import load_model
+        from ssd.runner import draft_runner
+
+        model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
+        drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), spec["vocab"], cfg.k, cfg.saguaro_c)
+        channel.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        DraftWorker(drafter, channel, cut_trees=not cfg.ssd_reproducible).serve()
+        return 0
+    except Exception as err:
+        logger.exception("draft worker failed")
+        text = torch.tensor(list(f"{type(err).__name__}: {err}".encode()[:4000]), dtype=torch.long)
+        try:
+            channel.send_raw(MsgType.ERROR, 0, text, torch.zeros(0))
+        except RuntimeError as send_err:
+            logger.error("could not report the failure to the target: %s", send_err)
+        return 1
+
+
+def main() -> int:
+    _die_with_parent()
+    spec = json.loads(sys.stdin.read())
+    logging.basicConfig(level=spec.get("log_level", logging.WARNING),
+                        format=f"%(asctime)s %(levelname)s [{PROCESS_NAME} {os.getpid()}] %(name)s: %(message)s")
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

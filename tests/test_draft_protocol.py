@@ -1,0 +1,41 @@
+"""The target-drafter protocol survives interruptions between its steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssd import LLM, SamplingParams
+from refimpl import hf_greedy
+from workers import live_draft_workers
+
+PROMPTS = ["def f(x):", "import os\n"]
+
+
+@pytest.mark.parametrize("channel", ["shm", "gloo"])
+def test_an_interrupt_between_outcome_and_reply_leaves_no_stale_reply(tiny_pair, monkeypatch, channel):
+    """Regression: Ctrl-C during a stop-string check (after the outcome was sent, before its
+    reply was read) left the reply in the channel; the next request read it as its own answer
+    and the drafter was dropped as "out of protocol" for the engine's lifetime."""
+    from ssd.stopping import StopChecker
+
+    expected = hf_greedy(tiny_pair[0], PROMPTS, 24)
+    calls = {"n": 0}
+    original = StopChecker.append
+
+    def interrupted_append(self, seq, tokens):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return original(self, seq, tokens)
+
+    with LLM(*tiny_pair, mode="ssd", k=3, ssd_budget=6, ssd_autobudget=False, ssd_backup="neural",
+             draft_channel=channel) as llm:
+        monkeypatch.setattr(StopChecker, "append", interrupted_append)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == expected
+    assert m["ssd"]["drafter_alive"] is True, m
+    assert m["cache_hit_rate"] > 0.3, m
+    assert live_draft_workers() == []

@@ -1,0 +1,141 @@
+"""Saguaro's online estimates, learned through the SSD proposer from the rounds it runs.
+
+A scripted drafter (a DraftClient with no model) answers each outcome with a hit drawn from the
+miss law 1 - p_hit(F) = F^(-r) at the fan-out the proposer announced for that row and outcome,
+and the test plays the target: each draft token of a cached or neural speculation is accepted
+with probability A, each fast-backup token (n-gram or random) with a much lower one. Sequences
+come and go as in a server. The proposer's estimates of a and r must converge to A and R.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd.messages import SpeculationReply
+from ssd.sampling import BatchSampling
+from ssd.sampling_params import SamplingParams
+from ssd.saguaro import row_fanout
+from ssd.sequence import Sequence
+from ssd.speculation import RoundOutcome, Source
+from ssd.ssd_proposer import SSDConfig, SSDProposer
+
+K, VOCAB, BATCH = 4, 64, 8
+ROUNDS_PER_SEQUENCE = 5
+
+
+class ScriptedDrafter:
+    """Hits follow the miss law at the fan-out announced for the row's outcome; speculations are
+    random tokens (their content does not matter to the estimates)."""
+
+    def __init__(self, r_true: float, seed: int) -> None:
+        self.r_true = r_true
+        self.gen = torch.Generator().manual_seed(seed)
+        self.fanout: list[int] = []
+        self.num_draft: list[int] = []
+        self.pending: SpeculationReply | None = None
+
+    def admit(self, msg) -> None:
+        pass
+
+    def release(self, msg) -> None:
+        pass
+
+    def begin_round(self, msg) -> None:
+        self.fanout, self.num_draft = list(msg.fanout), msg.num_draft.tolist()
+
+    def _reply(self, round_id: int, seq_ids: list[int], hit: torch.Tensor, num_draft: torch.Tensor) -> SpeculationReply:
+        b = len(seq_ids)
+        tokens = torch.randint(VOCAB, (b, K), generator=self.gen)
+        probs = torch.zeros(b, K, VOCAB).scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft)
+
+    def resolve(self, msg) -> None:
+        hits = []
+        for r, accepted in enumerate(msg.num_accepted.tolist()):
+            f = row_fanout(self.fanout, self.num_draft[r], VOCAB)[accepted]
+            p_hit = 1 - f ** (-self.r_true) if f > 0 else 0.0
+            hits.append(float(torch.rand(1, generator=self.gen)) < p_hit)
+        hit = torch.tensor(hits)
+        num_draft = torch.where(hit, K, K if msg.neural_backup else 0)
+        self.pending = self._reply(msg.round_id, list(msg.seq_ids), hit, num_draft)
+
+    def reply(self, msg, deadline_s: float) -> SpeculationReply:
+        out, self.pending = self.pending, None
+        return out
+
+    def draft_now(self, msg) -> SpeculationReply:
+        b = len(msg.seq_ids)
+        return self._reply(msg.round_id, list(msg.seq_ids), torch.zeros(b, dtype=torch.bool), torch.full((b,), K))
+
+    def close(self) -> None:
+        pass
+
+
+def run_rounds(backup: str, a_true: float, r_true: float, a_fast: float, rounds: int, seed: int):
+    """-> (a estimates, r estimates) after every round, and the sources seen."""
+    gen = torch.Generator().manual_seed(seed)
+    proposer = SSDProposer(ScriptedDrafter(r_true, seed + 1),
+                           SSDConfig(k=K, budget=24, autobudget=False, fanout="geometric", saguaro_c=1.0, backup=backup,
+                                     deadline_s=1.0), VOCAB)
+    params = SamplingParams(temperature=1.0)
+    next_id = 0
+
+    def new_seqs(n: int) -> list[Sequence]:
+        nonlocal next_id
+        out = []
+        for _ in range(n):
+            prompt = torch.randint(VOCAB, (6,), generator=gen).tolist()
+            out.append(Sequence(next_id, str(next_id), prompt, params, torch.Generator().manual_seed(next_id)))
+            next_id += 1
+        return out
+
+    seqs = new_seqs(BATCH)
+    proposer.add(seqs)
+    age = {s.seq_id: 0 for s in seqs}
+    sampling = BatchSampling(torch.ones(BATCH), torch.zeros(BATCH, dtype=torch.long), torch.ones(BATCH))
+    a_seen, r_seen, sources = [], [], []
+    for _ in range(rounds):
+        spec = proposer.propose(seqs, K, sampling)
+        accepted = []
+        for r, src in enumerate(spec.source.tolist()):
+            a = a_fast if src == int(Source.FAST) else a_true
+            n = 0
+            while n < int(spec.num_draft[r]) and float(torch.rand(1, generator=gen)) < a:
+                n += 1
+            accepted.append(n)
+            sources.append(src)
+        before = torch.tensor([s.num_tokens for s in seqs])
+        bonus = torch.randint(VOCAB, (BATCH,), generator=gen)
+        outcome = RoundOutcome(torch.tensor(accepted), bonus, before)
+        proposer.outcome_known(seqs, spec, outcome)
+        for r, s in enumerate(seqs):
+            s.output_ids.extend(spec.tokens[r, : accepted[r]].tolist() + [int(bonus[r])])
+            age[s.seq_id] += 1
+        proposer.observe(seqs, spec, outcome)
+        a_seen.append(proposer.estimates.a)
+        r_seen.append(proposer.estimates.r)
+        # Sequences leave after a few rounds and new ones take their place (first rounds of a
+        # sequence never come from the cache: there was no earlier round to build it).
+        stay = [i for i, s in enumerate(seqs) if age[s.seq_id] < ROUNDS_PER_SEQUENCE]
+        if len(stay) < BATCH:
+            proposer.keep(torch.tensor(stay, dtype=torch.long))
+            fresh = new_seqs(BATCH - len(stay))
+            seqs = [seqs[i] for i in stay] + fresh
+            proposer.add(fresh)
+            age.update({s.seq_id: 0 for s in fresh})
+    return a_seen, r_seen, sources
+
+
+@pytest.mark.parametrize("backup,a_true,r_true", [("fast", 0.8, 0.6), ("fast", 0.55, 1.1), ("neural", 0.7, 0.35)])
+def test_estimates_converge_through_the_proposer(backup, a_true, r_true):
+    a_seen, r_seen, sources = run_rounds(backup, a_true, r_true, a_fast=0.05, rounds=1500, seed=11)
+    later = slice(len(a_seen) // 2, None)  # after convergence: average out the window's noise
+    a_mean = sum(a_seen[later]) / len(a_seen[later])
+    r_mean = sum(r_seen[later]) / len(r_seen[later])
+    assert abs(a_mean - a_true) < 0.1, (a_mean, a_true)
+    assert abs(r_mean - r_true) < 0.1, (r_mean, r_true)
+    # The run had what the estimators must sort out: cached rounds, and backup rounds.
+    backup_source = Source.FAST if backup == "fast" else Source.NEURAL
+    assert sources.count(int(Source.CACHE)) > 0.3 * len(sources)
+    assert sources.count(int(backup_source)) > 0.2 * len(sources)

@@ -1,0 +1,24 @@
+"""Finding draft worker processes from tests (they are plain subprocesses, not multiprocessing children)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ssd.draft_worker import PROCESS_NAME
+
+
+def live_draft_workers(parent: int | None = None) -> list[int]:
+    """Pids of running (not zombie) draft workers whose parent is `parent` (default: this process)."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        if name == PROCESS_NAME[:15] and int(ppid) == parent and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
