@@ -41,6 +41,7 @@ class EngineArgs(BaseModel):
     ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
     draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
     draft_channel: Literal["shm", "gloo"] = Field("shm", description="SSD, process transport: how target and drafter exchange messages. shm: shared-memory mailboxes polled by both sides (same host; a message in microseconds); gloo: a torch.distributed gloo pair group on loopback (about 0.5 ms per transfer on a busy 2-core machine).")
+    draft_spin_ms: float = Field(50.0, ge=0.0, le=10_000.0, description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for the next message before it blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the worker's core and costs a wake-up.")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
     draft_deadline_s: float = Field(30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it.")
     lean_forward: bool = Field(True, description="Run Llama-architecture models (llama, qwen2, mistral without sliding window) through the built-in lean forward: the same math as Hugging Face's, with less Python per call (the draft also fuses its projections into fewer, prepacked products). False = always the Hugging Face forward.")
@@ -80,6 +81,7 @@ class EngineArgs(BaseModel):
             draft_transport=self.draft_transport,
             draft_channel=self.draft_channel,
             draft_num_threads=self.draft_num_threads,
+            draft_spin_ms=self.draft_spin_ms,
             draft_deadline_s=self.draft_deadline_s,
             lean_forward=self.lean_forward,
             pack_target_weights=self.pack_target_weights,
@@ -109,6 +111,7 @@ class EngineConfig:
     draft_transport: str = "process"
     draft_channel: str = "shm"
     draft_num_threads: int = 1
+    draft_spin_ms: float = 50.0
     draft_deadline_s: float = 30.0
     lean_forward: bool = True
     draft_dtype: str = "float32"

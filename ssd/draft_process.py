@@ -77,7 +77,7 @@ class ProcessClient:
 
             boxes = to_draft, to_target = Mailbox.create(), Mailbox.create()
             spec["link"] = {"kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
-                            "parent_pid": os.getpid()}
+                            "parent_pid": os.getpid(), "spin_s": config.draft_spin_ms / 1000}
             fds = to_draft.handle.fds() + to_target.handle.fds()
         else:
             store_dir = tempfile.mkdtemp(prefix="ssd-pair-")

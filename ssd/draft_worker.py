@@ -153,7 +153,7 @@ def _channel(link: dict, fp: int) -> Channel:
 
         parent = link["parent_pid"]
         inbox, outbox = (Mailbox.attach(MailboxFds(**link[name])) for name in ("inbox", "outbox"))
-        return ShmChannel(inbox, outbox, fp, lambda: os.getppid() == parent)
+        return ShmChannel(inbox, outbox, fp, lambda: os.getppid() == parent, link["spin_s"])
     from ssd.gloo_channel import JOINING_KEY, GlooChannel, pair_group, pair_store
 
     store = pair_store(link["store_dir"])

@@ -132,13 +132,14 @@ class Mailbox:
                 pass
 
 
-def _acquire(sem: _EventSemaphore, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str) -> None:
+def _acquire(sem: _EventSemaphore, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str,
+             spin_s: float = SPIN_S) -> None:
     if sem.try_acquire():
         return
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout.total_seconds()
     tries = 0
-    while time.monotonic() - start < SPIN_S:
+    while time.monotonic() - start < spin_s:
         if sem.try_acquire():
             return
         os.sched_yield()
@@ -156,23 +157,23 @@ def _acquire(sem: _EventSemaphore, timeout: datetime.timedelta | None, alive: Ca
 
 
 class _Writer:
-    def __init__(self, box: Mailbox, alive: Callable[[], bool]) -> None:
-        self.box, self.alive = box, alive
+    def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
+        self.box, self.alive, self.spin_s = box, alive, spin_s
         self.slot, self.length = box.views()
 
     def write(self, data: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         cap = self.box.capacity
         for start in range(0, data.numel(), cap):  # never empty: a header leads every message
             chunk = data[start : start + cap]
-            _acquire(self.box.empty, timeout, self.alive, "send")
+            _acquire(self.box.empty, timeout, self.alive, "send", self.spin_s)
             self.slot[_LEN : _LEN + chunk.numel()].copy_(chunk)
             self.length[0] = chunk.numel()
             self.box.full.release()
 
 
 class _Reader:
-    def __init__(self, box: Mailbox, alive: Callable[[], bool]) -> None:
-        self.box, self.alive = box, alive
+    def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
+        self.box, self.alive, self.spin_s = box, alive, spin_s
         self.slot, self.length = box.views()
         self.held = False  # a chunk is in the slot and this side owns it
         self.pos = self.end = 0
@@ -187,7 +188,7 @@ class _Reader:
         done = 0
         while done < out.numel():
             if not self.held:
-                _acquire(self.box.full, timeout, self.alive, "receive")
+                _acquire(self.box.full, timeout, self.alive, "receive", self.spin_s)
                 self.held, self.pos, self.end = True, 0, int(self.length[0])
             n = min(out.numel() - done, self.end - self.pos)
             out[done : done + n].copy_(self.slot[_LEN + self.pos : _LEN + self.pos + n])
@@ -200,10 +201,10 @@ class _Reader:
 class ShmChannel:
     """A `Channel` (ssd/channel.py) over two mailboxes: typed messages in both directions."""
 
-    def __init__(self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool]) -> None:
+    def __init__(self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S) -> None:
         self.fp = fp
         self.inbox, self.outbox = inbox, outbox
-        self.reader, self.writer = _Reader(inbox, peer_alive), _Writer(outbox, peer_alive)
+        self.reader, self.writer = _Reader(inbox, peer_alive, spin_s), _Writer(outbox, peer_alive, spin_s)
 
     def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
                  timeout: datetime.timedelta | None = None) -> None:

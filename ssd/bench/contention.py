@@ -7,8 +7,10 @@ drafter does while a verification runs changes between arms:
                last message, and the block starts later than that)
     drafting   the drafter builds a speculation tree for the whole verification, as in an SSD
                round (the round's announcement is sent just before the verification starts)
-    spinning   the drafter finished a small tree before the verification and spins waiting for
-               the outcome (its poll loop), as when a tree is done early
+    spinning   the drafter finished a small tree before the verification and waits for the
+               outcome (spinning for SPIN_S, then blocked), as when a tree is done early; the
+               target busy-waits while the tree is built, so its core is as warm as in the
+               other arms, where verifications follow each other at once
 A verification is one forward of K+1 tokens of one sequence over a context of ~`context`
 tokens, rolled back afterwards. Arms alternate in blocks, in a shuffled order per cycle, so the
 machine's drift reaches every arm alike; each cycle gives a paired ratio per arm.
@@ -73,8 +75,11 @@ def _contention(spec: dict) -> dict:
             round_id += 1
             spec_tokens = torch.randint(256, (1, k), generator=gen)
             client.begin_round(BeginRoundMsg(round_id, [0], spec_tokens, torch.tensor([k]), fanout))
-            if settle_s:
-                time.sleep(settle_s)
+            # Busy, not asleep: a core that idled for milliseconds starts the verification
+            # slower (its clock and caches), which would be charged to the drafter.
+            until = time.perf_counter() + settle_s
+            while time.perf_counter() < until:
+                pass
             elapsed = verify()
             outcome = ResolveMsg(round_id, [0], torch.tensor([0]), torch.tensor([vocab - 1]), False)
             client.resolve(outcome)

@@ -193,6 +193,8 @@ def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int]
         for c in saguaro_c or [None]:
             for b in budgets or [None]:
                 options = {k: v for k, v in (("saguaro_c", c), ("ssd_budget", b)) if v is not None}
+                if b is not None:  # a swept budget is the budget: the sizer would move it
+                    options["ssd_autobudget"] = False
                 suffix = "".join(f" {tag}={v:g}" for tag, v in (("C", c), ("B", b)) if v is not None)
                 out.append(Variant(name + suffix, name, options))
     return out

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
     parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i of repeat j is sampled with seed + j*n + i (n requests per run) in every mode.")
     parser.add_argument("--saguaro-c", default=None, help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows labelled C=...). Default: the engine's default only.")
-    parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value (rows labelled B=...; the adaptive budget stays on, B is its ceiling). Default: the engine's default only.")
+    parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value with that fixed budget (rows labelled B=...; the adaptive budget is off in those rows). Default: the engine's default (adaptive, at most 16).")
     parser.add_argument("--contention", action="store_true", help="Only run the contention A/B: the target's verification time with its drafter process idle, building a tree, or spinning (ssd/bench/contention.py).")
     parser.add_argument("--contention-cycles", type=int, default=20, help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).")
     parser.add_argument("--repeats", type=int, default=1, help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio as the median over repeats with its range.")
