@@ -11,7 +11,7 @@ _EXPORTS = {
     "LLM": "ssd.llm",
     "SamplingParams": "ssd.sampling_params",
     "EngineArgs": "ssd.config",
-    "CompletionOutput": "ssd.sequence",
+    "CompletionOutput": "ssd.engine.sequence",
 }
 
 __all__ = list(_EXPORTS)

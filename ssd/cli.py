@@ -91,7 +91,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_build_demo_models(args: argparse.Namespace) -> int:
-    from ssd.demo_models import DemoTrainingConfig, build_demo_models
+    from ssd.model.demo_models import DemoTrainingConfig, build_demo_models
 
     cfg = DemoTrainingConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
     report = build_demo_models(Path(args.out), cfg, progress=not args.no_progress, draft_only=args.draft_only)
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("build-demo-models", help="Train the demo target/draft pair from the Python standard library (CPU ok).")
-    from ssd.demo_models import DemoTrainingConfig
+    from ssd.model.demo_models import DemoTrainingConfig
 
     defaults = DemoTrainingConfig()
     demo.add_argument("--out", default=str(DEMO_MODELS_DIR), help="Output directory (gets target/, draft/, training_report.json).")

@@ -7,10 +7,10 @@ from collections.abc import Iterator, Sequence as Seq
 import torch
 
 from ssd.config import EngineArgs
-from ssd.engine import LLMEngine
-from ssd.loader import load_pair
+from ssd.engine.llm_engine import LLMEngine
+from ssd.model.loader import load_pair
 from ssd.sampling_params import SamplingParams
-from ssd.sequence import CompletionOutput
+from ssd.engine.sequence import CompletionOutput
 
 Prompt = str | list[int]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ssd.config import DEMO_MODELS_DIR
-from ssd.demo_models import EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer
+from ssd.model.demo_models import EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer
 
 
 def save_tiny_pair(root: Path, seed: int = 0, noise: float = 0.03) -> tuple[str, str]:

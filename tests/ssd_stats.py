@@ -17,7 +17,7 @@ from scipy.stats import chi2
 
 from ssd import LLM, SamplingParams
 from refimpl import chi_square_bins, reference_probs
-from ssd.demo_models import ModelShape
+from ssd.model.demo_models import ModelShape
 from tiny_models import noisy_copy, peaked_model, save_models
 
 N_SAMPLES = 3000

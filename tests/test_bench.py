@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ssd import bench
-from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
+from ssd.model.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODES = ["ar", "sd", "ssd", "hf-assisted"]

@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ssd.demo_models import (
+from ssd.model.demo_models import (
     EOS_ID,
     DemoTrainingConfig,
     ModelShape,

@@ -16,7 +16,7 @@ def test_an_interrupt_between_outcome_and_reply_leaves_no_stale_reply(tiny_pair,
     """Regression: Ctrl-C during a stop-string check (after the outcome was sent, before its
     reply was read) left the reply in the channel; the next request read it as its own answer
     and the drafter was dropped as "out of protocol" for the engine's lifetime."""
-    from ssd.stopping import StopChecker
+    from ssd.engine.stopping import StopChecker
 
     expected = hf_greedy(tiny_pair[0], PROMPTS, 24)
     calls = {"n": 0}

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ssd.demo_models import VOCAB_SIZE
-from ssd.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.kv_cache import BatchKVCache
-from ssd.runner import ModelRunner, target_runner
+from ssd.model.demo_models import VOCAB_SIZE
+from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
+from ssd.model.kv_cache import BatchKVCache
+from ssd.model.runner import ModelRunner, target_runner
 
 # Same weights, same ops; the only differences are ulp-level (kernel blocking), far below this.
 ATOL = 2e-5

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from ssd.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
-from ssd.messages import ResolveMsg
-from ssd.wire import MsgType
+from ssd.transport.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
+from ssd.transport.messages import ResolveMsg
+from ssd.transport.wire import MsgType
 
 
 def test_a_worker_that_dies_before_connecting_is_reported_at_once(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from ssd import LLM, SamplingParams
 from refimpl import hf_greedy
-from ssd.demo_models import heldout_prompts
+from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 48
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ssd.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
-from ssd.engine import LLMEngine
-from ssd.ngram import NgramIndex
+from ssd.model.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
+from ssd.engine.llm_engine import LLMEngine
+from ssd.drafting.ngram import NgramIndex
 from ssd.sampling_params import SamplingParams
-from ssd.sequence import Sequence
-from ssd.ssd_proposer import SSDConfig, SSDProposer
-from ssd.stopping import StopChecker
+from ssd.engine.sequence import Sequence
+from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
+from ssd.engine.stopping import StopChecker
 
 K = 6
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from ssd.runner import ModelRunner
+from ssd.model.runner import ModelRunner
 
 
 def _runner(path):

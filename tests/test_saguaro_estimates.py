@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd.messages import SpeculationReply
-from ssd.sampling import BatchSampling
+from ssd.transport.messages import SpeculationReply
+from ssd.engine.sampling import BatchSampling
 from ssd.sampling_params import SamplingParams
-from ssd.saguaro import row_fanout
-from ssd.sequence import Sequence
-from ssd.speculation import RoundOutcome, Source
-from ssd.ssd_proposer import SSDConfig, SSDProposer
+from ssd.drafting.saguaro import row_fanout
+from ssd.engine.sequence import Sequence
+from ssd.drafting.speculation import RoundOutcome, Source
+from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
 
 K, VOCAB, BATCH = 4, 64, 8
 ROUNDS_PER_SEQUENCE = 5

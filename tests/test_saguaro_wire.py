@@ -1,12 +1,12 @@
-"""Unit tests of Saguaro's formulas (ssd/saguaro.py) and the drafter wire format (ssd/wire.py)."""
+"""Unit tests of Saguaro's formulas (ssd/drafting/saguaro.py) and the drafter wire format (ssd/transport/wire.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.saguaro import (
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.drafting.saguaro import (
     OnlineEstimates,
     backup_threshold,
     geometric_fanout,
@@ -16,7 +16,7 @@ from ssd.saguaro import (
     ssd_speedup,
     uniform_fanout,
 )
-from ssd.wire import MsgType, decode, encode
+from ssd.transport.wire import MsgType, decode, encode
 
 
 # ---- saguaro.py ----------------------------------------------------------------------------

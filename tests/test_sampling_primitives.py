@@ -1,4 +1,4 @@
-"""The sampling primitives verification rests on (ssd/sampling.py): process_logits
+"""The sampling primitives verification rests on (ssd/engine/sampling.py): process_logits
 (temperature, top-k, top-p, greedy; per-row settings) against an independent numpy statement of
 the same rules, and sample_from as an inverse CDF that never picks a zero-probability token."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssd.sampling import BatchSampling, process_logits, sample_from
+from ssd.engine.sampling import BatchSampling, process_logits, sample_from
 
 ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
 

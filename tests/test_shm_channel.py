@@ -13,10 +13,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from ssd.draft_process import worker_env
-from ssd.messages import ResolveMsg, SpeculationReply
-from ssd.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmChannel
-from ssd.wire import MsgType
+from ssd.transport.draft_process import worker_env
+from ssd.transport.messages import ResolveMsg, SpeculationReply
+from ssd.transport.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmChannel
+from ssd.transport.wire import MsgType
 
 FP = 7
 LONG = datetime.timedelta(seconds=60)
@@ -24,8 +24,8 @@ LONG = datetime.timedelta(seconds=60)
 # A child that knows nothing but the descriptors it inherited: echo every message until SHUTDOWN.
 ECHO = """
 import json, os, sys
-from ssd.shm_channel import Mailbox, MailboxFds, ShmChannel
-from ssd.wire import MsgType
+from ssd.transport.shm_channel import Mailbox, MailboxFds, ShmChannel
+from ssd.transport.wire import MsgType
 spec = json.loads(sys.argv[1])
 parent = os.getppid()
 end = ShmChannel(Mailbox.attach(MailboxFds(**spec["inbox"])), Mailbox.attach(MailboxFds(**spec["outbox"])), 7,

@@ -7,7 +7,7 @@
    follows the target's exact conditional distribution, checked separately for tokens of rounds
    served by the speculation cache, by the neural backup and by the fast backup.
 4. A draft worker that dies or stalls: the target goes on alone, exactly, and nothing leaks.
-Unit tests of ssd/saguaro.py and ssd/wire.py are in test_saguaro_wire.py.
+Unit tests of ssd/drafting/saguaro.py and ssd/transport/wire.py are in test_saguaro_wire.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from ssd import LLM, SamplingParams
 from refimpl import hf_greedy
-from ssd.demo_models import heldout_prompts
+from ssd.model.demo_models import heldout_prompts
 from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
 from workers import live_draft_workers
 
@@ -111,8 +111,8 @@ def test_greedy_matches_hf_auto_backup_and_adaptive_budget(tiny_pair, prompts, t
 def test_outcome_reaches_the_drafter_before_the_engines_bookkeeping(tiny_pair, prompts, monkeypatch):
     """Each round's outcome is sent as soon as verification decides it, so the drafter's answer
     overlaps the engine's bookkeeping (stop checks, outputs) instead of following it."""
-    from ssd.channel import InProcessClient
-    from ssd.stopping import StopChecker
+    from ssd.transport.channel import InProcessClient
+    from ssd.engine.stopping import StopChecker
 
     events: list[str] = []
 

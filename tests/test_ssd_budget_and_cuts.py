@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.budget import BudgetSizer
-from ssd.demo_models import heldout_prompts
-from ssd.drafter import Drafter
-from ssd.speculation import Source
-from ssd.ssd_proposer import SSDProposer
+from ssd.drafting.budget import BudgetSizer
+from ssd.model.demo_models import heldout_prompts
+from ssd.drafting.drafter import Drafter
+from ssd.drafting.speculation import Source
+from ssd.drafting.ssd_proposer import SSDProposer
 from refimpl import hf_greedy
 
 MAX_TOKENS = 24
@@ -119,7 +119,7 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
 def _drafter(tiny_pair, k: int = 4) -> Drafter:
     from transformers import AutoModelForCausalLM
 
-    from ssd.runner import draft_runner
+    from ssd.model.runner import draft_runner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], local_files_only=True).eval()
     return Drafter(draft_runner(model, "cpu", True), model.config.vocab_size, k)
@@ -135,7 +135,7 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
     """The draft worker begins the next round on a prediction (after an all-hit reply) before
     the target announces it. When the announcement differs, the round is taken back: cache and
     generator as before, so the real round draws and caches exactly what it would have."""
-    from ssd.messages import AdmitMsg, BeginRoundMsg, ResolveMsg
+    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ResolveMsg
 
     k, fanout = 4, [1, 1, 1, 1, 2]
     runs = []
@@ -167,7 +167,7 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
 
 
 def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
-    from ssd.messages import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
+    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
 
     drafter = _drafter(tiny_pair)
     drafter.admit(AdmitMsg([1, 2], [[1, 2, 3], [4, 5]], [1, 2], [0.0, 0.0], [0, 0], [1.0, 1.0]))

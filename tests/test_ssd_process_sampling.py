@@ -81,16 +81,16 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
 NEIGHBOUR_BRANCH = textwrap.dedent('''
     """Injected into the draft worker by the power test: on a hit, the cached tokens travel with
     the draft probabilities of the neighbouring branch (a plausible indexing bug)."""
-    import ssd.drafter
+    import ssd.drafting.drafter
 
-    _resolve = ssd.drafter.Drafter.resolve
+    _resolve = ssd.drafting.drafter.Drafter.resolve
 
     def resolve(self, msg):
         if self.round is not None:
             self.round.probs = self.round.probs.roll(1, dims=1)  # [b, N, K, V]: branch n gets n-1's
         return _resolve(self, msg)
 
-    ssd.drafter.Drafter.resolve = resolve
+    ssd.drafting.drafter.Drafter.resolve = resolve
 ''')
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.demo_models import EOS_ID, PAD_ID, build_tokenizer
-from ssd.engine import LLMEngine
-from ssd.sequence import Sequence
-from ssd.stopping import StopChecker
+from ssd.model.demo_models import EOS_ID, PAD_ID, build_tokenizer
+from ssd.engine.llm_engine import LLMEngine
+from ssd.engine.sequence import Sequence
+from ssd.engine.stopping import StopChecker
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The verification rule (ssd/verify.py) and the sampling primitives it rests on (ssd/sampling.py).
+"""The verification rule (ssd/engine/verify.py) and the sampling primitives it rests on (ssd/engine/sampling.py).
 
 1. `verify` (vectorized) equals `verify_reference` (row by row) on many random batches.
 2. Hand-built cases whose outcome is known exactly.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd.sampling import sample_from
-from ssd.verify import verify, verify_reference
+from ssd.engine.sampling import sample_from
+from ssd.engine.verify import verify, verify_reference
 from refimpl import chi_square_p
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ssd.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
+from ssd.model.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
 
 
 def peaked_model(seed: int, shape: ModelShape, scale: float):

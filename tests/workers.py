@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ssd.draft_worker import PROCESS_NAME
+from ssd.transport.draft_worker import PROCESS_NAME
 
 
 def live_draft_workers(parent: int | None = None) -> list[int]:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def _base_spec(plan: BenchPlan) -> dict:
-    from ssd.demo_models import heldout_prompts
+    from ssd.model.demo_models import heldout_prompts
 
     return {
         "prompts": heldout_prompts(plan.num_prompts),

@@ -29,12 +29,12 @@ def _contention(spec: dict) -> dict:
     import torch
 
     from ssd.config import EngineArgs
-    from ssd.draft_process import ProcessClient
-    from ssd.loader import load_model, load_tokenizer
-    from ssd.messages import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
-    from ssd.runner import target_runner
-    from ssd.saguaro import uniform_fanout
-    from ssd.shm_channel import SPIN_S
+    from ssd.transport.draft_process import ProcessClient
+    from ssd.model.loader import load_model, load_tokenizer
+    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
+    from ssd.model.runner import target_runner
+    from ssd.drafting.saguaro import uniform_fanout
+    from ssd.transport.shm_channel import SPIN_S
 
     assert SLEEP_BEFORE_IDLE_S > SPIN_S
     k, budget, reps, cycles = spec["k"], spec["contention_budget"], spec["contention_reps"], spec["contention_cycles"]

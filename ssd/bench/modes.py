@@ -210,7 +210,7 @@ class HFAssistedRunner:
     """
 
     def __init__(self, ctx: BenchContext, constant_k: bool = True) -> None:
-        from ssd.loader import load_model, load_tokenizer
+        from ssd.model.loader import load_model, load_tokenizer
 
         self.tokenizer = load_tokenizer(ctx.target)
         self.target = load_model(ctx.target, ctx.dtype, ctx.device)

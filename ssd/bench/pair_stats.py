@@ -15,7 +15,7 @@ PAIR_CONTEXT_TOKENS = 128  # context length of the decode-latency measurement
 def _pair_stats(spec: dict) -> dict:
     import torch
 
-    from ssd.loader import load_model, load_tokenizer
+    from ssd.model.loader import load_model, load_tokenizer
 
     device = torch.device(spec["device"])
     tokenizer = load_tokenizer(spec["target"])
@@ -117,7 +117,7 @@ def _engine_decode_ms(model, role: str, context_ids, spec: dict, sync) -> float:
     where the model allows it; the target's projections packed as the engine packs them)."""
     import torch
 
-    from ssd.runner import draft_runner, target_runner
+    from ssd.model.runner import draft_runner, target_runner
 
     runner = target_runner(model, spec["device"], True, True) if role == "target" else draft_runner(model, spec["device"], True)
     cache = runner.new_cache()

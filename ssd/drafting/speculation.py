@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from ssd.sampling import BatchSampling
-from ssd.sequence import Sequence
+from ssd.engine.sampling import BatchSampling
+from ssd.engine.sequence import Sequence
 
 
 class Source(enum.IntEnum):

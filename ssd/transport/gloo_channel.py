@@ -3,7 +3,7 @@
 
 The pair group is stateless: created from a private FileStore (no port to choose, none fixed)
 with ProcessGroupGloo on loopback, never the default group, so several pairs can live in one
-process. Messages are the frames of ssd/wire.py in two transfers (header, then body).
+process. Messages are the frames of ssd/transport/wire.py in two transfers (header, then body).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ssd.wire import HEADER, MsgType, body_size, encode, frame, unframe
+from ssd.transport.wire import HEADER, MsgType, body_size, encode, frame, unframe
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
 # The group's own timeout bounds every blocking op without an explicit deadline (the worker's

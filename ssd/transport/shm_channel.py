@@ -9,7 +9,7 @@ the drafter learns that the outcome is in with one non-blocking check between tr
 
 Layout: one `Mailbox` per direction, a single slot of `capacity` bytes guarded by two
 semaphores (`full`: a chunk is waiting; `empty`: the slot is free). A message (the frame of
-ssd/wire.py: header, then body) is written as a byte stream in chunks of at most `capacity`;
+ssd/transport/wire.py: header, then body) is written as a byte stream in chunks of at most `capacity`;
 the reader copies them out in order.
 
 Everything a mailbox holds is a file descriptor: the slot is an anonymous memfd and each
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.wire import HEADER, MsgType, body_size, encode, frame, unframe
+from ssd.transport.wire import HEADER, MsgType, body_size, encode, frame, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
 # is for (a few to a few tens of milliseconds), after which latency no longer matters.
@@ -199,7 +199,7 @@ class _Reader:
 
 
 class ShmChannel:
-    """A `Channel` (ssd/channel.py) over two mailboxes: typed messages in both directions."""
+    """A `Channel` (ssd/transport/channel.py) over two mailboxes: typed messages in both directions."""
 
     def __init__(self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S) -> None:
         self.fp = fp

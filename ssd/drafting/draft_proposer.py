@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ssd.runner import ModelRunner
-from ssd.sampling import BatchSampling, process_logits, sample_from
-from ssd.sequence import Sequence
-from ssd.speculation import RoundOutcome, Speculation
+from ssd.model.runner import ModelRunner
+from ssd.engine.sampling import BatchSampling, process_logits, sample_from
+from ssd.engine.sequence import Sequence
+from ssd.drafting.speculation import RoundOutcome, Speculation
 
 
 class DraftModelProposer:

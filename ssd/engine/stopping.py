@@ -7,7 +7,7 @@ length.
 
 from __future__ import annotations
 
-from ssd.sequence import FinishReason, Sequence
+from ssd.engine.sequence import FinishReason, Sequence
 
 
 class IncrementalDetokenizer:

@@ -11,7 +11,7 @@ import torch
 from ssd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ssd.stopping import IncrementalDetokenizer
+    from ssd.engine.stopping import IncrementalDetokenizer
 
 
 class FinishReason(str, enum.Enum):

@@ -2,9 +2,9 @@
 
 `DraftClient` is what the SSD proposer calls. `InProcessClient` runs the drafter in the caller's
 thread (unit tests, debugging: no overlap with verification). The process transport
-(ssd/draft_process.py) runs it in a worker process (ssd/draft_worker.py) and talks to it over a
-`Channel`: shared-memory mailboxes (ssd/shm_channel.py) or a torch.distributed pair group
-(ssd/gloo_channel.py).
+(ssd/transport/draft_process.py) runs it in a worker process (ssd/transport/draft_worker.py) and talks to it over a
+`Channel`: shared-memory mailboxes (ssd/transport/shm_channel.py) or a torch.distributed pair group
+(ssd/transport/gloo_channel.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import datetime
 from typing import Protocol
 
-from ssd.drafter import Drafter
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.drafting.drafter import Drafter
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 
 
 class DrafterUnavailable(RuntimeError):
@@ -21,7 +21,7 @@ class DrafterUnavailable(RuntimeError):
 
 
 class Channel(Protocol):
-    """Typed messages (ssd/messages.py, framed by ssd/wire.py) between a target and one drafter.
+    """Typed messages (ssd/transport/messages.py, framed by ssd/transport/wire.py) between a target and one drafter.
 
     Messages arrive whole and in order. A timeout of None waits as long as the peer lives; a
     peer that is gone or silent past the timeout raises RuntimeError (the client turns it into

@@ -9,7 +9,7 @@ layer. It reads the model's parameters in place (no copy), writes keys and value
 same `DynamicCache` layers the Hugging Face path uses (growing them in place, through
 BatchKVCache.append), so the two paths are interchangeable call by call, for a model that
 attends in its own dtype (a bf16 model on CPU attends, and caches, in float32 here; see
-ssd/runner.py); tests compare their logits and the engine's greedy output with `generate`.
+ssd/model/runner.py); tests compare their logits and the engine's greedy output with `generate`.
 
 With `fused=True` the projections that read the same input run as one product (q, k and v; gate
 and up) and, on a CPU with oneDNN, every product uses a weight prepacked once into oneDNN's

@@ -10,7 +10,7 @@ After a reply in which every row hit, the next announcement is known but for its
 (Drafter.predict_round): the worker begins that round at once and takes it back whole if the
 announcement differs (_build_predicted).
 
-`python -m ssd.draft_worker` is the process a target starts for its drafter (ssd/draft_process.py).
+`python -m ssd.transport.draft_worker` is the process a target starts for its drafter (ssd/transport/draft_process.py).
 It is started through the package's own entry point, never by re-importing the caller's main
 module, so SSD works from stdin scripts, `python -c`, notebooks, scripts without a
 `__main__` guard and Ray actors alike. It reads its spec (engine config, vocabulary, link) as
@@ -29,9 +29,9 @@ import sys
 
 import torch
 
-from ssd.channel import Channel
-from ssd.messages import BeginRoundMsg
-from ssd.wire import MsgType, fingerprint
+from ssd.transport.channel import Channel
+from ssd.transport.messages import BeginRoundMsg
+from ssd.transport.wire import MsgType, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +149,12 @@ def _die_with_parent() -> None:
 
 def _channel(link: dict, fp: int) -> Channel:
     if link["kind"] == "shm":
-        from ssd.shm_channel import Mailbox, MailboxFds, ShmChannel
+        from ssd.transport.shm_channel import Mailbox, MailboxFds, ShmChannel
 
         parent = link["parent_pid"]
         inbox, outbox = (Mailbox.attach(MailboxFds(**link[name])) for name in ("inbox", "outbox"))
         return ShmChannel(inbox, outbox, fp, lambda: os.getppid() == parent, link["spin_s"])
-    from ssd.gloo_channel import JOINING_KEY, GlooChannel, pair_group, pair_store
+    from ssd.transport.gloo_channel import JOINING_KEY, GlooChannel, pair_group, pair_store
 
     store = pair_store(link["store_dir"])
     store.set(JOINING_KEY, str(os.getpid()))
@@ -172,9 +172,9 @@ def run(spec: dict) -> int:
     fp = config_fingerprint(cfg, spec["vocab"])
     channel = _channel(spec["link"], fp)
     try:
-        from ssd.drafter import Drafter
-        from ssd.loader import load_model
-        from ssd.runner import draft_runner
+        from ssd.drafting.drafter import Drafter
+        from ssd.model.loader import load_model
+        from ssd.model.runner import draft_runner
 
         model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
         drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), spec["vocab"], cfg.k, cfg.saguaro_c)

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.draft_proposer import DraftModelProposer, pad_rows
-from ssd.kv_cache import additive_mask
-from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
-from ssd.runner import ModelRunner
-from ssd.sampling import BatchSampling, sample_from
-from ssd.saguaro import row_fanout, saguaro_probs
+from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
+from ssd.model.kv_cache import additive_mask
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
+from ssd.model.runner import ModelRunner
+from ssd.engine.sampling import BatchSampling, sample_from
+from ssd.drafting.saguaro import row_fanout, saguaro_probs
 
 
 @dataclass

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.config import EngineConfig
-from ssd.draft_proposer import DraftModelProposer, pad_rows
-from ssd.runner import draft_runner, target_runner
-from ssd.sampling import BatchSampling, process_logits
+from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
+from ssd.model.runner import draft_runner, target_runner
+from ssd.engine.sampling import BatchSampling, process_logits
 from ssd.sampling_params import SamplingParams
-from ssd.sequence import CompletionOutput, Sequence, SpecMetrics
-from ssd.speculation import Proposer, RoundOutcome, Source, Speculation
-from ssd.stopping import StopChecker
-from ssd.verify import verify
+from ssd.engine.sequence import CompletionOutput, Sequence, SpecMetrics
+from ssd.drafting.speculation import Proposer, RoundOutcome, Source, Speculation
+from ssd.engine.stopping import StopChecker
+from ssd.engine.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -269,9 +269,9 @@ class LLMEngine:
 
 
 def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
-    from ssd.channel import InProcessClient
-    from ssd.drafter import Drafter
-    from ssd.ssd_proposer import SSDConfig, SSDProposer
+    from ssd.transport.channel import InProcessClient
+    from ssd.drafting.drafter import Drafter
+    from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
 
     ssd_config = SSDConfig(
         k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
@@ -281,7 +281,7 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
         drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
         client = InProcessClient(drafter)
     else:
-        from ssd.draft_process import ProcessClient
+        from ssd.transport.draft_process import ProcessClient
 
         client = ProcessClient.spawn(config, vocab_size)
     return SSDProposer(client, ssd_config, vocab_size)

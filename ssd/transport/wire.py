@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 
 MAGIC = 0x55D0_0001
 HEADER = 8

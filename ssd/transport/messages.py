@@ -2,7 +2,7 @@
 
 Every message carries the round id and the sequence ids it is about, so a reply can be matched
 to its request and stale ones dropped. Fields are tensors or small lists of ints with fixed
-meanings; the wire format (ssd/wire.py) is a fixed tensor layout, never pickle.
+meanings; the wire format (ssd/transport/wire.py) is a fixed tensor layout, never pickle.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from ssd.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.kv_cache import BatchKVCache
+from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
+from ssd.model.kv_cache import BatchKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.budget import BudgetSizer
-from ssd.channel import DraftClient, DrafterUnavailable
-from ssd.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
-from ssd.ngram import NgramIndex, fast_speculation
-from ssd.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
-from ssd.sampling import BatchSampling
-from ssd.sequence import Sequence
-from ssd.speculation import RoundOutcome, Source, Speculation
+from ssd.drafting.budget import BudgetSizer
+from ssd.transport.channel import DraftClient, DrafterUnavailable
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
+from ssd.drafting.ngram import NgramIndex, fast_speculation
+from ssd.drafting.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
+from ssd.engine.sampling import BatchSampling
+from ssd.engine.sequence import Sequence
+from ssd.drafting.speculation import RoundOutcome, Source, Speculation
 
 logger = logging.getLogger(__name__)
 

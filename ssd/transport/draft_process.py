@@ -1,11 +1,11 @@
 """The target's side of a drafter in its own process: start it, talk to it, stop it.
 
-`ProcessClient.spawn` starts `python -m ssd.draft_worker` (the package's own entry point, so the
+`ProcessClient.spawn` starts `python -m ssd.transport.draft_worker` (the package's own entry point, so the
 caller's main module is never re-imported: stdin scripts, `python -c`, notebooks, scripts
 without a `__main__` guard and Ray actors all work), hands it its spec on stdin and waits for
 READY. draft_channel="shm" (the default) passes it the file descriptors of two shared-memory
-mailboxes (ssd/shm_channel.py): the lowest latency on one host. draft_channel="gloo" gives it a
-private FileStore directory for a torch.distributed pair group (ssd/gloo_channel.py).
+mailboxes (ssd/transport/shm_channel.py): the lowest latency on one host. draft_channel="gloo" gives it a
+private FileStore directory for a torch.distributed pair group (ssd/transport/gloo_channel.py).
 
 Protocol safety: a reply is owed from each resolve() until reply() reads it. If the caller
 never read it (an exception between the two, e.g. Ctrl-C during a stop-string check), the next
@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from ssd.channel import Channel, DrafterUnavailable
+from ssd.transport.channel import Channel, DrafterUnavailable
 from ssd.config import EngineConfig
-from ssd.draft_worker import config_fingerprint
-from ssd.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.shm_channel import ChannelClosed
-from ssd.wire import MsgType
+from ssd.transport.draft_worker import config_fingerprint
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.shm_channel import ChannelClosed
+from ssd.transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holdin
 
 
 def worker_command() -> list[str]:
-    return [sys.executable, "-m", "ssd.draft_worker"]
+    return [sys.executable, "-m", "ssd.transport.draft_worker"]
 
 
 def worker_env() -> dict[str, str]:
@@ -73,7 +73,7 @@ class ProcessClient:
         spec = {"config": asdict(config), "vocab": vocab, "log_level": logging.getLogger("ssd").getEffectiveLevel()}
         store_dir, fds, boxes = None, (), ()
         if config.draft_channel == "shm":
-            from ssd.shm_channel import Mailbox, ShmChannel
+            from ssd.transport.shm_channel import Mailbox, ShmChannel
 
             boxes = to_draft, to_target = Mailbox.create(), Mailbox.create()
             spec["link"] = {"kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
@@ -90,7 +90,7 @@ class ProcessClient:
             if store_dir is None:
                 channel = ShmChannel(to_target, to_draft, fp, alive)
             else:
-                from ssd.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
+                from ssd.transport.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
 
                 store = pair_store(store_dir)
                 try:
