@@ -15,7 +15,8 @@ import torch
 
 from ssd.transport.draft_process import worker_env
 from ssd.transport.messages import ResolveMsg, SpeculationReply
-from ssd.transport.shm_channel import ChannelClosed, ChannelTimeout, Mailbox, ShmChannel
+from ssd.transport.channel import ChannelClosed, ChannelTimeout
+from ssd.transport.shm_channel import Mailbox, ShmChannel
 from ssd.transport.wire import MsgType
 
 FP = 7

@@ -20,6 +20,14 @@ class DrafterUnavailable(RuntimeError):
     """The drafter died, stalled past its deadline, or answered out of protocol."""
 
 
+class ChannelTimeout(RuntimeError):
+    """The peer did not send, or did not take a message, within the deadline."""
+
+
+class ChannelClosed(RuntimeError):
+    """The peer is gone (its process exited, its connection closed)."""
+
+
 class Channel(Protocol):
     """Typed messages (ssd/transport/messages.py, framed by ssd/transport/wire.py) between a target and one drafter.
 
@@ -39,6 +47,19 @@ class Channel(Protocol):
 
     def recv(self, timeout: datetime.timedelta | None = None) -> tuple:
         """-> (MsgType, message or None for control messages, the frame's int body)"""
+
+    def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    """The worker's end of a transport a target connects to (torch, grpc): it listens on a port
+    the system chose and publishes `address`; each accept() is one target's session. A target
+    reaches it with that transport's connect(address, fp, timeout) -> Channel."""
+
+    address: str  # "<transport>://host:port"
+
+    def accept(self, fp: int, timeout: datetime.timedelta | None = None) -> Channel:
+        """The next target's session (one at a time); ChannelTimeout when none came in time."""
 
     def close(self) -> None: ...
 

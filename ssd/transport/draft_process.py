@@ -37,7 +37,7 @@ from ssd.transport.channel import Channel, DrafterUnavailable
 from ssd.config import EngineConfig
 from ssd.transport.draft_worker import config_fingerprint
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.transport.shm_channel import ChannelClosed
+from ssd.transport.channel import ChannelClosed
 from ssd.transport.wire import MsgType
 
 logger = logging.getLogger(__name__)

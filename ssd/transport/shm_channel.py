@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.wire import HEADER, MsgType, body_size, encode, frame, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
@@ -45,14 +46,6 @@ SPIN_S = 0.05
 _SLICE_S = 0.05
 _LEN = 8  # bytes of the chunk-length field at the start of the slot
 DEFAULT_CAPACITY = 1 << 20
-
-
-class ChannelTimeout(RuntimeError):
-    """The peer did not send, or did not take a message, within the deadline."""
-
-
-class ChannelClosed(RuntimeError):
-    """The peer process is gone."""
 
 
 class _EventSemaphore:
