@@ -43,7 +43,7 @@ from ssd.transport.wire import MsgType
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding ssd/
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding ssd/ (this is ssd/transport/)
 
 
 def worker_command() -> list[str]:
