@@ -40,6 +40,7 @@ class EngineArgs(BaseModel):
     ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
     ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
     draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
+    draft_workers: int = Field(1, ge=1, le=64, description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. Not with draft_transport='inprocess'.")
     draft_channel: Literal["shm", "gloo"] = Field("shm", description="SSD, process transport: how target and drafter exchange messages. shm: shared-memory mailboxes polled by both sides (same host; a message in microseconds); gloo: a torch.distributed gloo pair group on loopback (about 0.5 ms per transfer on a busy 2-core machine).")
     draft_spin_ms: float = Field(50.0, ge=0.0, le=10_000.0, description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for the next message before it blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the worker's core and costs a wake-up.")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
@@ -56,6 +57,8 @@ class EngineArgs(BaseModel):
         draft = str(DEMO_MODELS_DIR / "draft") if demo else self.draft
         if self.mode != "ar" and draft is None:
             raise ValueError(f"mode={self.mode!r} needs a draft model: pass draft=... or use mode='ar'")
+        if self.draft_workers > 1 and self.draft_transport == "inprocess":
+            raise ValueError(f"draft_workers={self.draft_workers} needs workers of their own: use the default draft_transport, not 'inprocess'")
         return EngineConfig(
             target=target,
             draft=draft if self.mode != "ar" else None,
@@ -80,6 +83,7 @@ class EngineArgs(BaseModel):
             ssd_reproducible=self.ssd_reproducible,
             draft_transport=self.draft_transport,
             draft_channel=self.draft_channel,
+            draft_workers=self.draft_workers,
             draft_num_threads=self.draft_num_threads,
             draft_spin_ms=self.draft_spin_ms,
             draft_deadline_s=self.draft_deadline_s,
@@ -110,6 +114,7 @@ class EngineConfig:
     ssd_reproducible: bool = False
     draft_transport: str = "process"
     draft_channel: str = "shm"
+    draft_workers: int = 1
     draft_num_threads: int = 1
     draft_spin_ms: float = 50.0
     draft_deadline_s: float = 30.0

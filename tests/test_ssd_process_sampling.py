@@ -38,6 +38,11 @@ CASES = {
     # one; sequences finishing every few rounds make it take predictions back. Most trees here
     # reach depth K, some are cut.
     "predicted_rounds": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural"), 1500),
+    # A pool of two workers sharing the branch grid: each row's hit comes from either share.
+    "two_workers": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2}, N_SAMPLES),
+    # Two workers, two rows: after an all-hit round the worker that did not hold every hit is
+    # told the next round (PREDICT) and builds it before the announcement, as the holder does.
+    "two_workers_predicted": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2), 1500),
 }
 
 
@@ -71,6 +76,10 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
     rounds = ssd["drafter_rounds"]
     if case == "cut_trees":
         assert ssd["drafter_rounds_cut"] > 0.5 * rounds, ssd
+    if "draft_workers" in options:
+        assert ssd["draft_workers_live"] == 2 and min(ssd["draft_slot_hits"]) > 0, ssd
+    if case == "two_workers_predicted":
+        assert ssd["draft_predict_hints"] > 20 and ssd["drafter_predicted_confirmed"] > 0.1 * rounds, ssd
     if case == "predicted_rounds":
         # Predictions confirmed are a sizeable share of the rounds built (a bug confined to them
         # would show in the cache subset), and some were taken back.

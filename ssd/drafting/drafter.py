@@ -13,6 +13,14 @@ drafter then, for every sequence of the batch:
      hold that many tokens (a shorter speculation beats making the target wait).
 When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
 answered just in time by the draft (neural backup) or left to the target's fast backup.
+
+Sharding: D drafters (a pool) split each round's branch grid. The round's fan-out is the
+whole pool's; every drafter glue-decodes and forks the whole grid (the same top-F_k candidates,
+so all agree on which outcomes are covered), then tree-decodes only its share, the branches n
+with n mod D = its shard (branches are numbered by outcome, then rank, so every share mixes
+outcomes). On resolve, the drafter whose share holds the outcome answers with the branch; the
+others report the row covered but not theirs. Each drafter keeps its own KV cache of every
+sequence and its own generators (seeded apart), so no two drafters ever share a random draw.
 After a reply in which every row hit, the next announcement is known but for its arrival
 (`predict_round`): a drafter in its own process begins that round at once and takes it back
 whole if the announcement differs (`begin_round(stale=...)`, `abandon_round`).
@@ -53,9 +61,9 @@ class _Round:
 
     seq_ids: list[int]
     spec_tokens: list[list[int]]  # s_T per row (real tokens only)
-    branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n
-    tokens: torch.Tensor  # [b, N, K]
-    probs: torch.Tensor  # [b, N, K, V]
+    branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n of the whole grid
+    tokens: torch.Tensor  # [b, N_own, K]: this drafter's share, branch n at n // num_shards
+    probs: torch.Tensor  # [b, N_own, K, V]
     fanout: list[int] = field(default_factory=list)
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
@@ -67,10 +75,14 @@ class _Round:
 class Drafter:
     """Plain class (no Ray, no process): the channel layer decides where it runs."""
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, k: int, saguaro_c: float = 1.0) -> None:
+    def __init__(
+        self, runner: ModelRunner, target_vocab: int, k: int, saguaro_c: float = 1.0, shard: int = 0, num_shards: int = 1
+    ) -> None:
+        assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
         self.saguaro_c = saguaro_c
+        self.shard, self.num_shards = shard, num_shards
         self.jit = DraftModelProposer(runner, target_vocab)  # shares probs handling and padding
         self.cache = self.jit.cache
         self.states: dict[int, _SeqState] = {}
@@ -140,7 +152,10 @@ class Drafter:
         undo_states = [self.states[s].generator.get_state() for s in seq_ids] if stale is not None else []
         b, k = len(seq_ids), self.k
         fanout = list(msg.fanout)
-        n_branches = sum(fanout)
+        # This drafter's share of the grid (the same for every row: row_fanout keeps the sum).
+        share = torch.arange(self.shard, sum(fanout), self.num_shards)
+        n_branches = share.numel()
+        assert n_branches > 0, "the pool's budget gives every drafter at least one branch"
         sampling = self._sampling(seq_ids)
         synced = self.cache.lengths().tolist()
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(b)]
@@ -164,8 +179,9 @@ class Drafter:
         # Fork: branch n of row r belongs to outcome j_rn and starts with candidate token t_rn.
         # A row whose speculation is shorter than K spends the budget on the outcomes it can have.
         row_fan = [row_fanout(fanout, len(spec[r]), self.jit.target_vocab) for r in range(b)]
-        j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)  # [b, N]
+        j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)[:, share]  # [b, N_own]
         cand, branch_index = self._fork(glue_logits, msg.spec_tokens, spec, row_fan)
+        cand = cand[:, share]
 
         # Tree decode: depth d feeds the branch tokens at depth d (the candidate at d = 0).
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
@@ -238,7 +254,10 @@ class Drafter:
         speculation)."""
         if not resolve.next_fanout or not bool(reply.hit.all()):
             return None
-        return BeginRoundMsg(resolve.round_id + 1, list(reply.seq_ids), reply.tokens.clone(), reply.num_draft.clone(), list(resolve.next_fanout))
+        committed = [len(self.states[s].tokens) for s in reply.seq_ids]  # resolve() has added the round's tokens
+        return BeginRoundMsg(
+            resolve.round_id + 1, list(reply.seq_ids), reply.tokens.clone(), reply.num_draft.clone(), list(resolve.next_fanout), committed
+        )
 
     @staticmethod
     def _fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[int]], row_fan: list[list[int]]):
@@ -273,6 +292,7 @@ class Drafter:
         seq_ids = list(msg.seq_ids)
         b, k = len(seq_ids), self.k
         hit = torch.zeros(b, dtype=torch.bool)
+        covered = torch.zeros(b, dtype=torch.bool)
         tokens = torch.zeros(b, k, dtype=torch.long)
         probs = torch.zeros(b, k, self.jit.target_vocab)
         for r, s in enumerate(seq_ids):
@@ -281,22 +301,25 @@ class Drafter:
                 i = rnd.seq_ids.index(s)
                 self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
                 n = rnd.branch_index[i].get((acc, bonus))
-                if n is not None:
+                covered[r] = n is not None
+                if n is not None and n % self.num_shards == self.shard:
                     hit[r] = True
-                    tokens[r, : rnd.depth] = rnd.tokens[i, n]
-                    probs[r, : rnd.depth] = rnd.probs[i, n]
+                    tokens[r, : rnd.depth] = rnd.tokens[i, n // self.num_shards]
+                    probs[r, : rnd.depth] = rnd.probs[i, n // self.num_shards]
         build_seconds = rnd.build_seconds if rnd is not None else 0.0
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         if rnd is not None:
             self.counters.rounds += 1
             self.counters.cut += int(rnd.depth < k)
         self.round = None
-        if msg.neural_backup and not bool(hit.all()):
-            spec = self.draft_now(seq_ids, (~hit).tolist())
-            tokens[~hit], probs[~hit] = spec.tokens[~hit], spec.probs[~hit]
-            num_draft = torch.where(hit, num_draft, k)
+        # The neural backup drafts the rows no share holds (a row another drafter holds is
+        # answered by that one); the pool asks one drafter per round.
+        if msg.neural_backup and not bool(covered.all()):
+            spec = self.draft_now(seq_ids, (~covered).tolist())
+            tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
+            num_draft = torch.where(covered, num_draft, k)
         return SpeculationReply(
-            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters)
+            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters), covered
         )
 
     @torch.inference_mode()

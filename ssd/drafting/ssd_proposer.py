@@ -41,6 +41,9 @@ class SSDConfig:
     # history): with a fixed budget and backup, a seeded request's speculations depend on
     # nothing but its own state.
     reproducible: bool = False
+    # D: draft workers sharing each round's branch grid; the fan-out covers D times the budget
+    # (budget is one worker's share, what the sizer sizes against one verification).
+    num_workers: int = 1
 
 
 @dataclass
@@ -144,7 +147,8 @@ class SSDProposer:
             reply = self._call(lambda: self.client.draft_now(DraftNowMsg(self.round_id, ids, [s.seq_id not in self.prepared for s in seqs])))
             if reply is not None:
                 for r in missing:
-                    self.prepared[ids[r]] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
+                    if int(reply.num_draft[r]) > 0:  # 0: no drafter could answer (the pool is refilling)
+                        self.prepared[ids[r]] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
         for r, s in enumerate(seqs):
             if s.seq_id not in self.prepared:
                 self.prepared[s.seq_id] = self._fast(s)
@@ -155,7 +159,7 @@ class SSDProposer:
         spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         if not self.dead:
             self.fanout, self.next_fanout = self.next_fanout or self._fanout(), []
-            msg = BeginRoundMsg(self.round_id, ids, tokens, spec.num_draft, self.fanout)
+            msg = BeginRoundMsg(self.round_id, ids, tokens, spec.num_draft, self.fanout, [s.num_tokens for s in seqs])
             self._call(lambda: self.client.begin_round(msg))
         self._sent_at = time.perf_counter()
         return spec
@@ -183,6 +187,10 @@ class SSDProposer:
         accepted = outcome.num_accepted.tolist()
         drafted = speculation.num_draft.tolist()
         hit = reply.hit.tolist() if reply is not None else [False] * batch
+        # The miss law is about the tree: whether the outcome was in the round's branch grid
+        # (covered), whether or not the worker holding it was alive to deliver it.
+        answered = reply is not None and reply.covered is not None
+        in_grid = reply.covered.tolist() if answered else hit
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)
@@ -192,10 +200,10 @@ class SSDProposer:
             # The miss law relates this round's outcome to the fan-out the drafter cached for
             # it; whether that outcome was cached is the reply's hit (the speculation's own
             # source tells whether the previous round hit).
-            if reply is not None and self.fanout:
-                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafter cached for this row
-                self.estimates.observe_hit(fanout[accepted[r]], hit[r])
-        if reply is not None and self.fanout:
+            if answered and self.fanout:
+                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafters cached for this row
+                self.estimates.observe_hit(fanout[accepted[r]], in_grid[r])
+        if answered and self.fanout:
             self.estimates.fit_r()
         hits = 0
         for r, s in enumerate(seqs):
@@ -208,7 +216,7 @@ class SSDProposer:
             self.drafter_counters = reply.counters
             self.build_ratio.update(reply.build_seconds / verify_s)
             if self.config.autobudget and self.fanout:
-                self.sizer.observe(sum(self.fanout), reply.build_seconds / verify_s)
+                self.sizer.observe(sum(self.fanout) / self.config.num_workers, reply.build_seconds / verify_s)
             self.p_hit.update(hits / max(batch, 1))
             if hits == batch:
                 self.t_primary.update(1.0 + wait / verify_s)
@@ -229,7 +237,8 @@ class SSDProposer:
         return _Prepared(found, probs, Source.FAST)
 
     def _fanout(self) -> list[int]:
-        k, budget = self.config.k, max(1, int(round(self.sizer.budget)))  # config.budget unless autobudget
+        # config.budget unless autobudget, per worker; at least one branch per worker
+        k, budget = self.config.k, max(1, int(round(self.sizer.budget))) * self.config.num_workers
         caps = [self.vocab - 1] * k + [self.vocab]
         if self.config.fanout == "uniform":
             return uniform_fanout(budget, k, caps)
@@ -261,6 +270,7 @@ class SSDProposer:
             "tokens_per_round_on_hit": round(self.e_hit.value, 4),
             "fanout": self.fanout,
             "budget": sum(self.fanout),
+            "draft_workers": self.config.num_workers,
             "acceptance_estimate": round(self.estimates.a, 4),
             "miss_exponent_estimate": round(self.estimates.r, 4),
             "backup": self.last_backup,
@@ -269,4 +279,5 @@ class SSDProposer:
             "T_primary": round(self.t_primary.value, 4),
             "T_neural": round(self.t_neural.value, 4),
             **self.drafter_counters.as_dict(),
+            **(self.client.stats() if hasattr(self.client, "stats") else {}),
         }

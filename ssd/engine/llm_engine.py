@@ -276,12 +276,14 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
     ssd_config = SSDConfig(
         k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
         backup=config.ssd_backup, deadline_s=config.draft_deadline_s, reproducible=config.ssd_reproducible,
+        num_workers=config.draft_workers,
     )
     if config.draft_transport == "inprocess":
         drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
         client = InProcessClient(drafter)
     else:
-        from ssd.transport.draft_process import ProcessClient
+        from ssd.transport.draft_process import SpawnedWorkers
+        from ssd.transport.pool import DraftPool
 
-        client = ProcessClient.spawn(config, vocab_size)
+        client = DraftPool(SpawnedWorkers(config, vocab_size), config.draft_workers, config.draft_deadline_s)
     return SSDProposer(client, ssd_config, vocab_size)

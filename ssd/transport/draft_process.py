@@ -28,17 +28,25 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ssd.transport.channel import Channel, DrafterUnavailable
 from ssd.config import EngineConfig
+from ssd.transport.channel import Channel, ChannelClosed, DrafterUnavailable
 from ssd.transport.draft_worker import config_fingerprint
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.transport.channel import ChannelClosed
-from ssd.transport.wire import MsgType
+from ssd.transport.messages import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DraftNowMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
+from ssd.transport.wire import MsgType, encode
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +66,22 @@ def worker_env() -> dict[str, str]:
 
 
 class ProcessClient:
-    """DraftClient whose drafter runs in a child process."""
+    """DraftClient whose drafter runs in a child process (one link of a DraftPool)."""
 
     def __init__(self, process: subprocess.Popen, channel: Channel, store_dir: str | None, deadline_s: float) -> None:
         self.process, self.channel, self.store_dir = process, channel, store_dir
         self.deadline = datetime.timedelta(seconds=deadline_s)
         self.closed = False
+        self.name = f"pid {process.pid}"
+        self.rejected = 0  # stale or duplicated replies read and dropped
         self._owed: ResolveMsg | None = None  # an outcome sent whose reply was not read yet
         atexit.register(self.close)
 
     @classmethod
-    def spawn(cls, config: EngineConfig, vocab: int) -> "ProcessClient":
+    def spawn(cls, config: EngineConfig, vocab: int, popen=subprocess.Popen) -> "ProcessClient":
+        """Start a worker and wait until it is READY. `popen` starts the process: the worker dies
+        with the *thread* that started it (PR_SET_PDEATHSIG follows the creating thread), so a
+        caller in a short-lived thread passes one that starts it from a long-lived thread."""
         fp = config_fingerprint(config, vocab)
         spec = {"config": asdict(config), "vocab": vocab, "log_level": logging.getLogger("ssd").getEffectiveLevel()}
         store_dir, fds, boxes = None, (), ()
@@ -82,7 +95,7 @@ class ProcessClient:
         else:
             store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
             spec["link"] = {"kind": "gloo", "store_dir": store_dir}
-        process = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=worker_env(), pass_fds=fds, close_fds=True)
+        process = popen(worker_command(), stdin=subprocess.PIPE, env=worker_env(), pass_fds=fds, close_fds=True)
         try:
             process.stdin.write(json.dumps(spec).encode())
             process.stdin.close()
@@ -90,7 +103,13 @@ class ProcessClient:
             if store_dir is None:
                 channel = ShmChannel(to_target, to_draft, fp, alive)
             else:
-                from ssd.transport.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
+                from ssd.transport.gloo_channel import (
+                    GlooChannel,
+                    WorkerGone,
+                    await_worker,
+                    pair_group,
+                    pair_store,
+                )
 
                 store = pair_store(store_dir)
                 try:
@@ -141,21 +160,39 @@ class ProcessClient:
             self._kill()
             raise
 
-    def _read_reply(self, round_id: int, seq_ids: list[int], deadline_s: float | None) -> SpeculationReply:
-        timeout = datetime.timedelta(seconds=deadline_s) if deadline_s is not None else None
-        kind, reply, ints = self.channel.recv(timeout)
-        if kind == MsgType.ERROR:
-            raise DrafterUnavailable(f"draft worker error: {_text(ints)}")
-        if kind != MsgType.REPLY or reply.round_id != round_id or reply.seq_ids != list(seq_ids):
-            raise DrafterUnavailable(f"out-of-protocol reply {kind.name} for round {round_id}")
-        return reply
+    def _read_reply(
+        self, round_id: int, seq_ids: list[int], deadline_s: float | None, expect: MsgType = MsgType.REPLY
+    ) -> SpeculationReply:
+        """The `expect` reply (REPLY to a resolve, DRAFT_REPLY to a draft_now) of `round_id`. A
+        reply to an earlier round or to the other request (a duplicate, or one a lost request
+        left behind) is counted and dropped; anything else out of order is a broken worker
+        (DrafterUnavailable)."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while True:
+            left = None if end is None else datetime.timedelta(seconds=max(end - time.monotonic(), 0.0))
+            kind, reply, ints = self.channel.recv(left)
+            if kind == MsgType.ERROR:
+                raise DrafterUnavailable(f"draft worker error: {_text(ints)}")
+            replies = (MsgType.REPLY, MsgType.DRAFT_REPLY)
+            if kind in replies and (reply.round_id < round_id or (kind != expect and reply.round_id == round_id)):
+                self.rejected += 1
+                logger.warning("dropped a stale %s of round %d while waiting for the %s of round %d",
+                               kind.name, reply.round_id, expect.name, round_id)
+                continue
+            if kind != expect or reply.round_id != round_id or reply.seq_ids != list(seq_ids):
+                raise DrafterUnavailable(f"out-of-protocol reply {kind.name} for round {round_id}")
+            return reply
 
-    def _send(self, msg) -> None:
-        """Send a request; first read and drop a reply still owed for an earlier outcome."""
+    def _drain_owed(self) -> None:
+        """Read and drop a reply still owed for an earlier outcome."""
         if self._owed is not None:
             owed, self._owed = self._owed, None
             self._read_reply(owed.round_id, owed.seq_ids, self.deadline.total_seconds())
             logger.info("dropped the unread reply to round %d", owed.round_id)
+
+    def _send(self, msg) -> None:
+        """Send a request, after draining a reply still owed."""
+        self._drain_owed()
         self.channel.send(msg, self.deadline)
 
     def admit(self, msg: AdmitMsg) -> None:
@@ -166,6 +203,19 @@ class ProcessClient:
 
     def begin_round(self, msg: BeginRoundMsg) -> None:
         self._guard(lambda: self._send(msg))
+
+    def predict(self, msg: BeginRoundMsg) -> None:
+        """The round the target expects to announce next: the worker may begin it now."""
+        _, round_id, ints, floats = encode(msg)
+        self._guard(lambda: self._send_raw(MsgType.PREDICT, round_id, ints, floats))
+
+    def join(self, shard: int, num_shards: int) -> None:
+        """Which share of the branch grid this worker builds (before any sequence is admitted)."""
+        self._guard(lambda: self._send_raw(MsgType.JOIN, 0, torch.tensor([shard, num_shards]), torch.zeros(0)))
+
+    def _send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        self._drain_owed()
+        self.channel.send_raw(kind, round_id, ints, floats, self.deadline)
 
     def resolve(self, msg: ResolveMsg) -> None:
         def send() -> None:
@@ -185,9 +235,12 @@ class ProcessClient:
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         def request() -> SpeculationReply:
             self._send(msg)
-            return self._read_reply(msg.round_id, msg.seq_ids, self.deadline.total_seconds())
+            return self._read_reply(msg.round_id, msg.seq_ids, self.deadline.total_seconds(), MsgType.DRAFT_REPLY)
 
         return self._guard(request)
+
+    def kill(self) -> None:
+        self._kill()
 
     def _kill(self) -> None:
         self.closed = True
@@ -213,6 +266,31 @@ class ProcessClient:
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             logger.warning("draft worker did not take the shutdown message: %s", err)
         self._kill()
+
+
+class SpawnedWorkers:
+    """`WorkerSource` (ssd/transport/pool.py) of worker processes that this process starts: each
+    acquire() spawns one, discard() stops it (kills it when it failed). A pool over this source
+    restarts a dead worker by acquiring a new one."""
+
+    def __init__(self, config: EngineConfig, vocab: int) -> None:
+        self.config, self.vocab = config, vocab
+        # Every worker is started from this one thread, which lives as long as the source: a
+        # worker started from a thread that then exits (a refill thread, a server's request
+        # thread) would be killed by its parent-death signal at once.
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft-starter")
+
+    def _popen(self, *args, **kwargs) -> subprocess.Popen:
+        return self._starter.submit(subprocess.Popen, *args, **kwargs).result()
+
+    def acquire(self) -> ProcessClient:
+        return ProcessClient.spawn(self.config, self.vocab, popen=self._popen)
+
+    def discard(self, link: ProcessClient, failed: bool) -> None:
+        link.kill() if failed else link.close()
+
+    def close(self) -> None:
+        self._starter.shutdown(wait=False)
 
 
 def _text(ints: torch.Tensor) -> str:

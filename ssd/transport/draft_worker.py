@@ -31,7 +31,7 @@ import torch
 
 from ssd.transport.channel import Channel
 from ssd.transport.messages import BeginRoundMsg
-from ssd.transport.wire import MsgType, fingerprint
+from ssd.transport.wire import MsgType, encode, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,16 @@ class _NextRound:
     def __init__(self, channel: Channel, predicted: BeginRoundMsg) -> None:
         self.channel, self.predicted = channel, predicted
         self.confirmed = False
-        self.other: tuple | None = None  # (kind, message) that superseded the prediction
+        self.other: tuple | None = None  # (kind, message, ints) that superseded the prediction
 
     def _read(self, block: bool) -> None:
         if self.confirmed or self.other is not None or not (block or self.channel.poll()):
             return
-        kind, msg, _ = self.channel.recv()
+        kind, msg, ints = self.channel.recv()
         if kind == MsgType.BEGIN_ROUND and msg.same_round(self.predicted):
             self.confirmed = True
         else:
-            self.other = (kind, msg)
+            self.other = (kind, msg, ints)
 
     def stale(self) -> bool:
         self._read(block=False)
@@ -76,40 +76,83 @@ class _NextRound:
         self._read(block=True)
 
 
+class OutOfSync(RuntimeError):
+    """The target's view of a sequence differs from this worker's: a message was lost."""
+
+
 class DraftWorker:
     """Serves one target over one channel. cut_trees=False builds every tree to depth K
-    whatever the timing (reproducible output, at the cost of waiting for the whole build)."""
+    whatever the timing (reproducible output, at the cost of waiting for the whole build).
+
+    Round messages must come in order: a BEGIN_ROUND or PREDICT for a round not after the last
+    one begun, or a RESOLVE for a round other than the one built, is a duplicate or a stale
+    copy; it is counted (`rejected`) and dropped unanswered, so it cannot change a speculation.
+    A round whose committed lengths differ from the worker's own raises OutOfSync: the target
+    replaces the worker."""
 
     def __init__(self, drafter, channel: Channel, cut_trees: bool = True) -> None:
         self.drafter, self.channel, self.cut_trees = drafter, channel, cut_trees
+        self.last_begun = 0  # round id of the last round begun (announced or predicted)
 
     def serve(self) -> None:
         queued = None  # a message read while building a predicted round that it superseded
         while True:
             if queued is not None:
-                (kind, msg), queued = queued, None
+                (kind, msg, ints), queued = queued, None
             else:
-                kind, msg, _ = self.channel.recv()
+                kind, msg, ints = self.channel.recv()
             if kind == MsgType.SHUTDOWN:
                 return
-            if kind == MsgType.ADMIT:
+            if kind == MsgType.JOIN:
+                shard, num_shards = ints.tolist()
+                if self.drafter.order:
+                    raise OutOfSync("JOIN after sequences were admitted")
+                self.drafter.shard, self.drafter.num_shards = int(shard), int(num_shards)
+            elif kind == MsgType.ADMIT:
+                if any(s in self.drafter.states for s in msg.seq_ids):
+                    self._reject(kind, 0)
+                    continue
                 self.drafter.admit(msg)
             elif kind == MsgType.RELEASE:
                 self.drafter.release(msg.seq_ids)
-            elif kind == MsgType.BEGIN_ROUND:
+            elif kind in (MsgType.BEGIN_ROUND, MsgType.PREDICT):
+                if msg.round_id <= self.last_begun:
+                    self._reject(kind, msg.round_id)
+                    continue
+                self._check_committed(msg)
+                self.last_begun = msg.round_id
+                if kind == MsgType.PREDICT:
+                    queued = self._build_predicted(msg)
+                    continue
                 # The next message (the round's outcome) cuts the tree decode short: the target
                 # is waiting, and branches of the depth reached are still usable speculations.
                 self.drafter.begin_round(msg, interrupted=self.channel.poll if self.cut_trees else None)
             elif kind == MsgType.RESOLVE:
+                if msg.round_id != self.last_begun or self.drafter.round is None:
+                    self._reject(kind, msg.round_id)
+                    continue
                 reply = self.drafter.resolve(msg)
                 self.channel.send(reply)
                 predicted = self.drafter.predict_round(msg, reply)
                 if predicted is not None:
+                    self.last_begun = predicted.round_id
                     queued = self._build_predicted(predicted)
             elif kind == MsgType.DRAFT_NOW:
-                self.channel.send(self.drafter.draft_reply(msg))
+                _, round_id, ints, floats = encode(self.drafter.draft_reply(msg))
+                self.channel.send_raw(MsgType.DRAFT_REPLY, round_id, ints, floats)
             else:
                 raise ValueError(f"draft worker got unexpected {kind.name}")
+
+    def _reject(self, kind: MsgType, round_id: int) -> None:
+        self.drafter.counters.rejected += 1
+        logger.warning("dropped a duplicated or stale %s (round %d; last begun %d)", kind.name, round_id, self.last_begun)
+
+    def _check_committed(self, msg: BeginRoundMsg) -> None:
+        if not msg.committed:
+            return
+        mine = [len(self.drafter.states[s].tokens) if s in self.drafter.states else -1 for s in msg.seq_ids]
+        if mine != list(msg.committed):
+            raise OutOfSync(f"round {msg.round_id}: the target has {msg.committed} committed tokens, this worker {mine}")
 
     def _build_predicted(self, predicted: BeginRoundMsg):
         """Build the round predicted after an all-hit reply while the target is still finishing
@@ -128,6 +171,7 @@ class DraftWorker:
             counters.confirmed += 1
             return None
         counters.taken_back += 1
+        self.last_begun = predicted.round_id - 1  # the announcement that came instead may reuse its id
         if built:
             self.drafter.abandon_round()
         return watch.other
@@ -154,7 +198,12 @@ def _channel(link: dict, fp: int) -> Channel:
         parent = link["parent_pid"]
         inbox, outbox = (Mailbox.attach(MailboxFds(**link[name])) for name in ("inbox", "outbox"))
         return ShmChannel(inbox, outbox, fp, lambda: os.getppid() == parent, link["spin_s"])
-    from ssd.transport.gloo_channel import JOINING_KEY, GlooChannel, pair_group, pair_store
+    from ssd.transport.gloo_channel import (
+        JOINING_KEY,
+        GlooChannel,
+        pair_group,
+        pair_store,
+    )
 
     store = pair_store(link["store_dir"])
     store.set(JOINING_KEY, str(os.getpid()))

@@ -37,11 +37,15 @@ class BeginRoundMsg:
     seq_ids: list[int]
     spec_tokens: torch.Tensor  # [b, K] long
     num_draft: torch.Tensor  # [b] long
-    fanout: list[int]  # [K+1] F_k, shared by the batch
+    fanout: list[int]  # [K+1] F_k, shared by the batch: the whole pool's (every worker's share together)
+    # [b] tokens committed per sequence before this round, as the target knows them: a worker
+    # whose own count differs has missed a message and must not answer from a wrong prefix.
+    committed: list[int] = field(default_factory=list)
 
     def same_round(self, other: "BeginRoundMsg") -> bool:
         """Whether both announce the same round: ids, batch, fan-out and the speculations' real tokens."""
-        if (self.round_id, list(self.seq_ids), list(self.fanout)) != (other.round_id, list(other.seq_ids), list(other.fanout)):
+        mine = (self.round_id, list(self.seq_ids), list(self.fanout), list(self.committed))
+        if mine != (other.round_id, list(other.seq_ids), list(other.fanout), list(other.committed)):
             return False
         if not torch.equal(self.num_draft, other.num_draft):
             return False
@@ -81,24 +85,31 @@ class DrafterCounters:
     predicted: int = 0  # rounds begun on a prediction, before the target announced them
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
+    rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
 
     def as_list(self) -> list[int]:
-        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back]
+        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back, self.rejected]
+
+    def __add__(self, other: "DrafterCounters") -> "DrafterCounters":
+        return DrafterCounters(*(a + b for a, b in zip(self.as_list(), other.as_list())))
 
     def as_dict(self) -> dict[str, int]:
         return {f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())}
 
 
-COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back")
+COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back", "rejected_messages")
 
 
 @dataclass(frozen=True)
 class SpeculationReply:
     round_id: int
     seq_ids: list[int]
-    hit: torch.Tensor  # [b] bool: came from the speculation cache
+    hit: torch.Tensor  # [b] bool: came from this worker's speculation cache
     tokens: torch.Tensor  # [b, K] long
     probs: torch.Tensor  # [b, K, V] float32 (draft distributions the tokens were drawn from)
     num_draft: torch.Tensor  # [b] long: 0 where the reply has no speculation for the row
     build_seconds: float = 0.0  # drafter time spent building this round's cache (glue + tree)
     counters: DrafterCounters = field(default_factory=DrafterCounters)  # the drafter's, at reply time
+    # [b] bool: the outcome is in the round's branch grid, whichever worker's share holds it
+    # (equal to hit for a single drafter). A row covered but not hit is another worker's.
+    covered: torch.Tensor | None = None

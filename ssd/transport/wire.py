@@ -31,6 +31,9 @@ class MsgType(enum.IntEnum):
     READY = 7
     ERROR = 8
     SHUTDOWN = 9
+    PREDICT = 10  # a BeginRoundMsg the target expects to announce next: begin it, confirm it later
+    JOIN = 11  # ints [shard, num_shards]: which share of the branch grid this worker builds
+    DRAFT_REPLY = 12  # a SpeculationReply answering DRAFT_NOW (REPLY answers RESOLVE; both carry the round id)
 
 
 def fingerprint(*parts) -> int:
@@ -62,7 +65,7 @@ def unframe(header: torch.Tensor, body: torch.Tensor):
     ints = body[: n_ints * 8].view(torch.long)
     floats = body[n_ints * 8 :].view(torch.float32)
     kind = MsgType(kind)
-    if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN):
+    if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN, MsgType.JOIN):
         return kind, None, ints
     return kind, decode(kind, round_id, ints, floats), ints
 
@@ -96,7 +99,8 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         return MsgType.RELEASE, 0, _i(msg.seq_ids), none
     if isinstance(msg, BeginRoundMsg):
         b, k = msg.spec_tokens.shape
-        ints = _i([b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, msg.spec_tokens)
+        ints = _i([b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, [len(msg.committed)], msg.committed,
+                  msg.spec_tokens)
         return MsgType.BEGIN_ROUND, msg.round_id, ints, none
     if isinstance(msg, ResolveMsg):
         ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens,
@@ -106,7 +110,9 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
     if isinstance(msg, SpeculationReply):
         b, k = msg.tokens.shape
-        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), msg.num_draft, msg.tokens, msg.counters.as_list())
+        covered = msg.hit if msg.covered is None else msg.covered
+        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), msg.num_draft, msg.tokens,
+                  msg.counters.as_list())
         floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), msg.probs.reshape(-1).float()])
         return MsgType.REPLY, msg.round_id, ints, floats
     raise TypeError(f"not a drafter message: {type(msg).__name__}")
@@ -121,11 +127,12 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         return AdmitMsg(seq_ids, prompts, seeds, floats[:b].tolist(), top_k, floats[b : 2 * b].tolist())
     if kind == MsgType.RELEASE:
         return ReleaseMsg(ints.tolist())
-    if kind == MsgType.BEGIN_ROUND:
+    if kind in (MsgType.BEGIN_ROUND, MsgType.PREDICT):
         b, k = r.one(), r.one()
         seq_ids, num_draft = r.take(b).tolist(), r.take(b).clone()
         fanout = r.take(r.one()).tolist()
-        return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout)
+        committed = r.take(r.one()).tolist()
+        return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout, committed)
     if kind == MsgType.RESOLVE:
         b, neural = r.one(), bool(r.one())
         seq_ids, accepted, bonus = r.take(b).tolist(), r.take(b).clone(), r.take(b).clone()
@@ -133,11 +140,11 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
     if kind == MsgType.DRAFT_NOW:
         b = r.one()
         return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])
-    if kind == MsgType.REPLY:
+    if kind in (MsgType.REPLY, MsgType.DRAFT_REPLY):
         b, k, v = r.one(), r.one(), r.one()
-        seq_ids, hit, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).clone()
+        seq_ids, hit, covered, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool(), r.take(b).clone()
         tokens = r.take(b * k).view(b, k).clone()
         counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
         probs = floats[1:].view(b, k, v).clone()
-        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters)
+        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered)
     raise ValueError(f"unexpected message type {kind!r}")

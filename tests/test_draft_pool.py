@@ -1,0 +1,162 @@
+"""A pool of D draft workers sharing each round's branch grid (ssd/transport/pool.py), without Ray.
+
+Greedy output with D = 2 equals Hugging Face `generate`, and both shares deliver hits; a worker
+killed mid-generation leaves the output unchanged and is replaced; duplicated, stale and foreign
+messages (injected on both sides of the channel) are refused and counted and cannot change the
+output. The sampled exactness of D = 2 is in test_ssd_process_sampling.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd.transport.wire import MsgType, encode
+from test_ssd import MAX_TOKENS, check_greedy, generate_until_replaced, greedy, metric, ssd_llm, worker_process
+from workers import live_draft_workers
+
+from refimpl import hf_greedy
+from ssd.model.demo_models import heldout_prompts
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return heldout_prompts(3, prompt_bytes=80) + ["x", "def add(a, b):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_pair, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_pair[0], prompts, MAX_TOKENS)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workers():
+    yield
+    assert live_draft_workers() == []
+
+
+def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, tiny_reference):
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+        assert len(live_draft_workers()) == 2
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    ssd = m["ssd"]
+    assert ssd["draft_workers"] == 2 and ssd["draft_workers_live"] == 2, ssd
+    assert ssd["budget"] == 2 * 12, ssd  # the fan-out covers both shares
+    assert min(ssd["draft_slot_hits"]) > 0, ssd  # each worker held some of the hits
+    assert ssd["draft_worker_failures"] == 0 and ssd["drafter_rejected_messages"] == 0, ssd
+    assert m["backup_neural_rounds"] > 0, m
+
+
+def test_two_workers_demo_pair_greedy_matches_hf(demo_pair):
+    prompts = heldout_prompts(2, prompt_bytes=96) + ["def add(a, b):\n    return"]
+    expected = hf_greedy(demo_pair[0], prompts, 24)
+    with ssd_llm(*demo_pair, draft_workers=2, ssd_budget=7, max_num_seqs=2) as llm:
+        outs = llm.generate(prompts, greedy(24))
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == expected
+    assert m["cache_hit_rate"] > 0.3 and min(m["ssd"]["draft_slot_hits"]) > 0, m
+
+
+def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_reference):
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+        engine = llm.engine
+        for p in prompts[:2]:
+            engine.add_request(p, greedy())
+        engine.step()
+        engine.step()  # a round in flight
+        victim = worker_process(llm, slot=1)
+        victim.kill()
+        victim.wait(10)
+        outs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+        assert sorted(outs.values()) == sorted(tiny_reference[:2])
+        assert metric(llm.metrics(), "draft_worker_failures") == 1
+        generate_until_replaced(llm, prompts, tiny_reference)
+        hits = list(metric(llm.metrics(), "draft_slot_hits"))
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+        assert metric(m, "draft_workers_live") == 2
+        assert m["ssd"]["draft_slot_hits"][1] > hits[1], m["ssd"]  # the replacement holds hits again
+        assert worker_process(llm, slot=1).pid != victim.pid
+
+
+# ---- messages that must not count ----------------------------------------------------------------
+
+def duplicate_in_both_directions(llm) -> None:
+    """A duplicating network on every link: each BEGIN_ROUND and RESOLVE the target sends goes
+    out twice (the copy straight after), and each reply (REPLY, DRAFT_REPLY) the target receives
+    comes in twice (the copy with the next receive)."""
+    for slot in llm.engine.proposer.client.slots:
+        channel = slot.link.channel
+        send, recv = channel.send, channel.recv
+        pending = []
+
+        def send_twice(msg, timeout=None, send=send, channel=channel):
+            send(msg, timeout)
+            kind, round_id, ints, floats = encode(msg)
+            if kind in (MsgType.BEGIN_ROUND, MsgType.RESOLVE):
+                channel.send_raw(kind, round_id, ints, floats, timeout)
+
+        def recv_twice(timeout=None, recv=recv, pending=pending):
+            if pending:
+                return pending.pop()
+            got = recv(timeout)
+            if got[0] in (MsgType.REPLY, MsgType.DRAFT_REPLY):
+                pending.append(got)
+            return got
+
+        channel.send, channel.recv = send_twice, recv_twice
+
+
+def test_duplicated_messages_are_refused_counted_and_change_nothing(tiny_pair, prompts, tiny_reference):
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+        duplicate_in_both_directions(llm)
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    ssd = m["ssd"]
+    assert ssd["rejected_replies"] > 10, ssd  # the second copies of replies, dropped by the target
+    assert ssd["drafter_rejected_messages"] > 10, ssd  # the target's second copies, dropped by the workers
+    assert ssd["draft_worker_failures"] == 0 and m["cache_hits"] > 0, m
+
+
+def test_a_foreign_frame_takes_the_link_down_and_the_output_stays_exact(tiny_pair, prompts, tiny_reference):
+    """A frame with another configuration's fingerprint (another model, K or C) is never acted
+    on: the worker refuses it and the pool replaces that worker."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+        first = llm.generate(prompts[:2], greedy())
+        assert [o.token_ids for o in first] == tiny_reference[:2]
+        channel = llm.engine.proposer.client.slots[0].link.channel
+        fp, channel.fp = channel.fp, channel.fp ^ 1
+        channel.send_raw(MsgType.RELEASE, 0, torch.tensor([10**6]), torch.zeros(0))
+        channel.fp = fp
+        outs = llm.generate(prompts, greedy())
+        assert [o.token_ids for o in outs] == tiny_reference
+        assert metric(llm.metrics(), "draft_worker_failures") == 1
+        generate_until_replaced(llm, prompts, tiny_reference)
+
+
+def test_a_worker_out_of_sync_is_replaced(tiny_pair, prompts, tiny_reference):
+    """A round whose committed lengths differ from the worker's (a lost message) is refused
+    (OutOfSync) instead of answered from the wrong prefix."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+        link = llm.engine.proposer.client.slots[1].link
+        begin = link.begin_round
+
+        def skewed(msg, begin=begin):
+            link.begin_round = begin  # once
+            begin(type(msg)(msg.round_id, msg.seq_ids, msg.spec_tokens, msg.num_draft, msg.fanout, [c + 1 for c in msg.committed]))
+
+        llm.generate(prompts[:1], greedy(4))
+        link.begin_round = skewed
+        outs = llm.generate(prompts, greedy())
+        assert [o.token_ids for o in outs] == tiny_reference
+        assert metric(llm.metrics(), "draft_worker_failures") == 1
