@@ -3,6 +3,9 @@ argument checks and output helpers."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import argparse
 import json
 import math
@@ -164,6 +167,27 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
     assert runs["ssd C=0.5 B=4"]["ssd"]["budget"] == 4  # a swept budget is fixed (no adaptive sizing)
     table = bench.format_table(results["runs"])
     assert "ssd C=0.5 B=4" in table and table.splitlines()[0].split().count("range") == 2
+
+
+def test_draft_workers_rows_with_the_miss_law_prediction(pair, tmp_path, caplog):
+    """--draft-workers gives SSD one row per D; every SSD row carries the hit rate the miss law
+    predicts from the D = 1 row's fit; more workers than cores is said."""
+    target, draft = pair
+    caplog.set_level(logging.WARNING)
+    results = bench.run(parse([
+        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "2", "--max-tokens", "6",
+        "--temperatures", "0", "--settings", "paper", "--modes", "sd,ssd", "--draft-workers", "1,2",
+        "--ssd-budget", "4", "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
+    ]))
+    runs = {r["mode"]: r for r in results["runs"]}
+    assert list(runs) == ["sd", "ssd B=4 D=1", "ssd B=4 D=2"]
+    two = runs["ssd B=4 D=2"]
+    assert two["draft_workers"] == 2 and two["ssd"]["draft_workers"] == 2 and two["ssd"]["budget"] == 8, two["ssd"]
+    for label in ("ssd B=4 D=1", "ssd B=4 D=2"):
+        assert 0 <= runs[label]["hit_rate_law"] <= 1, runs[label]
+    assert "hit law" in bench.format_table(results["runs"]).splitlines()[0]
+    if os.cpu_count() < 3:
+        assert any("share cores" in r.getMessage() for r in caplog.records)
 
 
 def test_table_lists_every_run(bench_run):

@@ -38,6 +38,7 @@ def _base_spec(plan: BenchPlan) -> dict:
         "pair_reps": plan.pair_reps,
         "saguaro_c": plan.saguaro_c,
         "ssd_budgets": plan.ssd_budgets,
+        "draft_workers": plan.draft_workers,
         "repeats": plan.repeats,
         "contention_budget": (plan.ssd_budgets or [16])[0],
         "contention_reps": 10,
@@ -55,13 +56,16 @@ def run(args: argparse.Namespace) -> dict:
 
     plan = _plan(args)
     settings = {name: SETTINGS[name].threads() for name in plan.settings}
-    labels = [v.label for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets)]
+    labels = [v.label for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets, plan.draft_workers)]
     runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats
     total = 1 + (0 if plan.pair_stats_only else runs_per_setting * len(settings))
     results = new_results(plan, args, settings)
     load = results["environment"]["load_average_at_start"]
     if load and load[0] > 0.5 * available_cpus():
         logger.warning("load average %.2f on %d CPUs: other processes are running, timings will be noisy", load[0], available_cpus())
+    if plan.draft_workers and "ssd" in plan.modes and max(plan.draft_workers) + 1 > available_cpus():
+        logger.warning("up to %d draft workers beside the target on %d CPUs: the draft workers share cores, so their trees "
+                       "grow slower than with a core each", max(plan.draft_workers), available_cpus())
     base = _base_spec(plan)
     results["config"]["prompts"] = base["prompts"]
     # One worker per setting; the pair stats (one thread) ride with the first one-thread setting,

@@ -180,23 +180,28 @@ class Variant:
             out["saguaro_c"] = self.ssd_options["saguaro_c"]
         if "ssd_budget" in self.ssd_options:
             out["ssd_budget"] = self.ssd_options["ssd_budget"]
+        if "draft_workers" in self.ssd_options:
+            out["draft_workers"] = self.ssd_options["draft_workers"]
         return out
 
 
-def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int] | None) -> list[Variant]:
-    """Every mode once, and every SSD mode once per (C, B) pair of the sweep."""
+def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int] | None,
+             workers: list[int] | None = None) -> list[Variant]:
+    """Every mode once, and every SSD mode once per (C, B, D) combination of the sweep."""
     out = []
     for name in modes:
-        if not MODES[name].ssd or (saguaro_c is None and budgets is None):
+        if not MODES[name].ssd or (saguaro_c is None and budgets is None and workers is None):
             out.append(Variant(name, name, {}))
             continue
         for c in saguaro_c or [None]:
             for b in budgets or [None]:
-                options = {k: v for k, v in (("saguaro_c", c), ("ssd_budget", b)) if v is not None}
-                if b is not None:  # a swept budget is the budget: the sizer would move it
-                    options["ssd_autobudget"] = False
-                suffix = "".join(f" {tag}={v:g}" for tag, v in (("C", c), ("B", b)) if v is not None)
-                out.append(Variant(name + suffix, name, options))
+                for d in workers or [None]:
+                    values = (("saguaro_c", "C", c), ("ssd_budget", "B", b), ("draft_workers", "D", d))
+                    options = {key: v for key, _, v in values if v is not None}
+                    if b is not None:  # a swept budget is the budget: the sizer would move it
+                        options["ssd_autobudget"] = False
+                    suffix = "".join(f" {tag}={v:g}" for _, tag, v in values if v is not None)
+                    out.append(Variant(name + suffix, name, options))
     return out
 
 

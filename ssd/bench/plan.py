@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i of repeat j is sampled with seed + j*n + i (n requests per run) in every mode.")
     parser.add_argument("--saguaro-c", default=None, help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows labelled C=...). Default: the engine's default only.")
     parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value with that fixed budget (rows labelled B=...; the adaptive budget is off in those rows). Default: the engine's default (adaptive, at most 16).")
+    parser.add_argument("--draft-workers", default=None, help="Comma-separated numbers D >= 1 of draft workers sharing the speculation tree: every SSD mode runs once per value (rows labelled D=...; each worker builds ssd_budget branches, so the tree covers D times as many). Default: 1. With more workers than free cores the workers share cores, and the output says so.")
     parser.add_argument("--contention", action="store_true", help="Only run the contention A/B: the target's verification time with its drafter process idle, building a tree, or spinning (ssd/bench/contention.py).")
     parser.add_argument("--contention-cycles", type=int, default=20, help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).")
     parser.add_argument("--repeats", type=int, default=1, help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio as the median over repeats with its range.")
@@ -66,6 +67,7 @@ class BenchPlan:
     contention_cycles: int = 20
     saguaro_c: list[float] | None = None  # SSD variants to run (None: the engine's default)
     ssd_budgets: list[int] | None = None
+    draft_workers: list[int] | None = None
     repeats: int = 1
 
 
@@ -103,6 +105,14 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     if draft is None and any(MODES[m].needs_draft for m in modes):
         raise ValueError(f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar")
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
+    workers = None
+    if get("draft_workers") is not None:
+        try:
+            workers = [int(d) for d in _split(get("draft_workers"), "draft-workers")]
+        except ValueError as err:
+            raise ValueError(f"--draft-workers takes comma-separated integers >= 1: {err}") from None
+        if any(not 1 <= d <= 64 for d in workers):
+            raise ValueError(f"--draft-workers values must be in [1, 64], got {workers}")
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
     repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
     for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps), ("repeats", repeats),
@@ -129,6 +139,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         seed=get("seed", 0) or 0,
         saguaro_c=saguaro_c,
         ssd_budgets=budgets,
+        draft_workers=workers,
         repeats=repeats,
         contention=bool(get("contention", False)),
         contention_cycles=cycles,
