@@ -41,9 +41,22 @@ def _flag_options(name: str, field: FieldInfo) -> dict:
     elif annotation in (int, float, str):
         options["type"] = annotation
         options["metavar"] = name.upper()  # not the dest's ENGINE_ prefix
+    elif annotation is dict:  # given as JSON on the command line
+        options["type"] = _json_object
+        options["metavar"] = "JSON"
     else:
         raise TypeError(f"EngineArgs.{name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it")
     return options
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"num_cpus\": 1}'")
+    return value
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,9 +39,10 @@ class EngineArgs(BaseModel):
     saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling.")
     ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
     ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
-    draft_transport: Literal["process", "inprocess"] = Field("process", description="SSD: drafter in its own process (overlaps verification) or in-process (tests).")
+    draft_transport: Literal["shm", "gloo", "torch", "grpc", "inprocess"] = Field("shm", description="SSD: how the target reaches its draft workers. shm (default): worker processes on this host, started by the engine, over shared-memory mailboxes polled by both sides (a message in microseconds). gloo: the same processes over a torch.distributed gloo pair group on a private FileStore. torch: workers that listen on a port of their own (a TCPStore rendezvous, then a pair group: gloo on CPU, NCCL on GPUs), on this host or, as Ray actors, anywhere. grpc: the same over a gRPC bidirectional stream. inprocess: the drafter in the engine's own thread (no overlap with verification; tests and debugging).")
+    draft_launcher: Literal["auto", "process", "ray"] = Field("auto", description="SSD: who starts the draft workers. process: this process starts them as child processes on this host (restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and the transport is torch or grpc, else process.")
+    draft_worker_resources: dict | None = Field(None, description="SSD with Ray: the resources of each draft worker actor, e.g. {\"num_cpus\": 1, \"num_gpus\": 0, \"resources\": {\"draft_node\": 1}, \"label_selector\": {...}}, so drafts land on other nodes than targets. Default: one CPU each.")
     draft_workers: int = Field(1, ge=1, le=64, description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. Not with draft_transport='inprocess'.")
-    draft_channel: Literal["shm", "gloo"] = Field("shm", description="SSD, process transport: how target and drafter exchange messages. shm: shared-memory mailboxes polled by both sides (same host; a message in microseconds); gloo: a torch.distributed gloo pair group on loopback (about 0.5 ms per transfer on a busy 2-core machine).")
     draft_spin_ms: float = Field(50.0, ge=0.0, le=10_000.0, description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for the next message before it blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the worker's core and costs a wake-up.")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
     draft_deadline_s: float = Field(30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it.")
@@ -57,6 +58,8 @@ class EngineArgs(BaseModel):
         draft = str(DEMO_MODELS_DIR / "draft") if demo else self.draft
         if self.mode != "ar" and draft is None:
             raise ValueError(f"mode={self.mode!r} needs a draft model: pass draft=... or use mode='ar'")
+        if self.draft_launcher == "ray" and self.draft_transport not in ("torch", "grpc"):
+            raise ValueError(f"draft_launcher='ray' places workers on any node: use draft_transport='torch' or 'grpc', not {self.draft_transport!r}")
         if self.draft_workers > 1 and self.draft_transport == "inprocess":
             raise ValueError(f"draft_workers={self.draft_workers} needs workers of their own: use the default draft_transport, not 'inprocess'")
         return EngineConfig(
@@ -82,8 +85,9 @@ class EngineArgs(BaseModel):
             ssd_backup="neural" if self.ssd_reproducible and self.ssd_backup == "auto" else self.ssd_backup,
             ssd_reproducible=self.ssd_reproducible,
             draft_transport=self.draft_transport,
-            draft_channel=self.draft_channel,
             draft_workers=self.draft_workers,
+            draft_launcher=self.draft_launcher,
+            draft_worker_resources=self.draft_worker_resources,
             draft_num_threads=self.draft_num_threads,
             draft_spin_ms=self.draft_spin_ms,
             draft_deadline_s=self.draft_deadline_s,
@@ -112,9 +116,10 @@ class EngineConfig:
     saguaro_c: float = 1.0
     ssd_backup: str = "auto"
     ssd_reproducible: bool = False
-    draft_transport: str = "process"
-    draft_channel: str = "shm"
+    draft_transport: str = "shm"
     draft_workers: int = 1
+    draft_launcher: str = "auto"
+    draft_worker_resources: dict | None = None
     draft_num_threads: int = 1
     draft_spin_ms: float = 50.0
     draft_deadline_s: float = 30.0

@@ -160,3 +160,20 @@ def test_a_worker_out_of_sync_is_replaced(tiny_pair, prompts, tiny_reference):
         outs = llm.generate(prompts, greedy())
         assert [o.token_ids for o in outs] == tiny_reference
         assert metric(llm.metrics(), "draft_worker_failures") == 1
+
+
+# ---- workers that listen: the torch and grpc transports ---------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["torch", "grpc"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_listening_transports_greedy_matches_hf(tiny_pair, prompts, tiny_reference, transport, workers):
+    """Workers started as plain processes that listen on a port they chose and print it (the
+    shape of a worker on another host); the target connects over that transport."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2) as llm:
+        assert len(live_draft_workers()) == workers
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    assert m["cache_hits"] > 0 and min(m["ssd"]["draft_slot_hits"]) > 0, m
+    assert m["ssd"]["draft_worker_failures"] == 0, m

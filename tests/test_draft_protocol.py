@@ -29,7 +29,7 @@ def test_an_interrupt_between_outcome_and_reply_leaves_no_stale_reply(tiny_pair,
         return original(self, seq, tokens)
 
     with LLM(*tiny_pair, mode="ssd", k=3, ssd_budget=6, ssd_autobudget=False, ssd_backup="neural",
-             draft_channel=channel) as llm:
+             draft_transport=channel) as llm:
         monkeypatch.setattr(StopChecker, "append", interrupted_append)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))

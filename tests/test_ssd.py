@@ -139,7 +139,7 @@ def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference,
     """Over either channel; also a bf16 draft beside the fp32 target: the draft's precision
     never changes the output."""
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_transport="process", draft_channel=channel, ssd_backup="neural", max_num_seqs=2,
+    with ssd_llm(target, draft, draft_transport=channel, ssd_backup="neural", max_num_seqs=2,
                  draft_dtype="bfloat16") as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
@@ -154,7 +154,7 @@ def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference,
 def test_greedy_matches_hf_demo_pair_process_transport(demo_pair):
     prompts = heldout_prompts(2, prompt_bytes=96) + ["def add(a, b):\n    return"]
     expected = hf_greedy(demo_pair[0], prompts, 24)
-    with ssd_llm(*demo_pair, draft_transport="process", max_num_seqs=2) as llm:
+    with ssd_llm(*demo_pair, max_num_seqs=2) as llm:
         outs = llm.generate(prompts, greedy(24))
         m = llm.metrics()
     assert [o.token_ids for o in outs] == expected
@@ -200,7 +200,7 @@ def test_reproducible_setting_on_the_default_transport(tiny_pair):
     params = [SamplingParams(temperature=1.0, max_tokens=48, seed=s, ignore_eos=True) for s in (7, 8, 9)]
     kw = dict(mode="ssd", k=4, ssd_reproducible=True)
     with LLM(target, draft, **kw) as llm:
-        assert llm.engine.config.draft_transport == "process"
+        assert llm.engine.config.draft_transport == "shm"
         alone = llm.generate(prompts[0], params[0])[0].token_ids
     with LLM(target, draft, **kw) as llm:
         llm.generate(["x", "yz"], [SamplingParams(temperature=1.0, max_tokens=30, seed=s) for s in (1, 2)])
@@ -225,7 +225,7 @@ def test_seeded_sample_independent_of_batch(tiny_pair):
 # ---- 2. draft == target ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", ["inprocess", "process"])
+@pytest.mark.parametrize("transport", ["inprocess", "shm"])
 def test_draft_equal_to_target_accepts_and_hits_nearly_always(tiny_pair, prompts, transport):
     """Any disagreement between the drafter's view of a sequence and the target's (KV cache,
     positions, tree masks, the glue columns) shows up here as rejections and misses."""

@@ -1,5 +1,5 @@
 """Sampled exactness of SSD on the path users run by default: the drafter in its own process
-(`draft_transport="process"`, shared-memory channel), where trees are cut short when the
+(`draft_transport="shm"`: worker processes over shared-memory mailboxes), where trees are cut short when the
 outcome arrives first and the worker begins a round on its prediction of the announcement.
 
 Each case samples a fixed prompt thousands of times and tests every emitted token against the
@@ -54,7 +54,7 @@ def no_leaked_workers():
 
 def run_case(pair, params: SamplingParams, options: dict, n: int, seed_base: int):
     with LLM(*pair, mode="ssd", k=STAT_K, **options) as llm:
-        assert llm.engine.config.draft_transport == "process" and llm.engine.config.draft_channel == "shm"
+        assert llm.engine.config.draft_transport == "shm"
         prompt_ids = llm.tokenizer.encode(STAT_PROMPT, add_special_tokens=False)
         samples = sample_with_sources(llm, prompt_ids, params, seed_base=seed_base, n=n)
         metrics = llm.metrics()

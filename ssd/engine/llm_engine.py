@@ -282,8 +282,38 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
         drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
         client = InProcessClient(drafter)
     else:
-        from ssd.transport.draft_process import SpawnedWorkers
         from ssd.transport.pool import DraftPool
 
-        client = DraftPool(SpawnedWorkers(config, vocab_size), config.draft_workers, config.draft_deadline_s)
+        client = DraftPool(draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s)
     return SSDProposer(client, ssd_config, vocab_size)
+
+
+def uses_ray(config: EngineConfig) -> bool:
+    """Whether the draft workers are Ray actors (config.draft_launcher, resolved)."""
+    if config.draft_launcher != "auto":
+        return config.draft_launcher == "ray"
+    if config.draft_transport not in ("torch", "grpc"):
+        return False
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def draft_worker_source(config: EngineConfig, vocab_size: int):
+    """Where the draft pool gets its workers: child processes of this one, or Ray actors leased
+    from the shared pool. The Ray side lives in the top-level `actors` package, which imports
+    ssd (never the reverse): it is looked up by name only when asked for."""
+    if not uses_ray(config):
+        from ssd.transport.draft_process import SpawnedWorkers
+
+        return SpawnedWorkers(config, vocab_size)
+    import importlib
+
+    try:
+        source = importlib.import_module("actors.source")
+    except ImportError as err:
+        raise ValueError(f"draft_launcher='ray' needs the actors package of ssd-serve and Ray installed: {err}") from err
+    return source.RayLeasedWorkers(config, vocab_size, start_workers=config.draft_workers,
+                                   resources=config.draft_worker_resources)

@@ -3,8 +3,8 @@
 `ProcessClient.spawn` starts `python -m ssd.transport.draft_worker` (the package's own entry point, so the
 caller's main module is never re-imported: stdin scripts, `python -c`, notebooks, scripts
 without a `__main__` guard and Ray actors all work), hands it its spec on stdin and waits for
-READY. draft_channel="shm" (the default) passes it the file descriptors of two shared-memory
-mailboxes (ssd/transport/shm_channel.py): the lowest latency on one host. draft_channel="gloo" gives it a
+READY. draft_transport="shm" (the default) passes it the file descriptors of two shared-memory
+mailboxes (ssd/transport/shm_channel.py): the lowest latency on one host. draft_transport="gloo" gives it a
 private FileStore directory for a torch.distributed pair group (ssd/transport/gloo_channel.py).
 
 Protocol safety: a reply is owed from each resolve() until reply() reads it. If the caller
@@ -72,6 +72,7 @@ class ProcessClient:
         self.process, self.channel, self.store_dir = process, channel, store_dir
         self.deadline = datetime.timedelta(seconds=deadline_s)
         self.closed = False
+        self.exits_on_shutdown = True  # SHUTDOWN ends the worker (a listening worker waits for its next target)
         self.name = f"pid {process.pid}"
         self.rejected = 0  # stale or duplicated replies read and dropped
         self._owed: ResolveMsg | None = None  # an outcome sent whose reply was not read yet
@@ -85,7 +86,7 @@ class ProcessClient:
         fp = config_fingerprint(config, vocab)
         spec = {"config": asdict(config), "vocab": vocab, "log_level": logging.getLogger("ssd").getEffectiveLevel()}
         store_dir, fds, boxes = None, (), ()
-        if config.draft_channel == "shm":
+        if config.draft_transport == "shm":
             from ssd.transport.shm_channel import Mailbox, ShmChannel
 
             boxes = to_draft, to_target = Mailbox.create(), Mailbox.create()
@@ -132,7 +133,7 @@ class ProcessClient:
                 shutil.rmtree(store_dir, ignore_errors=True)
             raise
         # The worker holds its own copies of the mailbox descriptors; the mappings stay ours.
-        logger.info("draft worker pid %d ready (%s channel)", process.pid, config.draft_channel)
+        logger.info("draft worker pid %d ready (%s channel)", process.pid, config.draft_transport)
         return cls(process, channel, store_dir, config.draft_deadline_s)
 
     @property
@@ -262,10 +263,65 @@ class ProcessClient:
                 owed, self._owed = self._owed, None
                 self._read_reply(owed.round_id, owed.seq_ids, self.deadline.total_seconds())
             self.channel.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0), self.deadline)
-            self.process.wait(10)
+            if self.exits_on_shutdown:
+                self.process.wait(10)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             logger.warning("draft worker did not take the shutdown message: %s", err)
         self._kill()
+
+
+class _NoProcess:
+    """The process handle of a worker this process did not start (a remote worker, a Ray actor):
+    its liveness is its channel's; killing it only drops the connection."""
+
+    pid = -1
+
+    def poll(self) -> None:
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def connect_channel(address: str, fp: int, timeout: datetime.timedelta, device: str = "cpu") -> Channel:
+    """A channel to a listening worker at `address` ("torch://host:port" or "grpc://host:port")."""
+    scheme = address.split("://", 1)[0]
+    if scheme == "torch":
+        from ssd.transport.torch_channel import connect_torch
+
+        return connect_torch(address, fp, timeout, device)
+    if scheme == "grpc":
+        from ssd.transport.grpc_channel import connect_grpc
+
+        return connect_grpc(address, fp, timeout)
+    raise ValueError(f"draft worker address {address!r}: expected torch://host:port or grpc://host:port")
+
+
+class RemoteClient(ProcessClient):
+    """A WorkerLink to a worker that listens (started by Ray, by an operator, or by SpawnedWorkers
+    for the torch and grpc transports): the same protocol, no process to manage."""
+
+    @classmethod
+    def connect(cls, address: str, fp: int, deadline_s: float, name: str = "", device: str = "cpu",
+                process=None) -> "RemoteClient":
+        try:
+            channel = connect_channel(address, fp, CONNECT_TIMEOUT, device)
+        except (RuntimeError, OSError) as err:
+            raise DrafterUnavailable(f"cannot reach the draft worker at {address}: {err}") from err
+        try:
+            kind, _, ints = channel.recv(CONNECT_TIMEOUT)
+        except RuntimeError as err:
+            channel.close()
+            raise DrafterUnavailable(f"draft worker at {address} did not become ready: {err}") from err
+        if kind != MsgType.READY:
+            channel.close()
+            raise DrafterUnavailable(f"draft worker at {address} refused the session: {_text(ints)}")
+        client = cls(process or _NoProcess(), channel, None, deadline_s)
+        client.name, client.exits_on_shutdown = name or address, False
+        return client
 
 
 class SpawnedWorkers:
@@ -284,7 +340,30 @@ class SpawnedWorkers:
         return self._starter.submit(subprocess.Popen, *args, **kwargs).result()
 
     def acquire(self) -> ProcessClient:
+        if self.config.draft_transport in ("torch", "grpc"):
+            return self._spawn_listening()
         return ProcessClient.spawn(self.config, self.vocab, popen=self._popen)
+
+    def _spawn_listening(self) -> RemoteClient:
+        """A worker process that listens on a port of its own choosing (torch or grpc), reached
+        through that transport as a remote worker would be; it prints its address when ready."""
+        spec = {"config": asdict(self.config), "vocab": self.vocab, "log_level": logging.getLogger("ssd").getEffectiveLevel(),
+                "link": {"kind": "listen", "transport": self.config.draft_transport, "host": "127.0.0.1"}}
+        process = self._popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=worker_env(), close_fds=True)
+        try:
+            process.stdin.write(json.dumps(spec).encode())
+            process.stdin.close()
+            line = process.stdout.readline()  # the model loads first; EOF if the worker died
+            if not line:
+                raise DrafterUnavailable(f"draft worker exited with code {process.wait(5)} before listening")
+            address = json.loads(line)["address"]
+            fp = config_fingerprint(self.config, self.vocab)
+            return RemoteClient.connect(address, fp, self.config.draft_deadline_s, f"pid {process.pid} at {address}",
+                                        self.config.draft_device, process=process)
+        except BaseException:
+            process.kill()
+            process.wait(5)
+            raise
 
     def discard(self, link: ProcessClient, failed: bool) -> None:
         link.kill() if failed else link.close()

@@ -21,16 +21,18 @@ message before the process exits.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 
 import torch
 
-from ssd.transport.channel import Channel
-from ssd.transport.messages import BeginRoundMsg
+from ssd.transport.channel import Channel, ChannelTimeout, Listener
+from ssd.transport.messages import BeginRoundMsg, DrafterCounters
 from ssd.transport.wire import MsgType, encode, fingerprint
 
 logger = logging.getLogger(__name__)
@@ -210,23 +212,84 @@ def _channel(link: dict, fp: int) -> Channel:
     return GlooChannel(pair_group(store, 1), 0, fp)
 
 
+def load_drafter(cfg, vocab: int):
+    """The draft model of `cfg` (an EngineConfig), loaded into a Drafter."""
+    from ssd.drafting.drafter import Drafter
+    from ssd.model.loader import load_model
+    from ssd.model.runner import draft_runner
+
+    model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
+    return Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
+
+
+def make_listener(transport: str, host: str, device: str = "cpu") -> Listener:
+    """The worker's end of a connectable transport: "torch" (a torch.distributed pair group per
+    session) or "grpc" (a bidirectional stream per session)."""
+    if transport == "torch":
+        from ssd.transport.torch_channel import TorchListener
+
+        return TorchListener(host, device)
+    if transport == "grpc":
+        from ssd.transport.grpc_channel import GrpcListener
+
+        return GrpcListener(host)
+    raise ValueError(f"draft transport {transport!r} cannot be listened on: choose 'torch' or 'grpc'")
+
+
+def _reset(drafter) -> None:
+    """Forget the last target's sequences, share and counters before the next session."""
+    drafter.release(list(drafter.order))
+    drafter.round = None
+    drafter.shard, drafter.num_shards = 0, 1
+    drafter.counters = DrafterCounters()
+
+
+def serve_sessions(drafter, listener: Listener, fp: int, cut_trees: bool, stop: threading.Event) -> None:
+    """Serve targets one session at a time until `stop` is set: accept, READY, the protocol
+    until SHUTDOWN or the target is gone, then start clean for the next one. A session that
+    breaks (peer gone, out of sync, foreign frames) ends only that session."""
+    while not stop.is_set():
+        try:
+            channel = listener.accept(fp, datetime.timedelta(seconds=1))
+        except ChannelTimeout:
+            continue
+        try:
+            channel.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            DraftWorker(drafter, channel, cut_trees).serve()
+        except (RuntimeError, ValueError) as err:  # ChannelClosed, OutOfSync, ForeignMessage, protocol errors
+            logger.warning("target session ended: %s", err)
+            text = torch.tensor(list(f"{type(err).__name__}: {err}".encode()[:4000]), dtype=torch.long)
+            try:
+                channel.send_raw(MsgType.ERROR, 0, text, torch.zeros(0), datetime.timedelta(seconds=1))
+            except RuntimeError:
+                logger.info("the target is gone; its session's error was not delivered")
+        finally:
+            channel.close()
+            _reset(drafter)
+
+
 def run(spec: dict) -> int:
-    """Load the draft, then serve messages until SHUTDOWN. spec: {"config": EngineConfig fields,
-    "vocab": int, "link": {"kind": "shm", "inbox": MailboxFds, "outbox": MailboxFds,
-    "parent_pid": int} or {"kind": "gloo", "store_dir": str}}."""
+    """Load the draft, then serve. spec: {"config": EngineConfig fields, "vocab": int, "link": ...}
+    with link {"kind": "shm", "inbox": MailboxFds, "outbox": MailboxFds, "parent_pid": int} (one
+    session over inherited mailboxes, until SHUTDOWN), {"kind": "gloo", "store_dir": str}, or
+    {"kind": "listen", "transport": "torch" | "grpc", "host": str}: listen, write
+    {"address": ...} as one JSON line on stdout, and serve targets until the parent dies."""
     from ssd.config import EngineConfig
 
     cfg = EngineConfig(**spec["config"])
     torch.set_num_threads(cfg.draft_num_threads)
     fp = config_fingerprint(cfg, spec["vocab"])
-    channel = _channel(spec["link"], fp)
+    link = spec["link"]
+    if link["kind"] == "listen":
+        listener = make_listener(link["transport"], link["host"], cfg.draft_device)
+        drafter = load_drafter(cfg, spec["vocab"])
+        sys.stdout.write(json.dumps({"address": listener.address}) + "\n")
+        sys.stdout.flush()
+        serve_sessions(drafter, listener, fp, not cfg.ssd_reproducible, threading.Event())
+        return 0
+    channel = _channel(link, fp)
     try:
-        from ssd.drafting.drafter import Drafter
-        from ssd.model.loader import load_model
-        from ssd.model.runner import draft_runner
-
-        model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
-        drafter = Drafter(draft_runner(model, cfg.draft_device, cfg.lean_forward), spec["vocab"], cfg.k, cfg.saguaro_c)
+        drafter = load_drafter(cfg, spec["vocab"])
         channel.send_raw(MsgType.READY, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         DraftWorker(drafter, channel, cut_trees=not cfg.ssd_reproducible).serve()
         return 0
