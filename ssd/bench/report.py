@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ssd.bench.modes import MODES, SETTINGS, available_cpus
 from ssd.bench.plan import BenchPlan
-from ssd.drafting.saguaro import law_hit_rate
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,6 @@ DEFINITIONS = {
     "verify_ms_per_round": "target verification time / rounds (not measured for hf-assisted)",
     "counters": "growth of the engine's integer metrics over the run (engine modes only)",
     "cache_hit_rate": "SSD: rows served from the speculation cache / all SSD rows (first rounds of a sequence are misses)",
-    "hit_rate_law": "SSD: the hit rate the miss law 1 - p_hit(F) = F^-r predicts at this row's final fan-out, with the acceptance and miss exponent fitted by the D = 1 row of the same setting, temperature, batch, C and B",
     "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the steps in which every row hit)",
     "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p",
 }
@@ -154,22 +152,7 @@ def _aggregate(records: list[dict]) -> list[dict]:
             agg["range"][name] = [min(values), max(values)]
             agg["per_repeat"][name] = values
         out.append(agg)
-    _add_law_hits(out)
     return out
-
-
-def _add_law_hits(records: list[dict]) -> None:
-    """For SSD rows: the hit rate the miss law predicts at the row's final fan-out, with the
-    acceptance a and miss exponent r that the D = 1 row of the same setting, temperature, batch,
-    C and B fitted (`hit_rate_law`), so rows with more draft workers test the law's prediction."""
-    def key(r: dict) -> tuple:
-        return (r["setting"], r["temperature"], r["batch_size"], r.get("saguaro_c"), r.get("ssd_budget"))
-
-    single = {key(r): r["ssd"] for r in records if r.get("ssd") and r.get("draft_workers", 1) == 1}
-    for r in records:
-        fit, fanout = single.get(key(r)), (r.get("ssd") or {}).get("fanout")
-        if fit and fanout and fit.get("acceptance_estimate") is not None:
-            r["hit_rate_law"] = round(law_hit_rate(fanout, fit["acceptance_estimate"], fit["miss_exponent_estimate"]), 4)
 
 
 def write_results(results: dict, out_dir: Path) -> None:
@@ -237,7 +220,6 @@ def format_table(records: list[dict]) -> str:
         ("draft ms/rd", lambda r: _fmt(r["draft_ms_per_round"])),
         ("verify ms/rd", lambda r: _fmt(r["verify_ms_per_round"])),
         ("hit", lambda r: _fmt(r.get("cache_hit_rate"), ".2f")),
-        ("hit law", lambda r: _fmt(r.get("hit_rate_law"), ".2f")),
         ("of bound", lambda r: _fmt(r.get("fraction_of_bound"), ".0%")),
     ]
     headers = [h for h, _ in columns]

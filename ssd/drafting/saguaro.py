@@ -30,15 +30,6 @@ def geometric_fanout(budget: int, k: int, a: float, r: float, caps: list[int] | 
     return _round_to_budget(weights, budget, caps)
 
 
-def law_hit_rate(fanout: list[int], a: float, r: float) -> float:
-    """The hit rate the miss law predicts for a fan-out: outcome j (j accepted of K) comes with
-    probability a^j (1 - a) for j < K and a^K for j = K (i.i.d. acceptance), and is cached with
-    probability 1 - F_j^(-r) (0 when F_j = 0)."""
-    k = len(fanout) - 1
-    p_out = [a**j * (1 - a) for j in range(k)] + [a**k]
-    return sum(p * (1 - f ** (-r)) for p, f in zip(p_out, fanout) if f > 0)
-
-
 def uniform_fanout(budget: int, k: int, caps: list[int] | None = None) -> list[int]:
     return _round_to_budget([1.0] * (k + 1), budget, caps)
 
