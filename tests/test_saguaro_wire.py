@@ -232,12 +232,50 @@ def wire_messages():
         ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True),
         ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3]),
         DraftNowMsg(19, [2, 5], [True, False]),
-        SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4])),
-        SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125),
+        SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4]),
+                         covered=torch.tensor([True, True, True])),
+        SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125,
+                         covered=torch.tensor([False])),
+        BeginRoundMsg(21, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3],
+                      [10, 20, 5]),
+        SpeculationReply(22, [1, 2, 3, 4], torch.tensor([True, False, False, False]), torch.randint(11, (4, 4), generator=gen),
+                         mixed_layout_probs(gen), torch.tensor([3, 4, 0, 4]), covered=torch.tensor([True, True, False, False])),
     ]
 
 
-@pytest.mark.parametrize("index", range(9))
+def mixed_layout_probs(gen: torch.Generator) -> torch.Tensor:
+    """[4, 4, 11]: a greedy row (one-hot, its last position empty), a top-2 row (sparse), a row
+    with no speculation (zeros) and a full-support row (dense)."""
+    probs = torch.zeros(4, 4, 11)
+    probs[0, torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
+    top = torch.rand(4, 2, generator=gen)
+    probs[1].scatter_(1, torch.randint(11, (4, 1), generator=gen) % 5 + torch.tensor([[0, 5]]), top / top.sum(1, keepdim=True))
+    probs[3] = torch.softmax(torch.randn(4, 11, generator=gen), -1)
+    return probs
+
+
+def test_reply_probabilities_travel_in_their_smallest_exact_form():
+    """At a 128k vocabulary a dense row is 3 MB per round: greedy rows carry token ids only,
+    top-k rows their support, and decoding rebuilds the exact tensor."""
+    vocab, k = 128_256, 6
+    gen = torch.Generator().manual_seed(1)
+    greedy = torch.zeros(1, k, vocab)
+    greedy[0, torch.arange(k), torch.randint(vocab, (k,), generator=gen)] = 1.0
+    topk = torch.zeros(1, k, vocab)
+    values, ids = torch.rand(k, 50, generator=gen), torch.randperm(vocab, generator=gen)[:50].expand(k, 50)
+    topk[0].scatter_(1, ids, values / values.sum(1, keepdim=True))
+    dense = torch.softmax(torch.randn(1, k, vocab, generator=gen), -1)
+    sizes = {}
+    for name, probs in (("greedy", greedy), ("top50", topk), ("dense", dense)):
+        reply = SpeculationReply(3, [1], torch.tensor([True]), torch.zeros(1, k, dtype=torch.long), probs, torch.tensor([k]))
+        kind, round_id, ints, floats = encode(reply)
+        sizes[name] = ints.numel() * 8 + floats.numel() * 4
+        assert torch.equal(decode(kind, round_id, ints, floats).probs, probs), name
+    assert sizes["greedy"] < 400 and sizes["top50"] < k * 50 * 12 + 400, sizes
+    assert sizes["dense"] >= k * vocab * 4, sizes
+
+
+@pytest.mark.parametrize("index", range(11))
 def test_wire_round_trip(index):
     msg = wire_messages()[index]
     kind, round_id, ints, floats = encode(msg)

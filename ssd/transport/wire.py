@@ -111,11 +111,72 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
     if isinstance(msg, SpeculationReply):
         b, k = msg.tokens.shape
         covered = msg.hit if msg.covered is None else msg.covered
+        layout, values = pack_probs(msg.probs)
         ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), msg.num_draft, msg.tokens,
-                  msg.counters.as_list())
-        floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), msg.probs.reshape(-1).float()])
+                  msg.counters.as_list(), layout)
+        floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
         return MsgType.REPLY, msg.round_id, ints, floats
     raise TypeError(f"not a drafter message: {type(msg).__name__}")
+
+
+# How a reply row's draft probabilities [K, V] travel (lossless: decoding rebuilds the very
+# tensor the drafter sampled from). At a 128k vocabulary a dense row is 3 MB per round.
+ZERO, ONE_HOT, SPARSE, DENSE = 0, 1, 2, 3
+
+
+def pack_probs(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [b, K, V] float32 -> (layout ints, values float32), per row the smallest exact form:
+        ZERO      no speculation in the row (all zeros): nothing
+        ONE_HOT   greedy rows: each position is 0 or a single 1.0: K token ids (-1 = none)
+        SPARSE    top-k / top-p rows: K support sizes, the support's ids, their probabilities
+        DENSE     the K x V probabilities
+    layout = per row [form, then its ints]."""
+    b, k, vocab = probs.shape
+    ints: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+    for row in probs.float():
+        nonzero = row > 0  # [K, V]
+        counts = nonzero.sum(-1)  # [K]
+        widest = int(counts.max()) if k else 0
+        if widest == 0:
+            ints.append(torch.tensor([ZERO]))
+        elif widest == 1 and bool((row[nonzero] == 1.0).all()):
+            ids = torch.where(counts > 0, row.argmax(-1), -1)
+            ints.append(torch.cat([torch.tensor([ONE_HOT]), ids]))
+        elif int(counts.sum()) * 3 < k * vocab:  # 8-byte id + 4-byte value per entry beats 4 bytes per entry
+            pos, ids = nonzero.nonzero(as_tuple=True)
+            ints.append(torch.cat([torch.tensor([SPARSE]), counts, ids]))
+            vals.append(row[pos, ids])
+        else:
+            ints.append(torch.tensor([DENSE]))
+            vals.append(row.reshape(-1))
+    layout = torch.cat(ints).long() if ints else torch.zeros(0, dtype=torch.long)
+    return layout, torch.cat(vals) if vals else torch.zeros(0)
+
+
+def unpack_probs(r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int) -> torch.Tensor:
+    """The inverse of pack_probs: layout read from `r`, values from `values` -> [b, K, V]."""
+    probs = torch.zeros(b, k, vocab)
+    at = 0
+    for row in range(b):
+        form = r.one()
+        if form == ONE_HOT:
+            ids = r.take(k)
+            pos = (ids >= 0).nonzero(as_tuple=True)[0]
+            probs[row, pos, ids[pos]] = 1.0
+        elif form == SPARSE:
+            counts = r.take(k)
+            n = int(counts.sum())
+            ids = r.take(n)
+            pos = torch.repeat_interleave(torch.arange(k), counts)
+            probs[row, pos, ids] = values[at : at + n]
+            at += n
+        elif form == DENSE:
+            probs[row] = values[at : at + k * vocab].view(k, vocab)
+            at += k * vocab
+        elif form != ZERO:
+            raise ValueError(f"unknown probability layout {form} in a reply")
+    return probs
 
 
 def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor):
@@ -145,6 +206,6 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         seq_ids, hit, covered, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool(), r.take(b).clone()
         tokens = r.take(b * k).view(b, k).clone()
         counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
-        probs = floats[1:].view(b, k, v).clone()
+        probs = unpack_probs(r, floats[1:], b, k, v)
         return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered)
     raise ValueError(f"unexpected message type {kind!r}")
