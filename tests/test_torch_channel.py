@@ -1,0 +1,304 @@
+"""The torch transport: a worker listening on a port the OS picked, targets connecting to it by
+address, over real processes and gloo on loopback."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from ssd.transport.channel import ChannelClosed, ChannelTimeout
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.torch_channel import TorchListener, WorkerBusy, connect_torch, parse_torch_address
+from ssd.transport.wire import ForeignMessage, MsgType
+
+FP = 4242
+S = datetime.timedelta(seconds=1)
+
+# A worker that echoes every message of every session and reports how each session ended.
+ECHO_WORKER = """
+import sys, time, torch
+from ssd.transport.torch_channel import TorchListener
+listener = TorchListener()
+print(listener.address, flush=True)
+while True:
+    channel = listener.accept(int(sys.argv[1]))
+    print("OPEN", flush=True)
+    try:
+        while True:
+            kind, msg, ints = channel.recv()
+            if msg is None:
+                channel.send_raw(kind, 0, ints, torch.zeros(0))
+            else:
+                channel.send(msg)
+    except RuntimeError as err:
+        print("END", type(err).__name__, time.monotonic(), flush=True)
+"""
+
+# A target that connects, says so, and waits to be killed.
+IDLE_TARGET = """
+import sys, time, datetime
+from ssd.transport.torch_channel import connect_torch
+channel = connect_torch(sys.argv[1], int(sys.argv[2]), datetime.timedelta(seconds=30))
+print("CONNECTED", flush=True)
+time.sleep(600)
+"""
+
+
+class Proc:
+    """A Python subprocess whose stdout lines arrive on a queue."""
+
+    def __init__(self, script: str, *args) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.put(line.strip())
+
+    def line(self, timeout: float = 30) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+
+@pytest.fixture(scope="module")
+def echo():
+    """(worker process, its address); sessions run one after another."""
+    worker = Proc(ECHO_WORKER, FP)
+    yield worker, worker.line()
+    worker.kill()
+
+
+def _end(worker: Proc) -> list[str]:
+    """Skip to the worker's report of how the current session ended."""
+    while not (line := worker.line()).startswith("END"):
+        pass
+    return line.split()
+
+
+def _messages():
+    counters = DrafterCounters(rounds=3, cut=1, predicted=2, confirmed=1, taken_back=1, rejected=4)
+    return [
+        AdmitMsg([1, 2], [[5, 6, 7], [8]], [11, 12], [0.0, 0.75], [0, 40], [1.0, 0.5]),  # float32-exact
+        ReleaseMsg([1, 2]),
+        BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
+        ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
+        DraftNowMsg(4, [1, 2], [True, False]),
+        SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                         torch.rand(2, 3, 50), torch.tensor([3, 0]), 0.25, counters, torch.tensor([True, True])),
+    ]
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    for name, x in vars(a).items():
+        y = getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
+    worker, address = echo
+    channel = connect_torch(address, FP, 30 * S)
+    try:
+        for msg in _messages():
+            assert not channel.poll()
+            channel.send(msg, 10 * S)
+            deadline = time.monotonic() + 10
+            while not channel.poll() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert channel.poll(), "the echo arrived but poll() did not see it"
+            kind, back, _ = channel.recv(10 * S)
+            assert _same(msg, back), (msg, back)
+        channel.send_raw(MsgType.READY, 0, torch.tensor([1, 2, 3]), torch.zeros(0), 10 * S)
+        kind, back, ints = channel.recv(10 * S)
+        assert kind == MsgType.READY and back is None and ints.tolist() == [1, 2, 3]
+    finally:
+        channel.close()
+    assert _end(worker)[1] == "ChannelClosed"
+
+
+def test_sessions_in_a_row_and_a_second_target_refused_while_one_is_open(echo):
+    worker, address = echo
+    first = connect_torch(address, FP, 30 * S)
+    started = time.monotonic()
+    with pytest.raises(WorkerBusy, match=f"busy.*{address}|{address}.*busy"):
+        connect_torch(address, FP, 30 * S)
+    assert time.monotonic() - started < 5
+    first.send(ReleaseMsg([7]), 10 * S)
+    assert first.recv(10 * S)[1].seq_ids == [7]
+    first.close()
+    # The next target right after: the session ended with the first target's close().
+    second = connect_torch(address, FP, 30 * S)
+    second.send(ReleaseMsg([8]), 10 * S)
+    assert second.recv(10 * S)[1].seq_ids == [8]
+    second.close()
+    assert _end(worker)[1] == "ChannelClosed"
+
+
+def test_a_killed_target_ends_the_workers_session_at_once(echo):
+    worker, address = echo
+    target = Proc(IDLE_TARGET, address, FP)
+    try:
+        assert target.line() == "CONNECTED"
+        killed = time.monotonic()
+        target.kill()
+        _, kind, when = _end(worker)
+        assert kind == "ChannelClosed" and float(when) - killed < 3
+        # ... and the worker takes the next target.
+        channel = connect_torch(address, FP, 30 * S)
+        channel.send(ReleaseMsg([9]), 10 * S)
+        assert channel.recv(10 * S)[1].seq_ids == [9]
+        channel.close()
+    finally:
+        target.kill()
+
+
+def test_a_killed_worker_raises_channel_closed_at_once():
+    worker = Proc(ECHO_WORKER, FP)
+    try:
+        channel = connect_torch(worker.line(), FP, 30 * S)
+        assert worker.line() == "OPEN"
+        threading.Timer(0.3, worker.kill).start()
+        started = time.monotonic()
+        with pytest.raises(ChannelClosed, match="peer is gone"):
+            channel.recv(30 * S)
+        assert time.monotonic() - started < 3
+        with pytest.raises(ChannelClosed):  # and so does everything after
+            channel.send(ReleaseMsg([1]), 10 * S)
+        channel.close()
+    finally:
+        worker.kill()
+
+
+def _send_soon(channel, msg) -> list:
+    """Send from a thread of its own (a gloo send completes only once the peer posts its
+    receive) -> [the thread, then the exception the send raised, if any]."""
+    out: list = []
+
+    def send() -> None:
+        try:
+            channel.send(msg, 10 * S)
+        except RuntimeError as err:
+            out.append(err)
+
+    out.append(threading.Thread(target=send, daemon=True))
+    out[0].start()
+    return out
+
+
+def _in_process_pair(target_fp: int = FP):
+    """(listener, worker channel, target channel), both ends in this process."""
+    listener = TorchListener()
+    accepted: list = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept(FP, 30 * S)))
+    thread.start()
+    target = connect_torch(listener.address, target_fp, 30 * S)
+    thread.join(30)
+    return listener, accepted[0], target
+
+
+def test_timeouts_end_the_session_for_both_ends():
+    listener, worker, target = _in_process_pair()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ChannelTimeout):
+            target.recv(datetime.timedelta(seconds=0.3))
+        assert time.monotonic() - started < 3
+        assert target.poll()  # never blocks nor raises: the recv() that follows says what happened
+        with pytest.raises(ChannelClosed):
+            worker.recv(10 * S)
+        with pytest.raises(ChannelClosed):
+            target.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+    listener, worker, target = _in_process_pair()
+    try:  # the same through a receive that poll() posted
+        assert not worker.poll()
+        with pytest.raises(ChannelTimeout):
+            worker.recv(datetime.timedelta(seconds=0.3))
+        assert worker.poll()  # the session is over: the next recv() says so
+        with pytest.raises(ChannelClosed):
+            worker.recv(10 * S)
+        with pytest.raises(ChannelClosed):
+            target.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+
+
+def test_listener_and_connect_time_out():
+    listener = TorchListener()
+    try:
+        with pytest.raises(ChannelTimeout, match="no target connected"):
+            listener.accept(FP, datetime.timedelta(seconds=0.3))
+        # Claimed, but the worker never accepts: the target gives up and frees the worker.
+        with pytest.raises(ChannelTimeout, match=f"{listener.address} did not join"):
+            connect_torch(listener.address, FP, datetime.timedelta(seconds=1))
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept(FP, 30 * S)))
+        thread.start()
+        target = connect_torch(listener.address, FP, 30 * S)
+        thread.join(30)
+        _send_soon(target, ReleaseMsg([3]))
+        assert accepted[0].recv(10 * S)[1].seq_ids == [3]
+        target.close()
+    finally:
+        listener.close()
+    with pytest.raises(ChannelClosed, match="no draft worker listens"):  # close() stopped the store
+        connect_torch(listener.address, FP, 10 * S)
+
+
+def test_a_frame_with_a_foreign_fingerprint_is_refused():
+    listener, worker, target = _in_process_pair(target_fp=FP + 1)
+    try:
+        sending = _send_soon(target, ReleaseMsg([1]))
+        with pytest.raises(ForeignMessage):
+            worker.recv(10 * S)
+        sending[0].join(10)
+        assert isinstance(sending[1], ChannelClosed)  # the body was never taken
+        with pytest.raises(ChannelClosed):  # the stream is unusable: the session ended
+            target.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("address", ["torch://127.0.0.1", "grpc://127.0.0.1:5", "127.0.0.1:5", "torch://:5",
+                                     "torch://h:port", "torch://h:5/x", "torch://h:99999"])
+def test_a_malformed_address_is_refused(address):
+    with pytest.raises(ValueError, match="torch://HOST:PORT"):
+        connect_torch(address, FP, S)
+
+
+def test_addresses_parse():
+    assert parse_torch_address("torch://10.0.0.2:2345") == ("10.0.0.2", 2345)
+    assert parse_torch_address("torch://[::1]:2345") == ("::1", 2345)
+
+
+def test_nothing_listening_is_reported_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ChannelClosed, match=f"torch://127.0.0.1:{port}"):
+        connect_torch(f"torch://127.0.0.1:{port}", FP, 10 * S)
+    assert time.monotonic() - started < 3
