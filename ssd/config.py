@@ -40,6 +40,7 @@ class EngineArgs(BaseModel):
     ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
     ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
     draft_transport: Literal["shm", "gloo", "torch", "grpc", "inprocess"] = Field("shm", description="SSD: how the target reaches its draft workers. shm (default): worker processes on this host, started by the engine, over shared-memory mailboxes polled by both sides (a message in microseconds). gloo: the same processes over a torch.distributed gloo pair group on a private FileStore. torch: workers that listen on a port of their own (a TCPStore rendezvous, then a pair group: gloo on CPU, NCCL on GPUs), on this host or, as Ray actors, anywhere. grpc: the same over a gRPC bidirectional stream. inprocess: the drafter in the engine's own thread (no overlap with verification; tests and debugging).")
+    draft_split: Literal["outcomes", "sequences"] = Field("outcomes", description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every sequence and builds its share of each round's tree (the tree covers draft_workers x ssd_budget branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, where one worker cannot build every sequence's tree within a verification.")
     draft_launcher: Literal["auto", "process", "ray"] = Field("auto", description="SSD: who starts the draft workers. process: this process starts them as child processes on this host (restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and the transport is torch or grpc, else process.")
     draft_worker_resources: dict | None = Field(None, description="SSD with Ray: the resources of each draft worker actor, e.g. {\"num_cpus\": 1, \"num_gpus\": 0, \"resources\": {\"draft_node\": 1}, \"label_selector\": {...}}, so drafts land on other nodes than targets. Default: one CPU each.")
     draft_workers: int = Field(1, ge=1, le=64, description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. Not with draft_transport='inprocess'.")
@@ -87,6 +88,7 @@ class EngineArgs(BaseModel):
             draft_transport=self.draft_transport,
             draft_workers=self.draft_workers,
             draft_launcher=self.draft_launcher,
+            draft_split=self.draft_split,
             draft_worker_resources=self.draft_worker_resources,
             draft_num_threads=self.draft_num_threads,
             draft_spin_ms=self.draft_spin_ms,
@@ -119,6 +121,7 @@ class EngineConfig:
     draft_transport: str = "shm"
     draft_workers: int = 1
     draft_launcher: str = "auto"
+    draft_split: str = "outcomes"
     draft_worker_resources: dict | None = None
     draft_num_threads: int = 1
     draft_spin_ms: float = 50.0

@@ -49,6 +49,18 @@ def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, t
     assert m["backup_neural_rounds"] > 0, m
 
 
+def test_two_workers_by_sequence_greedy_matches_hf(tiny_pair, prompts, tiny_reference):
+    """draft_split="sequences": each worker drafts its own sequences with whole trees."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, draft_split="sequences", ssd_backup="neural", max_num_seqs=2) as llm:
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    ssd = m["ssd"]
+    assert ssd["budget"] == 12 and min(ssd["draft_slot_hits"]) > 0, ssd  # whole trees of ssd_budget, both workers
+    assert ssd["draft_predict_hints"] == 0 and ssd["draft_worker_failures"] == 0, ssd
+    assert m["backup_neural_rounds"] > 0 and m["cache_hits"] > 0, m
+
+
 def test_two_workers_demo_pair_greedy_matches_hf(demo_pair):
     prompts = heldout_prompts(2, prompt_bytes=96) + ["def add(a, b):\n    return"]
     expected = hf_greedy(demo_pair[0], prompts, 24)

@@ -42,6 +42,8 @@ CASES = {
     "two_workers": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2}, N_SAMPLES),
     # Two workers, two rows: after an all-hit round the worker that did not hold every hit is
     # told the next round (PREDICT) and builds it before the announcement, as the holder does.
+    # Split by sequence: each worker drafts half of the rows with whole trees.
+    "two_workers_by_sequence": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2, "draft_split": "sequences"}, N_SAMPLES),
     "two_workers_predicted": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2), 1500),
 }
 

@@ -276,7 +276,7 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
     ssd_config = SSDConfig(
         k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
         backup=config.ssd_backup, deadline_s=config.draft_deadline_s, reproducible=config.ssd_reproducible,
-        num_workers=config.draft_workers,
+        num_workers=config.draft_workers if config.draft_split == "outcomes" else 1,  # the tree's width: D shares or one
     )
     if config.draft_transport == "inprocess":
         drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
@@ -284,7 +284,7 @@ def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
     else:
         from ssd.transport.pool import DraftPool
 
-        client = DraftPool(draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s)
+        client = DraftPool(draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s, config.draft_split)
     return SSDProposer(client, ssd_config, vocab_size)
 
 

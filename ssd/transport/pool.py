@@ -47,6 +47,7 @@ from ssd.transport.messages import (
     ResolveMsg,
     SpeculationReply,
 )
+from ssd.transport.rows import assemble, take
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class _Slot:
     link: WorkerLink | None = None
     incarnation: int = 0  # workers this slot has had (seeds differ per incarnation)
     refilling: bool = False
-    resolved: bool = False  # was sent this round's outcome (owes a reply)
+    resolved: ResolveMsg | None = None  # the outcome this slot was sent this round (it owes a reply)
     answered: bool = False  # its current worker has delivered a reply
     backoff_s: float = 0.0  # wait before acquiring the next worker (grows while workers fail at once)
 
@@ -115,10 +116,11 @@ class _Slot:
 class DraftPool:
     """`DraftClient` over D workers from a `WorkerSource` (D = 1 is the default engine's drafter)."""
 
-    def __init__(self, source: WorkerSource, num_workers: int, deadline_s: float,
+    def __init__(self, source: WorkerSource, num_workers: int, deadline_s: float, split: str = "outcomes",
                  on_event: Callable[[str], None] | None = None) -> None:
-        assert num_workers >= 1
-        self.source, self.d, self.deadline_s = source, num_workers, deadline_s
+        assert num_workers >= 1 and split in ("outcomes", "sequences")
+        self.source, self.d, self.deadline_s, self.split = source, num_workers, deadline_s, split
+        self.owner: dict[int, int] = {}  # split="sequences": the slot that drafts each sequence
         self.slots = [_Slot() for _ in range(num_workers)]
         self.seqs: dict[int, _SeqView] = {}
         self.order: list[int] = []
@@ -146,18 +148,19 @@ class DraftPool:
     def _attach(self, w: int, link: WorkerLink) -> None:
         """Make `link` slot w's worker and bring it up to date (between rounds only)."""
         slot = self.slots[w]
-        slot.link, slot.resolved, slot.answered = link, False, False
-        link.join(w, self.d)
-        if self.order:
-            views = [self.seqs[s] for s in self.order]
+        slot.link, slot.resolved, slot.answered = link, None, False
+        link.join(*((w, self.d) if self.split == "outcomes" else (0, 1)))  # by sequence, a worker builds whole trees
+        mine = [s for s in self.order if self.split == "outcomes" or self.owner[s] == w]
+        if mine:
+            views = [self.seqs[s] for s in mine]
             link.admit(AdmitMsg(
-                list(self.order), [list(v.tokens) for v in views], [slot_seed(v.seed, w, slot.incarnation) for v in views],
+                mine, [list(v.tokens) for v in views], [slot_seed(v.seed, w, slot.incarnation) for v in views],
                 [v.temperature for v in views], [v.top_k for v in views], [v.top_p for v in views],
             ))
 
     def _fail(self, w: int, err: BaseException) -> None:
         slot = self.slots[w]
-        link, slot.link, slot.resolved = slot.link, None, False
+        link, slot.link, slot.resolved = slot.link, None, None
         if link is None:
             return
         self.failures += 1
@@ -230,29 +233,55 @@ class DraftPool:
 
     # ---- DraftClient ----------------------------------------------------------------------------
 
+    def _part(self, w: int, msg):
+        """What slot w is sent of `msg`: all of it when the pool splits outcomes, its own rows when
+        it splits sequences (None: no row of its own)."""
+        if self.split == "outcomes":
+            return msg
+        rows = [r for r, s in enumerate(msg.seq_ids) if self.owner.get(s) == w]
+        return take(msg, rows) if rows else None
+
     def admit(self, msg: AdmitMsg) -> None:
         for i, s in enumerate(msg.seq_ids):
             self.seqs[s] = _SeqView(list(msg.prompts[i]), int(msg.seeds[i]), float(msg.temperature[i]), int(msg.top_k[i]),
                                     float(msg.top_p[i]))
+            if self.split == "sequences":  # the least loaded slot, dead or alive: a replacement takes its rows over
+                load = [0] * self.d
+                for owner in self.owner.values():
+                    load[owner] += 1
+                self.owner[s] = load.index(min(load))
         self.order.extend(msg.seq_ids)
 
         def send(w: int, link: WorkerLink) -> None:
-            inc = self.slots[w].incarnation
-            link.admit(dataclasses.replace(msg, seeds=[slot_seed(int(x), w, inc) for x in msg.seeds]))
+            part, inc = self._part(w, msg), self.slots[w].incarnation
+            if part is not None:
+                link.admit(dataclasses.replace(part, seeds=[slot_seed(int(x), w, inc) for x in part.seeds]))
 
         self._each(send)
 
     def release(self, msg: ReleaseMsg) -> None:
+        def send(w: int, link: WorkerLink) -> None:
+            part = self._part(w, msg)
+            if part is not None:
+                link.release(part)
+
+        self._each(send)
         gone = set(msg.seq_ids)
         self.order = [s for s in self.order if s not in gone]
         for s in gone:
             self.seqs.pop(s, None)
-        self._each(lambda w, link: link.release(msg))
+            self.owner.pop(s, None)
 
     def begin_round(self, msg: BeginRoundMsg) -> None:
         self._attach_ready()
         self.round = msg
-        self._each(lambda w, link: link.begin_round(msg))
+
+        def send(w: int, link: WorkerLink) -> None:
+            part = self._part(w, msg)
+            if part is not None:
+                link.begin_round(part)
+
+        self._each(send)
 
     def _backup_slot(self) -> int | None:
         """The slot that answers this round's neural-backup requests: the first live one."""
@@ -267,9 +296,14 @@ class DraftPool:
         backup = self._backup_slot()
 
         def send(w: int, link: WorkerLink) -> None:
-            self.slots[w].resolved = False
-            link.resolve(msg if w == backup else dataclasses.replace(msg, neural_backup=False))
-            self.slots[w].resolved = True
+            part = self._part(w, msg)
+            self.slots[w].resolved = None
+            if part is None:
+                return
+            # Split by outcome, one slot drafts the rows no share covers; by sequence, each its own.
+            part = part if w == backup or self.split == "sequences" else dataclasses.replace(part, neural_backup=False)
+            link.resolve(part)
+            self.slots[w].resolved = part
 
         self._each(send)
 
@@ -279,11 +313,11 @@ class DraftPool:
         replies: dict[int, SpeculationReply] = {}
         end = time.monotonic() + deadline_s
         for w, slot in enumerate(self.slots):
-            if slot.link is None or not slot.resolved:
+            if slot.link is None or slot.resolved is None:
                 continue
-            slot.resolved = False
+            sent, slot.resolved = slot.resolved, None
             try:
-                replies[w] = slot.link.reply(msg, max(end - time.monotonic(), 0.0))
+                replies[w] = slot.link.reply(sent, max(end - time.monotonic(), 0.0))
             except DrafterUnavailable as err:
                 self._fail(w, err)
         for w, rep in replies.items():
@@ -292,6 +326,8 @@ class DraftPool:
             self.slot_hits[w] += int(rep.hit.sum())
         if len(replies) == 1 and self.d == 1:
             return next(iter(replies.values()))
+        if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
+            return self._assemble(msg.round_id, msg.seq_ids, replies)
         merged = self._merge(msg, replies)
         self._hint(msg, merged, replies)
         return merged
@@ -333,8 +369,24 @@ class DraftPool:
 
         self._each(send)
 
+    def _assemble(self, round_id: int, seq_ids: list[int], replies: dict[int, SpeculationReply]) -> SpeculationReply:
+        rows = {s: r for r, s in enumerate(seq_ids)}
+        parts = [([rows[s] for s in rep.seq_ids], rep) for rep in replies.values()]
+        k = max((rep.tokens.shape[1] for rep in replies.values()), default=0)
+        return assemble(round_id, list(seq_ids), parts, k, self.counters())
+
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         self._attach_ready()
+        if self.split == "sequences":
+            replies = {}
+            for w, slot in enumerate(self.slots):
+                part = self._part(w, msg) if slot.link is not None else None
+                if part is not None and any(part.need):
+                    try:
+                        replies[w] = slot.link.draft_now(part)
+                    except DrafterUnavailable as err:
+                        self._fail(w, err)
+            return self._assemble(msg.round_id, msg.seq_ids, replies)
         while (w := self._backup_slot()) is not None:
             try:
                 return self.slots[w].link.draft_now(msg)

@@ -1,0 +1,53 @@
+"""Row subsets of drafter messages and replies: how a pool that splits sequences across its
+workers (draft_split="sequences") sends each worker its own rows and rebuilds the batch.
+
+Rows are selected by position in the message's seq_ids (b rows -> the rows listed, in order);
+a reply assembled from parts has the full batch's rows in the message's order, zeros (no
+speculation, no hit) where no part answered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+
+
+def take(msg, rows: list[int]):
+    """The message restricted to `rows` (positions in msg.seq_ids)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    ids = [msg.seq_ids[r] for r in rows]
+    if isinstance(msg, AdmitMsg):
+        return AdmitMsg(ids, [msg.prompts[r] for r in rows], [msg.seeds[r] for r in rows], [msg.temperature[r] for r in rows],
+                        [msg.top_k[r] for r in rows], [msg.top_p[r] for r in rows])
+    if isinstance(msg, ReleaseMsg):
+        return ReleaseMsg(ids)
+    if isinstance(msg, BeginRoundMsg):
+        committed = [msg.committed[r] for r in rows] if msg.committed else []
+        return dataclasses.replace(msg, seq_ids=ids, spec_tokens=msg.spec_tokens[index], num_draft=msg.num_draft[index],
+                                   committed=committed)
+    if isinstance(msg, ResolveMsg):
+        return dataclasses.replace(msg, seq_ids=ids, num_accepted=msg.num_accepted[index], bonus_tokens=msg.bonus_tokens[index])
+    if isinstance(msg, DraftNowMsg):
+        return dataclasses.replace(msg, seq_ids=ids, need=[msg.need[r] for r in rows])
+    raise TypeError(f"no rows to take from {type(msg).__name__}")
+
+
+def assemble(round_id: int, seq_ids: list[int], parts: list[tuple[list[int], SpeculationReply]], k: int,
+             counters: DrafterCounters) -> SpeculationReply:
+    """One reply for the whole batch from replies about disjoint rows: parts = (rows, reply)."""
+    b = len(seq_ids)
+    vocab = max((rep.probs.shape[-1] for _, rep in parts), default=0)
+    hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+    tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, vocab)
+    num_draft = torch.zeros(b, dtype=torch.long)
+    build = 0.0
+    for rows, rep in parts:
+        index = torch.tensor(rows, dtype=torch.long)
+        hit[index], tokens[index], probs[index], num_draft[index] = rep.hit, rep.tokens, rep.probs, rep.num_draft
+        covered[index] = rep.covered if rep.covered is not None else rep.hit
+        build = max(build, rep.build_seconds)
+    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters,
+                            covered if parts else None)
