@@ -176,6 +176,8 @@ def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
     miss = SpeculationReply(3, [1, 2], torch.tensor([True, False]), tokens, probs, torch.tensor([4, 0]))
     resolve = ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False, [1, 1, 1, 1, 1])
     guess = drafter.predict_round(resolve, hit)
-    assert guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1]))
+    # committed: the drafter's own token counts (here the prompts': no outcome was resolved)
+    assert guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1], [3, 2]))
+    assert not guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1], [3, 3]))
     assert drafter.predict_round(resolve, miss) is None
     assert drafter.predict_round(ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False), hit) is None

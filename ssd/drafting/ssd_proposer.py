@@ -189,8 +189,8 @@ class SSDProposer:
         hit = reply.hit.tolist() if reply is not None else [False] * batch
         # The miss law is about the tree: whether the outcome was in the round's branch grid
         # (covered), whether or not the worker holding it was alive to deliver it.
-        answered = reply is not None and reply.covered is not None
-        in_grid = reply.covered.tolist() if answered else hit
+        answered = reply is not None and reply.answered
+        in_grid = reply.covered.tolist() if answered and reply.covered is not None else hit
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)

@@ -113,3 +113,6 @@ class SpeculationReply:
     # [b] bool: the outcome is in the round's branch grid, whichever worker's share holds it
     # (equal to hit for a single drafter). A row covered but not hit is another worker's.
     covered: torch.Tensor | None = None
+    # False when no drafter answered at all (every worker of a pool down): nothing to learn from.
+    # Never on the wire: only the pool builds such a reply.
+    answered: bool = True

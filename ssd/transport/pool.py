@@ -337,7 +337,7 @@ class DraftPool:
         if not replies:
             return SpeculationReply(msg.round_id, list(msg.seq_ids), torch.zeros(b, dtype=torch.bool),
                                     torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, 0), torch.zeros(b, dtype=torch.long),
-                                    counters=self.counters(), covered=None)  # nobody answered
+                                    counters=self.counters(), answered=False)
         any_rep = next(iter(replies.values()))
         tokens, probs = torch.zeros_like(any_rep.tokens), torch.zeros_like(any_rep.probs)
         num_draft = torch.zeros(b, dtype=torch.long)

@@ -49,5 +49,5 @@ def assemble(round_id: int, seq_ids: list[int], parts: list[tuple[list[int], Spe
         hit[index], tokens[index], probs[index], num_draft[index] = rep.hit, rep.tokens, rep.probs, rep.num_draft
         covered[index] = rep.covered if rep.covered is not None else rep.hit
         build = max(build, rep.build_seconds)
-    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters,
-                            covered if parts else None)
+    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered,
+                            answered=bool(parts))
