@@ -6,16 +6,29 @@ BIN := $(VENV)/bin
 # CPU build by default; a CUDA user sets e.g. TORCH_SPEC="torch==2.13.0" with their own index.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# gRPC stubs of protos/ (ssd/transport/grpc_channel.py): generated, never edited, never committed.
+# The -I mapping names the proto as if it lived in the package, so the generated *_pb2_grpc.py
+# imports its *_pb2.py as ssd.transport._proto.ssd_draft_pb2.
+PROTO_PKG := ssd/transport/_proto
+PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(PROTO_PKG)=protos --python_out=. --grpc_python_out=.
 
-.PHONY: install serve test bench demo-models clean
+.PHONY: install protos serve test bench demo-models clean
 
-install: $(STAMP)
+install: $(STAMP) $(PROTO_PKG)/ssd_draft_pb2_grpc.py
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml protos/ssd_draft.proto
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	$(PROTOC) protos/ssd_draft.proto
 	touch $(STAMP)
+
+# Stubs deleted or older than the proto (e.g. after a git clean) with the venv still installed.
+$(PROTO_PKG)/ssd_draft_pb2_grpc.py: protos/ssd_draft.proto | $(STAMP)
+	$(PROTOC) protos/ssd_draft.proto
+
+protos:
+	$(PROTOC) protos/ssd_draft.proto
 
 serve: install
 	$(BIN)/ssd generate --prompt "def fibonacci(n):" --max-tokens 128 --mode sd --stream

@@ -3,41 +3,40 @@ listener a target connects to (a draft worker on any host).
 
 Design
 - protos/ssd_draft.proto: service DraftWorker, rpc Session(stream Frame) returns (stream Frame). A
-  Frame is the frame of ssd/transport/wire.py, its header as typed fields and its two bodies as
-  raw little-endian bytes, so every transport carries one encoding (body layouts: wire.py). The
-  stubs are generated at build time (`make protos`) into ssd/transport/_proto/.
+  Frame is the frame of ssd/transport/wire.py, header as typed fields, the two bodies as raw
+  little-endian bytes: every transport carries one encoding (body layouts: wire.py). The stubs
+  are generated at build time (`make protos`) into ssd/transport/_proto/.
 - `GrpcListener` serves on a port the OS picks and publishes `grpc://host:port`. Each Session call
-  is one target's session: it is held until the worker accept()s it, then the worker sends the
-  initial metadata `ssd-session: open`, which `connect_grpc` waits for. While a session is pending
-  or open, another Session call is refused with RESOURCE_EXHAUSTED (the target raises WorkerBusy).
-- Both ends are a `GrpcChannel`: a thread moves incoming frames from the stream into a queue
-  (poll() = the queue is not empty, recv() takes from it); outgoing frames go into a bounded
-  queue that the stream's writer drains (the request iterator on the target, the response
-  generator on the worker). A peer that stops reading stalls the writer under gRPC's flow
-  control, so send() times out once the queue is full.
+  is one target's session, held until the worker accept()s it; the worker then sends the initial
+  metadata `ssd-session: open`, which `connect_grpc` waits for. While a session is pending or
+  open, another Session call is refused with RESOURCE_EXHAUSTED (the target raises WorkerBusy).
+- Either end is a `GrpcChannel`: a thread moves incoming frames from the stream into a queue
+  (poll() = the queue is not empty, recv() takes from it); outgoing frames go into a bounded queue
+  that the stream's writer drains (the request iterator on the target, the response generator on
+  the worker). A peer that stops reading stalls the writer (gRPC flow control), so send() times
+  out once the queue is full. Copies: tensor -> bytes on send, bytes -> one bytearray on receive.
 
 Invariants
-- poll() never blocks and takes nothing; frames arrive whole and in order, and those that
-  arrived before the stream ended are delivered before ChannelClosed.
-- The end of the stream or a cancelled/failed RPC (the peer closed, exited, was killed, or its
-  host went silent past the keepalive) queues an end marker behind the frames: recv() then
-  raises ChannelClosed (a killed peer's socket closes: milliseconds on loopback), and so does
-  send() from then on.
+- poll() never blocks and takes nothing; frames arrive whole and in order, and those that arrived
+  before the stream ended are delivered before ChannelClosed.
+- The end of the stream or a cancelled/failed RPC (the peer closed, exited, was killed, or its host
+  went silent past the keepalive) queues an end marker behind the frames: recv() then raises
+  ChannelClosed (a killed peer's socket closes: milliseconds on loopback), and send() does too.
 - ChannelTimeout does not end the session: the stream is intact.
 - A frame with another fingerprint (or magic) is dropped and raises wire.ForeignMessage from
-  recv(); what follows (the worker ends the session) is the caller's decision.
+  recv(); ending the session then is the caller's decision (the worker does).
 - close() is graceful: frames sent before it are flushed, then the stream ends and the peer's
-  recv() raises ChannelClosed; an RPC not over after CLOSE_GRACE_S is cancelled.
+  recv() raises ChannelClosed; a stream not over CLOSE_GRACE_S later is cancelled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 from urllib.parse import urlsplit
 
@@ -60,38 +59,31 @@ except ModuleNotFoundError as err:
 
 logger = logging.getLogger(__name__)
 
-# A dense reply [b=8, K=8, V=128k] float32 is ~33 MB: room for four times that.
-DEFAULT_MAX_MESSAGE_BYTES = 128 << 20
-# Each end pings an idle connection this often and gives up on it after as long without an
-# answer: how a session learns that the peer's host is gone (a dead process closes its socket).
+DEFAULT_MAX_MESSAGE_BYTES = 128 << 20  # a dense reply [b=8, K=8, V=128k] float32 is ~33 MB
+# Each end pings the other this often and gives up after as long without an answer: how a session
+# learns that the peer's host is gone (a dead process closes its socket, which is seen at once).
 KEEPALIVE = datetime.timedelta(seconds=10)
-CLOSE_GRACE_S = 1.0  # close(): how long the stream may take to flush and end before it is cancelled
+CLOSE_GRACE_S = 1.0
 SESSION_KEY = "ssd-session"  # initial metadata: the worker accepted the session
-_WAKE_S = 0.2  # a writer waiting for a frame checks this often whether the session is over
+_WAKE_S = 0.2  # a writer or sender waiting on a queue checks this often whether the session is over
 _QUEUED = 64  # outgoing frames a channel holds while the peer is not reading
-_WORKER_THREADS = 4  # the server's: one open session, one pending, refusals
+_STOP = object()  # behind the last outgoing frame: end the stream
 
 
 def _options(max_message_bytes: int, keepalive: datetime.timedelta) -> list[tuple[str, int]]:
     ms = max(1, int(keepalive.total_seconds() * 1000))
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0),  # an idle session keeps pinging
-            ]
+            ("grpc.http2.max_pings_without_data", 0),  # an idle session keeps pinging, and the server allows it:
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", ms // 2), ("grpc.http2.max_ping_strikes", 0)]
 
 
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
     return None if timeout is None else max(0.0, timeout.total_seconds())
 
 
-class _End:
-    """Queued behind the last incoming frame: why the stream ended."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-_STOP = object()  # queued behind the last outgoing frame: end the stream
+class _End(str):
+    """Behind the last incoming frame: why the stream ended."""
 
 
 class GrpcChannel:
@@ -103,11 +95,10 @@ class GrpcChannel:
         self._out: queue.Queue = queue.Queue(_QUEUED)
         self._lock = threading.Lock()
         self._closed: str | None = None  # why this end closed
-        self._over: str | None = None  # why the stream ended (peer closed or gone, RPC over)
+        self._over: str | None = None  # why the stream ended (the peer closed or is gone, the RPC ended)
         self.finished = threading.Event()  # the RPC is over
-        self.accepted = threading.Event()  # worker's end: accept() took it
-        self._cancel: Callable[[], None] = lambda: None  # cancels the RPC
-        self._release: Callable[[], None] = lambda: None  # target's end: closes its grpc.Channel
+        self.accepted = threading.Event()  # the worker's end: accept() took it
+        self._cancel = self._release = lambda: None  # cancel the RPC; close the target's grpc.Channel
 
     @property
     def over(self) -> bool:
@@ -115,29 +106,26 @@ class GrpcChannel:
 
     def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
                  timeout: datetime.timedelta | None = None) -> None:
-        """Queue the frame for the stream's writer; ChannelTimeout when the peer has not taken
-        the frames before it in time, ChannelClosed once the session is over."""
+        """Queues the frame for the stream; ChannelTimeout when the peer has not taken the frames
+        before it in time, ChannelClosed once the session is over."""
         frame = pb.Frame(magic=MAGIC, kind=int(kind), round_id=int(round_id), fingerprint=self.fp,
                          ints=ints.detach().to("cpu", torch.long).contiguous().numpy().tobytes(),
                          floats=floats.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         wait = _seconds(timeout)
-        deadline = None if wait is None else time.monotonic() + wait
-        while True:
-            if self.over:
-                raise ChannelClosed(f"{self.name}: {self._closed or self._over}")
-            left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+        deadline = time.monotonic() + (wait if wait is not None else float("inf"))
+        while not self.over:
             try:
-                self._out.put(frame, timeout=max(0.0, left))
-                return
+                return self._out.put(frame, timeout=max(0.0, min(_WAKE_S, deadline - time.monotonic())))
             except queue.Full:
-                if deadline is not None and time.monotonic() >= deadline:
+                if time.monotonic() >= deadline:
                     raise ChannelTimeout(f"{self.name}: the peer took no message within {wait:g} s") from None
+        raise ChannelClosed(f"{self.name}: {self._closed or self._over}")
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
 
     def poll(self) -> bool:
-        """Whether a frame (or the end of the stream) is waiting; never blocks."""
+        """Whether a frame (or the end of the stream) is waiting; never blocks, takes nothing."""
         return self._closed is not None or not self._in.empty()
 
     def recv(self, timeout: datetime.timedelta | None = None):
@@ -150,27 +138,23 @@ class GrpcChannel:
             raise ChannelTimeout(f"{self.name}: the peer sent nothing within {_seconds(timeout):g} s") from None
         if isinstance(item, _End):
             self._in.put(item)  # every later recv() says so too
-            raise ChannelClosed(f"{self.name}: {item.reason}")
-        n_ints, odd_ints = divmod(len(item.ints), 8)
-        n_floats, odd_floats = divmod(len(item.floats), 4)
-        if odd_ints or odd_floats:
+            raise ChannelClosed(f"{self.name}: {item}")
+        (n_ints, odd), (n_floats, odd_floats) = divmod(len(item.ints), 8), divmod(len(item.floats), 4)
+        if odd or odd_floats:
             raise ValueError(f"{self.name}: malformed frame (bodies of {len(item.ints)} and {len(item.floats)} bytes)")
         header = torch.tensor([item.magic, item.kind, item.round_id, n_ints, n_floats, item.fingerprint, 0, 0])
         body_size(header, self.fp)  # ForeignMessage unless the frame is this pair's
-        body = bytearray().join((item.ints, item.floats))  # the one copy: memory the message's tensors own
+        body = bytearray().join((item.ints, item.floats))  # one copy, into memory the message's tensors own
         return unframe(header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8))
 
     def close(self) -> None:
-        """Flush what was sent, end the stream, release the connection (target's end)."""
+        """Flushes what was sent, ends the stream, releases the connection (the target's end)."""
         with self._lock:
             if self._closed is not None:
                 return
             self._closed = "closed by this end"
         self._in.put(_End(self._closed))  # wakes a recv() waiting in another thread
-        try:
-            self._out.put_nowait(_STOP)
-        except queue.Full:  # the writer ends when it drains the queue, or the RPC is cancelled below
-            pass
+        self._stop_writer()  # (a full queue: the writer stops once it drained it, or is cancelled below)
         if not self.finished.wait(CLOSE_GRACE_S):
             logger.info("%s: the stream did not end within %g s of close(): cancelling it", self.name, CLOSE_GRACE_S)
             self._cancel()
@@ -178,17 +162,18 @@ class GrpcChannel:
 
     # ---- the stream's side ----------------------------------------------------------------------
 
+    def _stop_writer(self) -> None:
+        with contextlib.suppress(queue.Full):
+            self._out.put_nowait(_STOP)
+
     def _ended(self, reason: str, finished: bool = False) -> None:
-        """The incoming stream ended (or the whole RPC, when finished): one end marker."""
+        """The incoming stream ended (the whole RPC, when finished): queue one end marker."""
         with self._lock:
             first, self._over = self._over is None, self._over or reason
         if first:
             self._in.put(_End(reason))
+            self._stop_writer()
             logger.info("%s ended: %s", self.name, reason)
-            try:
-                self._out.put_nowait(_STOP)  # end the writer now
-            except queue.Full:
-                pass
         if finished:
             self.finished.set()
 
@@ -198,15 +183,14 @@ class GrpcChannel:
             try:
                 item = self._out.get(timeout=_WAKE_S)
             except queue.Empty:
-                if self.over or self.finished.is_set():
-                    return
-                continue
+                item = _STOP if self.over or self.finished.is_set() else None
             if item is _STOP:
                 return
-            yield item
+            if item is not None:
+                yield item
 
     def _pump(self, requests) -> None:
-        """Worker's end: the target's frames into the queue."""
+        """The worker's end: the target's frames into the queue."""
         try:
             for frame in requests:
                 self._in.put(frame)
@@ -216,7 +200,7 @@ class GrpcChannel:
         self._ended(reason)
 
     def _read(self, call, opened: threading.Event) -> None:
-        """Target's end: waits for the worker to accept (or refuse), then its frames into the queue."""
+        """The target's end: waits for the worker to accept or refuse, then its frames into the queue."""
         try:
             call.initial_metadata()
             opened.set()
@@ -233,15 +217,12 @@ class GrpcChannel:
 
 class _Servicer(pb_grpc.DraftWorkerServicer):
     def __init__(self, serve) -> None:
-        self.serve = serve
-
-    def Session(self, request_iterator, context):  # noqa: N802 - the rpc's name
-        return self.serve(request_iterator, context)
+        self.Session = serve
 
 
 class GrpcListener:
-    """The worker's end (the `Listener` protocol): a gRPC server on a port the OS picked. host:
-    the address targets reach this worker at; the keywords must match the targets' (connect_grpc)."""
+    """The worker's end (the `Listener` protocol): a gRPC server on a port the OS picked. host: the
+    address targets reach this worker at; the keywords should match the targets' (connect_grpc)."""
 
     def __init__(self, host: str = "127.0.0.1", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  keepalive: datetime.timedelta = KEEPALIVE) -> None:
@@ -252,14 +233,14 @@ class GrpcListener:
         self._open: GrpcChannel | None = None  # the last one accept() returned
         self._sessions, self._closed = 0, False
         bind = f"[{host}]" if ":" in host else host
-        self._threads = futures.ThreadPoolExecutor(_WORKER_THREADS, thread_name_prefix="ssd-grpc-worker")
-        server = grpc.server(self._threads, options=[*_options(max_message_bytes, keepalive), ("grpc.so_reuseport", 0)])
-        pb_grpc.add_DraftWorkerServicer_to_server(_Servicer(self._serve), server)
-        port = server.add_insecure_port(f"{bind}:0")
+        # Threads: the open session's writer, one pending session, refusals.
+        self._threads = futures.ThreadPoolExecutor(4, thread_name_prefix="ssd-grpc-worker")
+        self._server = grpc.server(self._threads, options=[*_options(max_message_bytes, keepalive), ("grpc.so_reuseport", 0)])
+        pb_grpc.add_DraftWorkerServicer_to_server(_Servicer(self._serve), self._server)
+        port = self._server.add_insecure_port(f"{bind}:0")
         if not port:
             raise RuntimeError(f"grpc transport: cannot listen on {host}")
-        server.start()
-        self._server = server
+        self._server.start()
         self.address = f"grpc://{bind}:{port}"
 
     def accept(self, fp: int, timeout: datetime.timedelta | None = None) -> GrpcChannel:
@@ -269,25 +250,21 @@ class GrpcListener:
             self._open = None
         wait = _seconds(timeout)
         deadline = None if wait is None else time.monotonic() + wait
-        while True:
-            if self._closed:
-                raise ChannelClosed(f"listener {self.address} is closed")
+        while not self._closed:
             try:
                 channel = self._arrivals.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise ChannelTimeout(f"no target connected to {self.address} within {wait:g} s") from None
-            if channel is None or channel.over:  # close() woke us, or the target gave up waiting
-                continue
-            channel.fp = fp
-            channel.accepted.set()
-            self._open = channel
-            logger.info("%s open", channel.name)
-            return channel
+            if channel is not None and not channel.over:  # else close() woke us, or the target gave up
+                channel.fp, self._open = fp, channel
+                channel.accepted.set()
+                logger.info("%s open", channel.name)
+                return channel
+        raise ChannelClosed(f"listener {self.address} is closed")
 
     def close(self) -> None:
         """Ends the open session, if any, refuses new ones and stops the server."""
-        with self._lock:
-            self._closed = True
+        self._closed = True
         if self._open is not None:
             self._open.close()
             self._open = None
@@ -334,24 +311,23 @@ def parse_grpc_address(address: str) -> tuple[str, int]:
 
 
 def _wait_connected(conn: grpc.Channel, address: str, timeout: datetime.timedelta) -> None:
-    """Until the connection is up; ChannelClosed at once when it is refused, ChannelTimeout when
-    no answer came in time."""
-    seen: list[grpc.ChannelConnectivity] = []
-    settled = threading.Event()
-    terminal = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+    """Until the connection is up: ChannelClosed at once when refused, ChannelTimeout when no
+    answer came in time (grpc.channel_ready_future would retry a refused connection instead)."""
+    settled: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+    ends = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
     def watch(state: grpc.ChannelConnectivity) -> None:
-        if state in terminal and not settled.is_set():
-            seen.append(state)
-            settled.set()
+        if state in ends:
+            settled.put(state)
 
     conn.subscribe(watch, try_to_connect=True)
     try:
-        if not settled.wait(timeout.total_seconds()):
-            raise ChannelTimeout(f"no draft worker answered at {address} within {timeout.total_seconds():g} s")
+        state = settled.get(timeout=timeout.total_seconds())
+    except queue.Empty:
+        raise ChannelTimeout(f"no draft worker answered at {address} within {timeout.total_seconds():g} s") from None
     finally:
         conn.unsubscribe(watch)
-    if seen[0] != grpc.ChannelConnectivity.READY:
+    if state != grpc.ChannelConnectivity.READY:
         raise ChannelClosed(f"no draft worker listens at {address} (connection failed)")
 
 

@@ -1,0 +1,371 @@
+"""The grpc transport: a worker listening on a port the OS picked, targets connecting to it by
+address over a gRPC bidirectional stream, with real processes on loopback."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stubs_ready() -> bool:
+    """The generated stubs exist, or are generated now (as `make protos` does) when grpc_tools is
+    installed; the tests are skipped only when neither is the case."""
+    if importlib.util.find_spec("ssd.transport._proto.ssd_draft_pb2_grpc") is not None:
+        return True
+    if importlib.util.find_spec("grpc_tools") is None:
+        return False
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Issd/transport/_proto=protos", "--python_out=.",
+                    "--grpc_python_out=.", "protos/ssd_draft.proto"], cwd=ROOT, check=True)
+    return True
+
+
+if not _stubs_ready():
+    pytest.skip("gRPC stubs not generated and grpcio-tools not installed (run `make protos`)", allow_module_level=True)
+
+from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
+from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
+from ssd.transport.messages import (AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg,  # noqa: E402
+                                    ResolveMsg, SpeculationReply)
+from ssd.transport.wire import ForeignMessage, MsgType  # noqa: E402
+
+FP = 4242
+S = datetime.timedelta(seconds=1)
+
+# A worker that echoes every message of every session and reports how each session ended.
+# argv: fp, keepalive seconds.
+ECHO_WORKER = """
+import datetime, sys, time, torch
+from ssd.transport.grpc_channel import GrpcListener
+listener = GrpcListener(keepalive=datetime.timedelta(seconds=float(sys.argv[2])))
+print(listener.address, flush=True)
+while True:
+    channel = listener.accept(int(sys.argv[1]))
+    print("OPEN", flush=True)
+    try:
+        while True:
+            kind, msg, ints = channel.recv()
+            if msg is None:
+                channel.send_raw(kind, 0, ints, torch.zeros(0))
+            else:
+                channel.send(msg)
+    except RuntimeError as err:
+        print("END", type(err).__name__, time.monotonic(), flush=True)
+"""
+
+# A target that connects, says so, and waits to be killed.
+IDLE_TARGET = """
+import sys, time, datetime
+from ssd.transport.grpc_channel import connect_grpc
+channel = connect_grpc(sys.argv[1], int(sys.argv[2]), datetime.timedelta(seconds=30))
+print("CONNECTED", flush=True)
+time.sleep(600)
+"""
+
+
+class Proc:
+    """A Python subprocess whose stdout lines arrive on a queue."""
+
+    def __init__(self, script: str, *args) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.put(line.strip())
+
+    def line(self, timeout: float = 30) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+
+@pytest.fixture(scope="module")
+def echo():
+    """(worker process, its address); sessions run one after another."""
+    worker = Proc(ECHO_WORKER, FP, 10)
+    yield worker, worker.line()
+    worker.kill()
+
+
+def _end(worker: Proc) -> list[str]:
+    """Skip to the worker's report of how the current session ended."""
+    while not (line := worker.line()).startswith("END"):
+        pass
+    return line.split()
+
+
+def _messages():
+    counters = DrafterCounters(rounds=3, cut=1, predicted=2, confirmed=1, taken_back=1, rejected=4)
+    one_hot = torch.zeros(2, 3, 50)
+    one_hot[0, torch.arange(3), torch.tensor([4, 9, 1])] = 1.0
+    return [
+        AdmitMsg([1, 2], [[5, 6, 7], [8]], [11, 12], [0.0, 0.75], [0, 40], [1.0, 0.5]),  # float32-exact
+        ReleaseMsg([1, 2]),
+        BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
+        ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
+        DraftNowMsg(4, [1, 2], [True, False]),
+        SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                         torch.rand(2, 3, 50), torch.tensor([3, 0]), 0.25, counters, torch.tensor([True, True])),
+        SpeculationReply(5, [1, 2], torch.tensor([True, True]), torch.tensor([[4, 9, 1], [0, 0, 0]]),
+                         one_hot, torch.tensor([3, 0]), 0.5, counters, None),
+    ]
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    for name, x in vars(a).items():
+        y = getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x is None:  # a reply without `covered` decodes it as `hit`
+            if not torch.equal(y, a.hit):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _wait_poll(channel, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not channel.poll() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return channel.poll()
+
+
+def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
+    worker, address = echo
+    channel = connect_grpc(address, FP, 30 * S)
+    try:
+        for msg in _messages():
+            assert not channel.poll()
+            channel.send(msg, 10 * S)
+            assert _wait_poll(channel), "the echo arrived but poll() did not see it"
+            assert channel.poll()  # poll() takes nothing
+            kind, back, _ = channel.recv(10 * S)
+            assert _same(msg, back), (msg, back)
+        channel.send_raw(MsgType.READY, 0, torch.tensor([1, 2, 3]), torch.zeros(0), 10 * S)
+        kind, back, ints = channel.recv(10 * S)
+        assert kind == MsgType.READY and back is None and ints.tolist() == [1, 2, 3]
+        # A dense reply at a 128k vocabulary and batch 8 (~33 MB) fits the default message size.
+        big = SpeculationReply(6, list(range(8)), torch.ones(8, dtype=torch.bool), torch.zeros(8, 8, dtype=torch.long),
+                               torch.rand(8, 8, 128256) + 0.01, torch.full((8,), 8), 0.0, DrafterCounters(), None)
+        channel.send(big, 30 * S)
+        assert _same(big, channel.recv(30 * S)[1])
+    finally:
+        channel.close()
+    assert _end(worker)[1] == "ChannelClosed"
+
+
+def test_sessions_in_a_row_and_a_second_target_refused_while_one_is_open(echo):
+    worker, address = echo
+    first = connect_grpc(address, FP, 30 * S)
+    started = time.monotonic()
+    with pytest.raises(WorkerBusy, match=f"{address}.*busy"):
+        connect_grpc(address, FP, 30 * S)
+    assert time.monotonic() - started < 5
+    assert isinstance(WorkerBusy("x"), RuntimeError)
+    first.send(ReleaseMsg([7]), 10 * S)
+    assert first.recv(10 * S)[1].seq_ids == [7]
+    first.close()
+    # The next target right after: the session ended with the first target's close().
+    second = connect_grpc(address, FP, 30 * S)
+    second.send(ReleaseMsg([8]), 10 * S)
+    assert second.recv(10 * S)[1].seq_ids == [8]
+    second.close()
+    assert _end(worker)[1] == "ChannelClosed"
+
+
+def test_a_killed_target_ends_the_workers_session_at_once(echo):
+    worker, address = echo
+    target = Proc(IDLE_TARGET, address, FP)
+    try:
+        assert target.line() == "CONNECTED"
+        killed = time.monotonic()
+        target.kill()
+        _, kind, when = _end(worker)
+        assert kind == "ChannelClosed" and float(when) - killed < 2
+        # ... and the worker takes the next target.
+        channel = connect_grpc(address, FP, 30 * S)
+        channel.send(ReleaseMsg([9]), 10 * S)
+        assert channel.recv(10 * S)[1].seq_ids == [9]
+        channel.close()
+    finally:
+        target.kill()
+
+
+def test_a_killed_worker_raises_channel_closed_at_once():
+    worker = Proc(ECHO_WORKER, FP, 10)
+    try:
+        channel = connect_grpc(worker.line(), FP, 30 * S)
+        assert worker.line() == "OPEN"
+        threading.Timer(0.3, worker.kill).start()
+        started = time.monotonic()
+        with pytest.raises(ChannelClosed, match="draft worker is gone"):
+            channel.recv(30 * S)
+        assert time.monotonic() - started < 2
+        assert channel.poll()  # never blocks: the recv() that follows says what happened
+        with pytest.raises(ChannelClosed):  # and so does everything after
+            channel.send(ReleaseMsg([1]), 10 * S)
+        with pytest.raises(ChannelClosed):
+            channel.recv(10 * S)
+        channel.close()
+    finally:
+        worker.kill()
+
+
+def test_a_stopped_worker_host_is_noticed_by_the_keepalive():
+    """SIGSTOP: the socket stays open but nothing answers, as when the worker's host is gone."""
+    worker = Proc(ECHO_WORKER, FP, 0.5)
+    try:
+        channel = connect_grpc(worker.line(), FP, 30 * S, keepalive=datetime.timedelta(seconds=0.5))
+        channel.send(ReleaseMsg([1]), 10 * S)
+        assert channel.recv(10 * S)[1].seq_ids == [1]
+        for _ in range(50):  # pings on an idle session do not end it (the server's ping policy allows them)
+            time.sleep(0.1)
+            assert not channel.poll()
+        channel.send(ReleaseMsg([2]), 10 * S)
+        assert channel.recv(10 * S)[1].seq_ids == [2]
+        worker.popen.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ChannelClosed):
+            channel.recv(30 * S)
+        assert time.monotonic() - started < 5
+        channel.close()
+    finally:
+        worker.kill()
+
+
+def _in_process_pair(target_fp: int = FP, **kwargs):
+    """(listener, worker channel, target channel), both ends in this process."""
+    listener = GrpcListener(**kwargs)
+    accepted: list = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept(FP, 30 * S)))
+    thread.start()
+    target = connect_grpc(listener.address, target_fp, 30 * S, **kwargs)
+    thread.join(30)
+    return listener, accepted[0], target
+
+
+def test_timeouts_leave_the_session_usable():
+    listener, worker, target = _in_process_pair()
+    try:
+        for channel, peer in ((target, worker), (worker, target)):
+            started = time.monotonic()
+            with pytest.raises(ChannelTimeout, match="sent nothing within 0.3 s"):
+                channel.recv(datetime.timedelta(seconds=0.3))
+            assert 0.25 < time.monotonic() - started < 3
+            peer.send(ReleaseMsg([5]), 10 * S)
+            assert channel.recv(10 * S)[1].seq_ids == [5]
+        # The worker closing the session: the target's recv() ends, after what was sent before.
+        burst = [ReleaseMsg(list(range(n, n + 1 + 50_000 * (n % 2)))) for n in range(20)]  # up to 400 kB each
+        for msg in burst:
+            worker.send(msg, 10 * S)
+        worker.close()
+        assert [target.recv(10 * S)[1] for _ in burst] == burst
+        with pytest.raises(ChannelClosed, match="ended the session"):
+            target.recv(10 * S)
+        with pytest.raises(ChannelClosed, match="closed by this end"):
+            worker.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+
+
+def test_listener_and_connect_time_out():
+    listener = GrpcListener()
+    try:
+        with pytest.raises(ChannelTimeout, match="no target connected"):
+            listener.accept(FP, datetime.timedelta(seconds=0.3))
+        # The worker never accepts: the target gives up, and its pending session is dropped.
+        with pytest.raises(ChannelTimeout, match=f"{listener.address} did not accept"):
+            connect_grpc(listener.address, FP, datetime.timedelta(seconds=1))
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept(FP, 30 * S)))
+        thread.start()
+        target = connect_grpc(listener.address, FP, 30 * S)
+        thread.join(30)
+        target.send(ReleaseMsg([3]), 10 * S)
+        assert accepted[0].recv(10 * S)[1].seq_ids == [3]
+        target.close()
+        with pytest.raises(ChannelClosed, match="target closed the session"):
+            accepted[0].recv(10 * S)
+    finally:
+        listener.close()
+    with pytest.raises(ChannelClosed, match="no draft worker listens"):  # close() stopped the server
+        connect_grpc(listener.address, FP, 10 * S)
+    # Something listens but never speaks gRPC: no answer within the timeout.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"grpc://127.0.0.1:{mute.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(ChannelTimeout, match=f"{address} within 0.5 s"):
+            connect_grpc(address, FP, datetime.timedelta(seconds=0.5))
+        assert time.monotonic() - started < 3
+
+
+def test_a_frame_with_a_foreign_fingerprint_is_refused():
+    listener, worker, target = _in_process_pair(target_fp=FP + 1)
+    try:
+        target.send(ReleaseMsg([1]), 10 * S)
+        with pytest.raises(ForeignMessage, match=f"fingerprint {FP + 1}"):
+            worker.recv(10 * S)
+        worker.close()  # what a worker does with a foreign target
+        with pytest.raises(ChannelClosed):
+            target.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+
+
+def test_a_frame_over_the_message_size_limit_ends_the_session_clearly():
+    listener, worker, target = _in_process_pair(max_message_bytes=1 << 16)
+    try:
+        target.send_raw(MsgType.READY, 0, torch.zeros(1 << 14, dtype=torch.long), torch.zeros(0), 10 * S)
+        with pytest.raises(ChannelClosed, match="RESOURCE_EXHAUSTED"):
+            target.recv(10 * S)
+        with pytest.raises(ChannelClosed):
+            worker.recv(10 * S)
+    finally:
+        target.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("address", ["grpc://127.0.0.1", "torch://127.0.0.1:5", "127.0.0.1:5", "grpc://:5",
+                                     "grpc://h:port", "grpc://h:5/x", "grpc://h:99999", "grpc://h:5?x=1"])
+def test_a_malformed_address_is_refused(address):
+    with pytest.raises(ValueError, match="grpc://HOST:PORT"):
+        connect_grpc(address, FP, S)
+
+
+def test_addresses_parse():
+    assert parse_grpc_address("grpc://10.0.0.2:2345") == ("10.0.0.2", 2345)
+    assert parse_grpc_address("grpc://[::1]:2345") == ("::1", 2345)
+
+
+def test_nothing_listening_is_reported_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ChannelClosed, match=f"no draft worker listens at grpc://127.0.0.1:{port}"):
+        connect_grpc(f"grpc://127.0.0.1:{port}", FP, 10 * S)
+    assert time.monotonic() - started < 3
