@@ -1,0 +1,53 @@
+"""The shared pool of draft workers as a Ray actor: a LeaseTable (ssd/transport/leases.py)
+behind a named actor, so every target worker of a cluster finds the same pool by name.
+
+The pool holds no model and no channel: workers register their addresses, targets lease
+workers and then talk to them directly. It takes no CPU (num_cpus=0), so it never competes
+with a worker for one. It is detached: it outlives the driver that created it, as a pool shared
+by Serve replicas must; `ray.kill` it to remove it.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from ssd.transport.leases import Lease, LeaseTable
+
+POOL_NAME = "ssd-draft-pool"
+POOL_NAMESPACE = "ssd"
+
+
+class DraftPool:
+    """Actor body: each method is the LeaseTable's (see there)."""
+
+    def __init__(self) -> None:
+        self.table = LeaseTable()
+
+    def register(self, worker_id: str, address: str) -> None:
+        self.table.register(worker_id, address)
+
+    def unregister(self, worker_id: str) -> None:
+        self.table.unregister(worker_id)
+
+    def lease(self, holder: str, n: int, ttl_s: float) -> list[Lease]:
+        return self.table.lease(holder, n, ttl_s)
+
+    def renew(self, holder: str, worker_ids: list[str], ttl_s: float) -> list[str]:
+        return self.table.renew(holder, worker_ids, ttl_s)
+
+    def release(self, holder: str, worker_ids: list[str]) -> None:
+        self.table.release(holder, worker_ids)
+
+    def report_failed(self, holder: str, worker_id: str, address: str | None = None) -> None:
+        self.table.report_failed(holder, worker_id, address)
+
+    def snapshot(self) -> list[dict]:
+        return self.table.snapshot()
+
+
+DraftPoolActor = ray.remote(num_cpus=0)(DraftPool)
+
+
+def get_or_create_pool(name: str = POOL_NAME, namespace: str = POOL_NAMESPACE):
+    """The cluster's pool actor (created on first use; needs ray.init beforehand)."""
+    return DraftPoolActor.options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached").remote()

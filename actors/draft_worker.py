@@ -1,0 +1,58 @@
+"""A draft worker as a Ray actor: the plain worker of ssd/transport/draft_worker.py (load the
+draft, listen on a port the OS picks, serve one target session at a time) in a thread of the
+actor, registered with the pool actor under its Ray actor id.
+
+Restarts: started with max_restarts=-1, a worker that dies (its node, its process, `ray.kill`
+without no_restart) is restarted by Ray, which re-runs __init__: it loads the draft again,
+listens on a new port and registers its new address under the same actor id, which frees any
+lease on its former self. It rejoins the pool without operator action. Ray names its process
+`ray::DraftWorkerActor` (see `ps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from ssd.config import EngineConfig
+from ssd.transport.draft_worker import config_fingerprint, load_drafter, make_listener, serve_sessions
+
+logger = logging.getLogger(__name__)
+
+
+class DraftWorker:
+    """Actor body. spec: {"config": EngineConfig fields, "vocab": int, "pool": pool actor handle}."""
+
+    def __init__(self, spec: dict) -> None:
+        import torch
+
+        cfg = EngineConfig(**spec["config"])
+        torch.set_num_threads(cfg.draft_num_threads)
+        self.worker_id = ray.get_runtime_context().get_actor_id()
+        self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
+        drafter = load_drafter(cfg, spec["vocab"])
+        self.stop = threading.Event()
+        fp = config_fingerprint(cfg, spec["vocab"])
+        self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, fp, not cfg.ssd_reproducible, self.stop),
+                                       name="ssd-draft-sessions", daemon=True)
+        self.thread.start()
+        self.pool = spec["pool"]
+        ray.get(self.pool.register.remote(self.worker_id, self.listener.address))
+        logger.info("draft worker %s listening at %s", self.worker_id, self.listener.address)
+
+    def address(self) -> str:
+        return self.listener.address
+
+    def ping(self) -> bool:
+        return self.thread.is_alive()
+
+    def shutdown(self) -> None:
+        """Leave the pool and stop serving (the actor itself stays until killed)."""
+        self.stop.set()
+        ray.get(self.pool.unregister.remote(self.worker_id))
+        self.listener.close()
+
+
+DraftWorkerActor = ray.remote(max_restarts=-1, max_task_retries=-1)(DraftWorker)

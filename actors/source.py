@@ -1,0 +1,128 @@
+"""Draft workers leased from the Ray pool: the `WorkerSource` (ssd/transport/pool.py) a target's
+DraftPool uses when draft_launcher resolves to "ray".
+
+acquire() leases one free worker from the pool actor and connects to it directly (torch or
+grpc); discard() releases the lease, and reports the worker when it failed, so the pool stops
+handing it out until Ray has restarted it and it has registered again. A daemon thread renews
+every held lease each ttl/3; a target that dies stops renewing and its leases expire.
+
+start_draft_workers() starts worker actors with the resources asked for (CPUs, GPUs, custom
+resources, node labels), so that drafts land where they should; RayLeasedWorkers starts
+`start_workers` of them itself when the pool has fewer free workers than that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+import ray
+
+from actors.draft_pool import get_or_create_pool
+from actors.draft_worker import DraftWorkerActor
+from ssd.config import EngineConfig
+from ssd.transport.channel import DrafterUnavailable
+from ssd.transport.draft_process import RemoteClient
+from ssd.transport.draft_worker import config_fingerprint
+
+logger = logging.getLogger(__name__)
+
+RESOURCE_KEYS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
+
+
+def _actor_options(resources: dict | None) -> dict:
+    options = {"num_cpus": 1, **(resources or {})}
+    unknown = set(options) - set(RESOURCE_KEYS)
+    if unknown:
+        raise ValueError(f"draft_worker_resources: unknown keys {sorted(unknown)}; allowed: {list(RESOURCE_KEYS)}")
+    return options
+
+
+def start_draft_workers(config: EngineConfig, vocab: int, n: int, pool=None, resources: dict | None = None,
+                        timeout_s: float = 300.0) -> list:
+    """Start n draft worker actors and wait until each has registered with the pool."""
+    pool = pool or get_or_create_pool()
+    spec = {"config": dataclasses.asdict(config), "vocab": vocab, "pool": pool}
+    actors = [DraftWorkerActor.options(**_actor_options(resources)).remote(spec) for _ in range(n)]
+    ready, pending = ray.wait([a.ping.remote() for a in actors], num_returns=n, timeout=timeout_s)
+    if pending:
+        raise DrafterUnavailable(f"{len(pending)} of {n} draft worker actors did not start within {timeout_s:.0f} s "
+                                 "(not enough free resources? see draft_worker_resources)")
+    return actors
+
+
+class RayLeasedWorkers:
+    def __init__(self, config: EngineConfig, vocab: int, pool=None, holder: str | None = None, lease_ttl_s: float = 30.0,
+                 start_workers: int = 0, resources: dict | None = None, acquire_timeout_s: float = 120.0) -> None:
+        if config.draft_transport not in ("torch", "grpc"):
+            raise ValueError(f"Ray draft workers are reached over draft_transport 'torch' or 'grpc', not {config.draft_transport!r}")
+        self.config, self.vocab, self.ttl_s, self.acquire_timeout_s = config, vocab, lease_ttl_s, acquire_timeout_s
+        self.pool = pool or get_or_create_pool()
+        self.holder = holder or f"target-{uuid.uuid4().hex[:12]}"
+        self.fp = config_fingerprint(config, vocab)
+        self.held: dict[int, tuple[str, str]] = {}  # id(link) -> (worker id, address)
+        self.actors: list = []  # workers this source started (killed on close)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        free = sum(w["holder"] is None for w in ray.get(self.pool.snapshot.remote()))
+        if start_workers > free:
+            self.actors = start_draft_workers(config, vocab, start_workers - free, self.pool, resources)
+        self._renewer = threading.Thread(target=self._renew_loop, name="ssd-lease-renewer", daemon=True)
+        self._renewer.start()
+
+    def acquire(self) -> RemoteClient:
+        end = time.monotonic() + self.acquire_timeout_s
+        while True:
+            leases = ray.get(self.pool.lease.remote(self.holder, 1, self.ttl_s))
+            if leases:
+                lease = leases[0]
+                try:
+                    link = RemoteClient.connect(lease.address, self.fp, self.config.draft_deadline_s,
+                                                f"ray worker {lease.worker_id[:8]} at {lease.address}", self.config.draft_device)
+                except DrafterUnavailable:
+                    self.pool.report_failed.remote(self.holder, lease.worker_id, lease.address)
+                    raise
+                with self._lock:
+                    self.held[id(link)] = (lease.worker_id, lease.address)
+                return link
+            if time.monotonic() > end:
+                raise DrafterUnavailable(f"no free draft worker in the Ray pool within {self.acquire_timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def discard(self, link: RemoteClient, failed: bool) -> None:
+        link.kill() if failed else link.close()
+        with self._lock:
+            held = self.held.pop(id(link), None)
+        if held is not None:
+            worker_id, address = held
+            if failed:
+                ray.get(self.pool.report_failed.remote(self.holder, worker_id, address))
+            else:
+                ray.get(self.pool.release.remote(self.holder, [worker_id]))
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            with self._lock:
+                ids = [worker_id for worker_id, _ in self.held.values()]
+            if ids:
+                kept = ray.get(self.pool.renew.remote(self.holder, ids, self.ttl_s))
+                lost = set(ids) - set(kept)
+                if lost:  # the pool gave them away (we renewed too late): the channel will fail and be replaced
+                    logger.warning("leases on draft workers %s expired before renewal", sorted(lost))
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            ids, self.held = [worker_id for worker_id, _ in self.held.values()], {}
+        if ids:
+            ray.get(self.pool.release.remote(self.holder, ids))
+        if self.actors:
+            try:  # each leaves the pool itself, then goes
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                logger.warning("draft worker actors did not all shut down cleanly: %s", err)
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)

@@ -1,0 +1,102 @@
+"""Leases on draft workers: which target holds which worker, until when.
+
+A worker registers its address; a target (holder) leases free workers for `ttl_s` seconds and
+renews its leases while it uses them; a lease not renewed in time expires and frees the worker,
+so a target that dies gives its workers back without anybody noticing it died. A holder releases
+a worker it no longer needs, and reports one that failed under it: that worker is out of the
+pool until it registers again (a restarted worker re-registers by itself).
+
+Invariants: a worker is leased by at most one holder at a time; an expired lease is never
+renewed; a re-registration (the worker restarted) ends any lease on it.
+
+Plain Python: the Ray pool actor (actors/draft_pool.py) wraps one, tests drive one with a fake
+clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lease:
+    worker_id: str
+    address: str
+    holder: str
+    expires_at: float  # on the table's clock
+
+
+@dataclass
+class _Worker:
+    address: str
+    holder: str | None = None
+    expires_at: float = 0.0
+
+
+class LeaseTable:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.workers: dict[str, _Worker] = {}
+        self.expired = 0  # leases that ran out (their holder stopped renewing)
+
+    def _free(self, w: _Worker, now: float) -> bool:
+        if w.holder is not None and w.expires_at <= now:
+            w.holder = None
+            self.expired += 1
+        return w.holder is None
+
+    def register(self, worker_id: str, address: str) -> None:
+        """A worker is (again) available at `address`; a lease on its former self ends."""
+        self.workers[worker_id] = _Worker(address)
+
+    def unregister(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+
+    def lease(self, holder: str, n: int, ttl_s: float) -> list[Lease]:
+        """Up to n free workers for `holder`, for ttl_s seconds (fewer, or none, if fewer are free)."""
+        if n < 0:
+            raise ValueError(f"lease: n must be >= 0, got {n}")
+        if ttl_s <= 0:
+            raise ValueError(f"lease: ttl_s must be > 0, got {ttl_s}")
+        now = self.clock()
+        out = []
+        for worker_id, w in self.workers.items():
+            if len(out) == n:
+                break
+            if self._free(w, now):
+                w.holder, w.expires_at = holder, now + ttl_s
+                out.append(Lease(worker_id, w.address, holder, w.expires_at))
+        return out
+
+    def renew(self, holder: str, worker_ids: list[str], ttl_s: float) -> list[str]:
+        """Extend `holder`'s leases; -> the ids it still holds (an expired one is lost)."""
+        if ttl_s <= 0:
+            raise ValueError(f"renew: ttl_s must be > 0, got {ttl_s}")
+        now = self.clock()
+        held = []
+        for worker_id in worker_ids:
+            w = self.workers.get(worker_id)
+            if w is not None and not self._free(w, now) and w.holder == holder:
+                w.expires_at = now + ttl_s
+                held.append(worker_id)
+        return held
+
+    def release(self, holder: str, worker_ids: list[str]) -> None:
+        for worker_id in worker_ids:
+            w = self.workers.get(worker_id)
+            if w is not None and w.holder == holder:
+                w.holder = None
+
+    def report_failed(self, holder: str, worker_id: str, address: str | None = None) -> None:
+        """`holder` saw the worker at `address` fail: out of the pool until it registers again. A
+        worker that has already re-registered (restarted, at a new address) stays."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.holder in (holder, None) and address in (None, w.address):
+            del self.workers[worker_id]
+
+    def snapshot(self) -> list[dict]:
+        now = self.clock()
+        return [{"worker_id": i, "address": w.address, "holder": None if self._free(w, now) else w.holder,
+                 "expires_in_s": max(w.expires_at - now, 0.0) if w.holder else None} for i, w in self.workers.items()]

@@ -1,0 +1,106 @@
+"""Draft workers as Ray actors on a real local Ray cluster (2 CPUs, started once for the module):
+greedy output over the torch and grpc transports equals Hugging Face `generate`; a worker
+actor killed mid-generation leaves the output unchanged, Ray restarts it, it re-registers, and
+the target leases it again; a lease that is not renewed expires and goes to another target.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ssd import EngineArgs, LLM  # noqa: E402
+from test_ssd import MAX_TOKENS, check_greedy, generate_until_replaced, greedy, metric, ssd_llm  # noqa: E402
+
+from refimpl import hf_greedy  # noqa: E402
+from ssd.model.demo_models import VOCAB_SIZE, heldout_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return heldout_prompts(3, prompt_bytes=80) + ["x", "def add(a, b):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_pair, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_pair[0], prompts, MAX_TOKENS)
+
+
+def pool_snapshot() -> list[dict]:
+    from actors.draft_pool import get_or_create_pool
+
+    return ray.get(get_or_create_pool().snapshot.remote())
+
+
+@pytest.mark.parametrize("transport,workers", [("torch", 2), ("grpc", 1)])
+def test_ray_workers_greedy_matches_hf(cluster, tiny_pair, prompts, tiny_reference, transport, workers):
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2) as llm:
+        source = llm.engine.proposer.client.source
+        assert type(source).__name__ == "RayLeasedWorkers" and len(source.actors) == workers  # auto: Ray is running
+        held = [w for w in pool_snapshot() if w["holder"] == source.holder]
+        assert len(held) == workers
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    assert m["cache_hits"] > 0 and min(m["ssd"]["draft_slot_hits"]) > 0, m
+    assert pool_snapshot() == []  # the workers it started left the pool with it
+
+
+def test_a_killed_worker_actor_restarts_rejoins_and_is_leased_again(cluster, tiny_pair, prompts, tiny_reference):
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_transport="torch", draft_workers=1, ssd_backup="neural", max_num_seqs=2) as llm:
+        engine, source = llm.engine, llm.engine.proposer.client.source
+        before = {w["worker_id"]: w["address"] for w in pool_snapshot()}
+        for p in prompts[:2]:
+            engine.add_request(p, greedy())
+        engine.step()
+        engine.step()
+        ray.kill(source.actors[0], no_restart=False)  # Ray restarts it (max_restarts=-1)
+        outs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+        assert sorted(outs.values()) == sorted(tiny_reference[:2])
+        generate_until_replaced(llm, prompts, tiny_reference)
+        after = {w["worker_id"]: w["address"] for w in pool_snapshot()}
+        assert set(after) == set(before) and after != before  # the same actor, re-registered at a new port
+        hits = llm.metrics()["cache_hits"]
+        check_greedy(llm, prompts, tiny_reference)
+        assert llm.metrics()["cache_hits"] > hits and metric(llm.metrics(), "draft_worker_failures") == 1
+
+
+def test_a_lease_not_renewed_expires_and_another_target_gets_the_worker(cluster, tiny_pair):
+    from actors.source import start_draft_workers
+
+    from actors.draft_pool import get_or_create_pool
+
+    config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
+    pool = get_or_create_pool()
+    actors = start_draft_workers(config, VOCAB_SIZE, 1, pool)
+    try:
+        first = ray.get(pool.lease.remote("crashed-target", 1, 1.0))
+        assert len(first) == 1 and ray.get(pool.lease.remote("second-target", 1, 1.0)) == []
+        time.sleep(1.2)  # the first target never renews
+        second = ray.get(pool.lease.remote("second-target", 1, 30.0))
+        assert [x.worker_id for x in second] == [first[0].worker_id]
+        assert ray.get(pool.renew.remote("crashed-target", [first[0].worker_id], 30.0)) == []
+    finally:
+        for a in actors:
+            ray.get(a.shutdown.remote())
+            ray.kill(a, no_restart=True)
+
+
+def test_ray_launcher_refuses_a_transport_that_cannot_cross_nodes(tiny_pair):
+    with pytest.raises(ValueError, match="draft_launcher='ray'.*torch' or 'grpc'"):
+        LLM(*tiny_pair, mode="ssd", draft_launcher="ray", draft_transport="shm")
