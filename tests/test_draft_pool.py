@@ -12,27 +12,13 @@ import pytest
 import torch
 
 from ssd.transport.wire import MsgType, encode
-from test_ssd import MAX_TOKENS, check_greedy, generate_until_replaced, greedy, metric, ssd_llm, worker_process
+from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
+    check_greedy, generate_until_replaced, greedy, metric, no_leaked_workers, prompts, ssd_llm, tiny_reference, worker_process,
+)
 from workers import live_draft_workers
 
 from refimpl import hf_greedy
 from ssd.model.demo_models import heldout_prompts
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    return heldout_prompts(3, prompt_bytes=80) + ["x", "def add(a, b):\n    return"]
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_pair, prompts) -> list[list[int]]:
-    return hf_greedy(tiny_pair[0], prompts, MAX_TOKENS)
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_workers():
-    yield
-    assert live_draft_workers() == []
 
 
 def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, tiny_reference):

@@ -13,10 +13,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ssd import EngineArgs, LLM  # noqa: E402
-from test_ssd import MAX_TOKENS, check_greedy, generate_until_replaced, greedy, metric, ssd_llm  # noqa: E402
+from test_ssd import check_greedy, generate_until_replaced, greedy, metric, prompts, ssd_llm, tiny_reference  # noqa: E402, F401
 
-from refimpl import hf_greedy  # noqa: E402
-from ssd.model.demo_models import VOCAB_SIZE, heldout_prompts  # noqa: E402
+from ssd.model.demo_models import VOCAB_SIZE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +23,6 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    return heldout_prompts(3, prompt_bytes=80) + ["x", "def add(a, b):\n    return"]
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_pair, prompts) -> list[list[int]]:
-    return hf_greedy(tiny_pair[0], prompts, MAX_TOKENS)
 
 
 def pool_snapshot() -> list[dict]:
