@@ -1,11 +1,10 @@
-"""How the target reaches its drafter: one client interface, one channel interface, several transports.
+"""How the target reaches its drafters: one client interface, one channel interface, several transports.
 
-`DraftClient` is what the SSD proposer calls. `InProcessClient` runs the drafter in the caller's
-thread (unit tests, debugging: no overlap with verification). The process transport
-(ssd/transport/draft_process.py) runs it in a worker process (ssd/transport/draft_worker.py) and talks to it over a
-`Channel`: shared-memory mailboxes (ssd/transport/shm_channel.py) or a torch.distributed pair group
-(ssd/transport/gloo_channel.py).
-"""
+`DraftClient` is what the SSD proposer calls: `InProcessClient` runs the drafter in the caller's
+thread (unit tests, debugging: no overlap with verification); `DraftPool` (pool.py) runs D
+workers, each reached through a `ProcessClient` or `RemoteClient` (draft_process.py) over a `Channel`: shared-memory
+mailboxes (shm_channel.py), a torch.distributed pair group (torch_channel.py, gloo_channel.py)
+or a gRPC stream (grpc_channel.py). A worker that others connect to offers a `Listener`."""
 
 from __future__ import annotations
 

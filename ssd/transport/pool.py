@@ -3,7 +3,7 @@
 Glossary:
     slot      one of the D places of the pool; slot w builds share w of every round's branch
               grid (branches n with n mod D = w, ssd/drafting/drafter.py)
-    link      the target's end of one worker (`WorkerClient`, ssd/transport/draft_process.py)
+    link      the target's end of one worker (`ProcessClient` or `RemoteClient`, ssd/transport/draft_process.py)
     source    where links come from (`WorkerSource`): worker processes this process starts, or
               workers leased from a shared pool (actors/); acquire() blocks, discard() gives
               one back (killed, or its lease released and reported)
@@ -65,7 +65,7 @@ def slot_seed(seed: int, slot: int, incarnation: int) -> int:
 
 
 class WorkerLink(Protocol):
-    """What the pool needs of one worker's client (ssd/transport/draft_process.py WorkerClient)."""
+    """What the pool needs of one worker's client (ProcessClient, RemoteClient in ssd/transport/draft_process.py)."""
 
     name: str
     rejected: int  # stale or duplicated replies it dropped
