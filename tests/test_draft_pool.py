@@ -8,6 +8,8 @@ output. The sampled exactness of D = 2 is in test_ssd_process_sampling.py.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -175,3 +177,22 @@ def test_listening_transports_greedy_matches_hf(tiny_pair, prompts, tiny_referen
         m = llm.metrics()
     assert m["cache_hits"] > 0 and min(m["ssd"]["draft_slot_hits"]) > 0, m
     assert m["ssd"]["draft_worker_failures"] == 0, m
+
+
+def test_closing_while_a_replacement_starts_leaves_no_worker(tiny_pair, prompts):
+    """Regression: a replacement still starting when the engine closed outlived it (close() did
+    not wait for the refill, which discarded its worker only later)."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, ssd_backup="neural") as llm:
+        llm.generate(prompts[:1], greedy(4))
+        victim = worker_process(llm)
+        victim.kill()
+        victim.wait(10)
+        llm.generate(prompts[:1], greedy(4))  # the loss is noticed; a replacement starts in the background
+        assert metric(llm.metrics(), "draft_worker_failures") == 1
+        end = time.monotonic() + 60
+        while not live_draft_workers():  # close while the replacement's process is up but not yet attached
+            assert time.monotonic() < end, "no replacement process started"
+            time.sleep(0.01)
+        assert metric(llm.metrics(), "draft_worker_replacements") == 0
+    assert live_draft_workers() == []

@@ -52,6 +52,7 @@ from ssd.transport.rows import assemble, take
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+CLOSE_REFILL_WAIT_S = 120.0  # a worker being started when the pool closes: its model load, then READY
 
 
 def slot_seed(seed: int, slot: int, incarnation: int) -> int:
@@ -128,6 +129,8 @@ class DraftPool:
         self._ready: list[tuple[int, WorkerLink]] = []  # replacements waiting for a round boundary
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # wakes refills that are waiting to retry
+        self._refills: list[threading.Thread] = []  # close() waits for them: a worker one starts must not outlive the pool
         self.failures = 0  # links lost since the start
         self.replacements = 0  # links attached after a failure
         self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
@@ -184,14 +187,16 @@ class DraftPool:
         slot.refilling = True
 
         def acquire() -> None:
-            time.sleep(slot.backoff_s)
+            if self._closing.wait(slot.backoff_s):
+                return
             delay = 0.5
             while not self._closed:
                 try:
                     link = self.source.acquire()
                 except DrafterUnavailable as err:
                     logger.warning("no replacement for draft slot %d yet (%s); retrying in %.1f s", w, err, delay)
-                    time.sleep(delay)
+                    if self._closing.wait(delay):
+                        return
                     delay = min(delay * 2, 30.0)
                     continue
                 with self._lock:
@@ -201,7 +206,9 @@ class DraftPool:
                         self._ready.append((w, link))
                 return
 
-        threading.Thread(target=acquire, name=f"ssd-draft-refill-{w}", daemon=True).start()
+        thread = threading.Thread(target=acquire, name=f"ssd-draft-refill-{w}", daemon=True)
+        self._refills.append(thread)
+        thread.start()
 
     def _attach_ready(self) -> None:
         with self._lock:
@@ -417,6 +424,12 @@ class DraftPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        self._closing.set()
+        for thread in self._refills:  # a refill that is starting a worker discards it once started
+            thread.join(CLOSE_REFILL_WAIT_S)
+            if thread.is_alive():
+                logger.error("a draft worker refill did not finish within %.0f s of close()", CLOSE_REFILL_WAIT_S)
+        with self._lock:
             ready, self._ready = self._ready, []
         for _, link in ready:
             self.source.discard(link, failed=False)
