@@ -33,11 +33,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from ssd.transport.channel import DrafterUnavailable
+from ssd.transport.channel import DrafterUnavailable, WorkerLink, WorkerSource
 from ssd.transport.messages import (
     AdmitMsg,
     BeginRoundMsg,
@@ -63,34 +62,6 @@ def slot_seed(seed: int, slot: int, incarnation: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 2  # 62 bits, like the seeds the proposer draws
-
-
-class WorkerLink(Protocol):
-    """What the pool needs of one worker's client (ProcessClient, RemoteClient in ssd/transport/draft_process.py)."""
-
-    name: str
-    rejected: int  # stale or duplicated replies it dropped
-
-    def join(self, shard: int, num_shards: int) -> None: ...
-    def admit(self, msg: AdmitMsg) -> None: ...
-    def release(self, msg: ReleaseMsg) -> None: ...
-    def begin_round(self, msg: BeginRoundMsg) -> None: ...
-    def predict(self, msg: BeginRoundMsg) -> None: ...
-    def resolve(self, msg: ResolveMsg) -> None: ...
-    def reply(self, msg: ResolveMsg, deadline_s: float) -> SpeculationReply: ...
-    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply: ...
-    def kill(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class WorkerSource(Protocol):
-    def acquire(self) -> WorkerLink:
-        """A ready worker (blocks while one starts or is leased); DrafterUnavailable if none can be had."""
-
-    def discard(self, link: WorkerLink, failed: bool) -> None:
-        """Give a worker back: closed or killed, its lease released (and, if failed, reported)."""
-
-    def close(self) -> None: ...
 
 
 @dataclass
