@@ -188,6 +188,19 @@ def test_draft_workers_rows(pair, tmp_path, caplog):
         assert any("share cores" in r.getMessage() for r in caplog.records)
 
 
+def test_draft_transport_rows(pair, tmp_path):
+    target, draft = pair
+    results = bench.run(parse([
+        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6",
+        "--temperatures", "0", "--settings", "paper", "--modes", "ssd", "--draft-transports", "shm,grpc",
+        "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
+    ]))
+    runs = {r["mode"]: r for r in results["runs"]}
+    assert list(runs) == ["ssd tr=shm", "ssd tr=grpc"] and runs["ssd tr=grpc"]["draft_transport"] == "grpc"
+    with pytest.raises(ValueError, match="--draft-transports: unknown"):
+        bench.run(parse(["--target", target, "--draft", draft, "--draft-transports", "pigeon", "--out-dir", str(tmp_path)]))
+
+
 def test_table_lists_every_run(bench_run):
     results, _ = bench_run
     table = bench.format_table(results["runs"])

@@ -9,6 +9,7 @@ Runners are built inside a worker process; torch, transformers and the engine ar
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -180,28 +181,27 @@ class Variant:
             out["saguaro_c"] = self.ssd_options["saguaro_c"]
         if "ssd_budget" in self.ssd_options:
             out["ssd_budget"] = self.ssd_options["ssd_budget"]
-        if "draft_workers" in self.ssd_options:
-            out["draft_workers"] = self.ssd_options["draft_workers"]
+        for key in ("draft_workers", "draft_transport"):
+            if key in self.ssd_options:
+                out[key] = self.ssd_options[key]
         return out
 
 
 def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int] | None,
-             workers: list[int] | None = None) -> list[Variant]:
-    """Every mode once, and every SSD mode once per (C, B, D) combination of the sweep."""
+             workers: list[int] | None = None, transports: list[str] | None = None) -> list[Variant]:
+    """Every mode once, and every SSD mode once per (C, B, D, transport) combination of the sweep."""
     out = []
     for name in modes:
-        if not MODES[name].ssd or (saguaro_c is None and budgets is None and workers is None):
+        if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports)):
             out.append(Variant(name, name, {}))
             continue
-        for c in saguaro_c or [None]:
-            for b in budgets or [None]:
-                for d in workers or [None]:
-                    values = (("saguaro_c", "C", c), ("ssd_budget", "B", b), ("draft_workers", "D", d))
-                    options = {key: v for key, _, v in values if v is not None}
-                    if b is not None:  # a swept budget is the budget: the sizer would move it
-                        options["ssd_autobudget"] = False
-                    suffix = "".join(f" {tag}={v:g}" for _, tag, v in values if v is not None)
-                    out.append(Variant(name + suffix, name, options))
+        for c, b, d, tr in itertools.product(saguaro_c or [None], budgets or [None], workers or [None], transports or [None]):
+            values = (("saguaro_c", "C", c), ("ssd_budget", "B", b), ("draft_workers", "D", d), ("draft_transport", "tr", tr))
+            options = {key: v for key, _, v in values if v is not None}
+            if b is not None:  # a swept budget is the budget: the sizer would move it
+                options["ssd_autobudget"] = False
+            suffix = "".join(f" {tag}={v:g}" if not isinstance(v, str) else f" {tag}={v}" for _, tag, v in values if v is not None)
+            out.append(Variant(name + suffix, name, options))
     return out
 
 

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--saguaro-c", default=None, help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows labelled C=...). Default: the engine's default only.")
     parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value with that fixed budget (rows labelled B=...; the adaptive budget is off in those rows). Default: the engine's default (adaptive, at most 16).")
     parser.add_argument("--draft-workers", default=None, help="Comma-separated numbers D >= 1 of draft workers sharing the speculation tree: every SSD mode runs once per value (rows labelled D=...; each worker builds ssd_budget branches, so the tree covers D times as many). Default: 1. With more workers than free cores the workers share cores, and the output says so.")
+    parser.add_argument("--draft-transports", default=None, help="Comma-separated draft transports (shm, gloo, torch, grpc): every SSD mode runs once per value (rows labelled tr=...), to compare what each costs per round. Default: the engine's default (shm).")
     parser.add_argument("--contention", action="store_true", help="Only run the contention A/B: the target's verification time with its drafter process idle, building a tree, or spinning (ssd/bench/contention.py).")
     parser.add_argument("--contention-cycles", type=int, default=20, help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).")
     parser.add_argument("--repeats", type=int, default=1, help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio as the median over repeats with its range.")
@@ -68,6 +69,7 @@ class BenchPlan:
     saguaro_c: list[float] | None = None  # SSD variants to run (None: the engine's default)
     ssd_budgets: list[int] | None = None
     draft_workers: list[int] | None = None
+    draft_transports: list[str] | None = None
     repeats: int = 1
 
 
@@ -113,6 +115,12 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
             raise ValueError(f"--draft-workers takes comma-separated integers >= 1: {err}") from None
         if any(not 1 <= d <= 64 for d in workers):
             raise ValueError(f"--draft-workers values must be in [1, 64], got {workers}")
+    transports = None
+    if get("draft_transports") is not None:
+        transports = _split(get("draft_transports"), "draft-transports")
+        unknown = [t for t in transports if t not in ("shm", "gloo", "torch", "grpc")]
+        if unknown:
+            raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
     repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
     for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps), ("repeats", repeats),
@@ -140,6 +148,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         saguaro_c=saguaro_c,
         ssd_budgets=budgets,
         draft_workers=workers,
+        draft_transports=transports,
         repeats=repeats,
         contention=bool(get("contention", False)),
         contention_cycles=cycles,
