@@ -3,8 +3,16 @@ behind a named actor, so every target worker of a cluster finds the same pool by
 
 The pool holds no model and no channel: workers register their addresses, targets lease
 workers and then talk to them directly. It takes no CPU (num_cpus=0), so it never competes
-with a worker for one. It is detached: it outlives the driver that created it, as a pool shared
-by Serve replicas must; `ray.kill` it to remove it.
+with a worker for one.
+
+Lifetime: detached. Whoever calls get_or_create_pool first creates it, and that is an arbitrary
+target replica or driver; an owned actor would die with it and take every other target's leases
+and every worker's registration along. Detached, it lives as long as the cluster; `ray.kill` it
+to remove it. It is named in an explicit namespace ("ssd"), so drivers and Serve replicas in
+namespaces of their own find the same one. It is not restarted by Ray: a restarted pool would be
+empty, since workers register only when they (re)start. If it is lost anyway (its node died),
+the next get_or_create_pool creates an empty one, and the running workers must be restarted to
+join it (targets waiting for a worker say so: DrafterUnavailable after their acquire timeout).
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ POOL_NAME = "ssd-draft-pool"
 POOL_NAMESPACE = "ssd"
 
 
-class DraftPool:
-    """Actor body: each method is the LeaseTable's (see there)."""
+@ray.remote(num_cpus=0)
+class DraftPoolActor:
+    """Each method is the LeaseTable's (see there). Ray titles its process `ray::DraftPoolActor`."""
 
     def __init__(self) -> None:
         self.table = LeaseTable()
@@ -43,9 +52,6 @@ class DraftPool:
 
     def snapshot(self) -> list[dict]:
         return self.table.snapshot()
-
-
-DraftPoolActor = ray.remote(num_cpus=0)(DraftPool)
 
 
 def get_or_create_pool(name: str = POOL_NAME, namespace: str = POOL_NAMESPACE):

@@ -5,8 +5,11 @@ actor, registered with the pool actor under its Ray actor id.
 Restarts: started with max_restarts=-1, a worker that dies (its node, its process, `ray.kill`
 without no_restart) is restarted by Ray, which re-runs __init__: it loads the draft again,
 listens on a new port and registers its new address under the same actor id, which frees any
-lease on its former self. It rejoins the pool without operator action. Ray names its process
-`ray::DraftWorkerActor` (see `ps`).
+lease on its former self. It rejoins the pool without operator action.
+
+Ray titles an actor's process after its class: `ray::DraftWorkerActor` in `ps` (the class is
+defined under that name for this reason; a wrapper `ray.remote(DraftWorker)` would be titled
+`ray::DraftWorker`).
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ from ssd.transport.draft_worker import config_fingerprint, load_drafter, make_li
 logger = logging.getLogger(__name__)
 
 
-class DraftWorker:
-    """Actor body. spec: {"config": EngineConfig fields, "vocab": int, "pool": pool actor handle}."""
+@ray.remote(max_restarts=-1, max_task_retries=-1)
+class DraftWorkerActor:
+    """spec: {"config": EngineConfig fields, "vocab": int, "pool": pool actor handle}. The same
+    spec is kept by Ray and given to every restart."""
 
     def __init__(self, spec: dict) -> None:
         import torch
 
         cfg = EngineConfig(**spec["config"])
         torch.set_num_threads(cfg.draft_num_threads)
-        self.worker_id = ray.get_runtime_context().get_actor_id()
+        self.worker_id = ray.get_runtime_context().get_actor_id()  # stable across restarts
         self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
         drafter = load_drafter(cfg, spec["vocab"])
         self.stop = threading.Event()
@@ -38,6 +43,7 @@ class DraftWorker:
         self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, fp, not cfg.ssd_reproducible, self.stop),
                                        name="ssd-draft-sessions", daemon=True)
         self.thread.start()
+        # Registered only once it serves: a target that leases it can connect at once.
         self.pool = spec["pool"]
         ray.get(self.pool.register.remote(self.worker_id, self.listener.address))
         logger.info("draft worker %s listening at %s", self.worker_id, self.listener.address)
@@ -49,10 +55,10 @@ class DraftWorker:
         return self.thread.is_alive()
 
     def shutdown(self) -> None:
-        """Leave the pool and stop serving (the actor itself stays until killed)."""
+        """Stop serving and leave the pool (the actor itself stays until killed)."""
         self.stop.set()
-        ray.get(self.pool.unregister.remote(self.worker_id))
         self.listener.close()
-
-
-DraftWorkerActor = ray.remote(max_restarts=-1, max_task_retries=-1)(DraftWorker)
+        try:
+            ray.get(self.pool.unregister.remote(self.worker_id))
+        except ray.exceptions.RayError as err:  # the pool is gone: nothing to leave
+            logger.warning("draft worker %s could not leave the pool: %s", self.worker_id, err)

@@ -34,6 +34,7 @@ RESOURCE_KEYS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory"
 
 
 def _actor_options(resources: dict | None) -> dict:
+    """Ray actor options from draft_worker_resources: one CPU each unless told otherwise."""
     options = {"num_cpus": 1, **(resources or {})}
     unknown = set(options) - set(RESOURCE_KEYS)
     if unknown:
@@ -41,20 +42,48 @@ def _actor_options(resources: dict | None) -> dict:
     return options
 
 
+def _with_options(options: dict):
+    try:
+        return DraftWorkerActor.options(**options)
+    except (ValueError, TypeError) as err:  # a value Ray refuses, or label_selector on a Ray without it
+        raise ValueError(f"draft_worker_resources {options} refused by Ray {ray.__version__}: {err}") from err
+
+
 def start_draft_workers(config: EngineConfig, vocab: int, n: int, pool=None, resources: dict | None = None,
                         timeout_s: float = 300.0) -> list:
-    """Start n draft worker actors and wait until each has registered with the pool."""
+    """Start n draft worker actors and wait until each has registered with the pool. A worker
+    that fails to start (its draft does not load, say) raises DrafterUnavailable with its error;
+    then none of the n is kept."""
     pool = pool or get_or_create_pool()
     spec = {"config": dataclasses.asdict(config), "vocab": vocab, "pool": pool}
-    actors = [DraftWorkerActor.options(**_actor_options(resources)).remote(spec) for _ in range(n)]
-    ready, pending = ray.wait([a.ping.remote() for a in actors], num_returns=n, timeout=timeout_s)
-    if pending:
-        raise DrafterUnavailable(f"{len(pending)} of {n} draft worker actors did not start within {timeout_s:.0f} s "
-                                 "(not enough free resources? see draft_worker_resources)")
+    cls = _with_options(_actor_options(resources))
+    actors = [cls.remote(spec) for _ in range(n)]
+    try:
+        # ping returns once __init__ did, and __init__ registers last.
+        ready, pending = ray.wait([a.ping.remote() for a in actors], num_returns=n, timeout=timeout_s)
+        if pending:
+            raise DrafterUnavailable(f"{len(pending)} of {n} draft worker actors did not start within {timeout_s:.0f} s "
+                                     "(not enough free resources? see draft_worker_resources)")
+        ray.get(ready)
+    except ray.exceptions.RayError as err:  # an exception in __init__ ends the actor: Ray does not restart it
+        _kill(actors)
+        raise DrafterUnavailable(f"a draft worker actor failed to start: {err}") from err
+    except BaseException:
+        _kill(actors)
+        raise
     return actors
 
 
+def _kill(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
 class RayLeasedWorkers:
+    """`WorkerSource` of workers leased from the pool actor under the name `holder` (a fresh one
+    per source unless given). Starts `start_workers` worker actors itself (placed with
+    `resources`) when the pool has fewer free ones, and stops those on close()."""
+
     def __init__(self, config: EngineConfig, vocab: int, pool=None, holder: str | None = None, lease_ttl_s: float = 30.0,
                  start_workers: int = 0, resources: dict | None = None, acquire_timeout_s: float = 120.0) -> None:
         if config.draft_transport not in ("torch", "grpc"):
@@ -107,22 +136,29 @@ class RayLeasedWorkers:
         while not self._stop.wait(self.ttl_s / 3):
             with self._lock:
                 ids = [worker_id for worker_id, _ in self.held.values()]
-            if ids:
-                kept = ray.get(self.pool.renew.remote(self.holder, ids, self.ttl_s))
-                lost = set(ids) - set(kept)
-                if lost:  # the pool gave them away (we renewed too late): the channel will fail and be replaced
-                    logger.warning("leases on draft workers %s expired before renewal", sorted(lost))
+            if not ids:
+                continue
+            try:
+                kept = ray.get(self.pool.renew.remote(self.holder, ids, self.ttl_s), timeout=self.ttl_s / 3)
+            except (ray.exceptions.RayError, TimeoutError) as err:  # try again next period; the lease lasts ttl
+                logger.warning("could not renew the leases on draft workers %s: %s", sorted(ids), err)
+                continue
+            lost = set(ids) - set(kept)
+            if lost:  # the pool gave them away (we renewed too late): the channel will fail and be replaced
+                logger.warning("leases on draft workers %s expired before renewal", sorted(lost))
 
     def close(self) -> None:
         self._stop.set()
         with self._lock:
             ids, self.held = [worker_id for worker_id, _ in self.held.values()], {}
         if ids:
-            ray.get(self.pool.release.remote(self.holder, ids))
+            try:
+                ray.get(self.pool.release.remote(self.holder, ids), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as err:  # unreleased leases expire on their own
+                logger.warning("could not release the leases on draft workers %s: %s", sorted(ids), err)
         if self.actors:
             try:  # each leaves the pool itself, then goes
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
             except (ray.exceptions.RayError, TimeoutError) as err:
                 logger.warning("draft worker actors did not all shut down cleanly: %s", err)
-            for actor in self.actors:
-                ray.kill(actor, no_restart=True)
+            _kill(self.actors)

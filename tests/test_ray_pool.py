@@ -1,11 +1,15 @@
 """Draft workers as Ray actors on a real local Ray cluster (2 CPUs, started once for the module):
 greedy output over the torch and grpc transports equals Hugging Face `generate`; a worker
 actor killed mid-generation leaves the output unchanged, Ray restarts it, it re-registers, and
-the target leases it again; a lease that is not renewed expires and goes to another target.
+the target leases it again; a lease that is not renewed expires and goes to another target; a
+source's renewer keeps its leases past their ttl and its close() gives them back; a worker that
+cannot start says why; worker processes carry the title `ray::DraftWorkerActor`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
 import time
 
 import pytest
@@ -93,3 +97,55 @@ def test_a_lease_not_renewed_expires_and_another_target_gets_the_worker(cluster,
 def test_ray_launcher_refuses_a_transport_that_cannot_cross_nodes(tiny_pair):
     with pytest.raises(ValueError, match="draft_launcher='ray'.*torch' or 'grpc'"):
         LLM(*tiny_pair, mode="ssd", draft_launcher="ray", draft_transport="shm")
+
+
+def process_titles() -> list[str]:
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_a_source_renews_its_leases_and_close_gives_them_back(cluster, tiny_pair):
+    from actors.source import RayLeasedWorkers
+
+    from ssd.transport.channel import DrafterUnavailable
+
+    config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="grpc").to_config()
+    first = RayLeasedWorkers(config, VOCAB_SIZE, holder="renewing-target", lease_ttl_s=0.9, start_workers=1)
+    try:
+        assert any(t.startswith("ray::DraftWorkerActor") for t in process_titles()), process_titles()
+        link = first.acquire()
+        time.sleep(2.0)  # over twice the ttl: only the renewer (every ttl/3) keeps the lease
+        assert [w["holder"] for w in pool_snapshot()] == ["renewing-target"]
+        second = RayLeasedWorkers(config, VOCAB_SIZE, holder="waiting-target", acquire_timeout_s=0.5)
+        try:
+            with pytest.raises(DrafterUnavailable, match="no free draft worker in the Ray pool within"):
+                second.acquire()
+            first.discard(link, failed=False)  # released: the other target gets it
+            other = second.acquire()
+            assert [w["holder"] for w in pool_snapshot()] == ["waiting-target"]
+        finally:
+            second.close()
+        assert [w["holder"] for w in pool_snapshot()] == [None]  # close() released it
+        other.kill()
+    finally:
+        first.close()
+    assert pool_snapshot() == []  # the worker it started left the pool
+
+
+def test_a_worker_that_cannot_start_says_why(cluster, tiny_pair, tmp_path):
+    from actors.source import start_draft_workers
+
+    from ssd.transport.channel import DrafterUnavailable
+
+    config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
+    broken = dataclasses.replace(config, draft=str(tmp_path / "no-such-model"))
+    with pytest.raises(DrafterUnavailable, match="(?s)failed to start.*no-such-model"):
+        start_draft_workers(broken, VOCAB_SIZE, 1, timeout_s=120)
+    assert pool_snapshot() == []
+
+
+def test_draft_worker_resources_refuse_unknown_keys(tiny_pair):
+    from actors.source import start_draft_workers
+
+    config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
+    with pytest.raises(ValueError, match="unknown keys \\['gpus'\\]; allowed: \\['num_cpus', 'num_gpus'"):
+        start_draft_workers(config, VOCAB_SIZE, 1, pool=object(), resources={"gpus": 1})
