@@ -15,7 +15,7 @@ import torch
 
 from ssd.transport.wire import MsgType, encode
 from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
-    check_greedy, generate_until_replaced, greedy, metric, no_leaked_workers, prompts, ssd_llm, tiny_reference, worker_process,
+    check_greedy, finish, generate_until_replaced, greedy, metric, no_leaked_workers, prompts, ssd_llm, tiny_reference, worker_process,
 )
 from workers import live_draft_workers
 
@@ -70,12 +70,7 @@ def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_refer
         victim = worker_process(llm, slot=1)
         victim.kill()
         victim.wait(10)
-        outs = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    outs[out.request_id] = out.token_ids
-        assert sorted(outs.values()) == sorted(tiny_reference[:2])
+        assert finish(engine) == sorted(tiny_reference[:2])
         assert metric(llm.metrics(), "draft_worker_failures") == 1
         generate_until_replaced(llm, prompts, tiny_reference)
         hits = list(metric(llm.metrics(), "draft_slot_hits"))

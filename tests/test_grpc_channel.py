@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import queue
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ def _stubs_ready() -> bool:
 if not _stubs_ready():
     pytest.skip("gRPC stubs not generated and grpcio-tools not installed (run `make protos`)", allow_module_level=True)
 
+from workers import Proc
 from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
 from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
 from ssd.transport.messages import (AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg,  # noqa: E402
@@ -73,26 +73,6 @@ channel = connect_grpc(sys.argv[1], int(sys.argv[2]), datetime.timedelta(seconds
 print("CONNECTED", flush=True)
 time.sleep(600)
 """
-
-
-class Proc:
-    """A Python subprocess whose stdout lines arrive on a queue."""
-
-    def __init__(self, script: str, *args) -> None:
-        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.put(line.strip())
-
-    def line(self, timeout: float = 30) -> str:
-        return self.lines.get(timeout=timeout)
-
-    def kill(self) -> None:
-        self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ssd import EngineArgs, LLM  # noqa: E402
-from test_ssd import check_greedy, generate_until_replaced, greedy, metric, prompts, ssd_llm, tiny_reference  # noqa: E402, F401
+from test_ssd import check_greedy, finish, generate_until_replaced, greedy, metric, prompts, ssd_llm, tiny_reference  # noqa: E402, F401
 
 from ssd.model.demo_models import VOCAB_SIZE  # noqa: E402
 
@@ -59,12 +59,7 @@ def test_a_killed_worker_actor_restarts_rejoins_and_is_leased_again(cluster, tin
         engine.step()
         engine.step()
         ray.kill(source.actors[0], no_restart=False)  # Ray restarts it (max_restarts=-1)
-        outs = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    outs[out.request_id] = out.token_ids
-        assert sorted(outs.values()) == sorted(tiny_reference[:2])
+        assert finish(engine) == sorted(tiny_reference[:2])
         generate_until_replaced(llm, prompts, tiny_reference)
         after = {w["worker_id"]: w["address"] for w in pool_snapshot()}
         assert set(after) == set(before) and after != before  # the same actor, re-registered at a new port

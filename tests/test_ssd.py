@@ -295,6 +295,16 @@ def worker_process(llm, slot: int = 0):
     return llm.engine.proposer.client.slots[slot].link.process
 
 
+def finish(engine) -> list[list[int]]:
+    """Step the engine until every request finished; -> their token ids, sorted."""
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    return sorted(outs.values())
+
+
 def generate_until_replaced(llm, prompts, expected, seconds: float = 120.0) -> None:
     """Generate (checking every output) until the pool has attached a replacement worker."""
     end = time.monotonic() + seconds

@@ -4,17 +4,14 @@ address, over real processes and gloo on loopback."""
 from __future__ import annotations
 
 import datetime
-import queue
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
+from workers import Proc
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 from ssd.transport.torch_channel import TorchListener, WorkerBusy, connect_torch, parse_torch_address
@@ -51,26 +48,6 @@ channel = connect_torch(sys.argv[1], int(sys.argv[2]), datetime.timedelta(second
 print("CONNECTED", flush=True)
 time.sleep(600)
 """
-
-
-class Proc:
-    """A Python subprocess whose stdout lines arrive on a queue."""
-
-    def __init__(self, script: str, *args) -> None:
-        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.put(line.strip())
-
-    def line(self, timeout: float = 30) -> str:
-        return self.lines.get(timeout=timeout)
-
-    def kill(self) -> None:
-        self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(10)
 
 
 @pytest.fixture(scope="module")

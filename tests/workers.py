@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 from ssd.transport.draft_worker import PROCESS_NAME
@@ -22,3 +27,23 @@ def live_draft_workers(parent: int | None = None) -> list[int]:
         if name == PROCESS_NAME[:15] and int(ppid) == parent and state != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+class Proc:
+    """A Python subprocess whose stdout lines arrive on a queue."""
+
+    def __init__(self, script: str, *args) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.put(line.strip())
+
+    def line(self, timeout: float = 30) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
