@@ -11,27 +11,35 @@ STAMP := $(VENV)/.installed
 # imports its *_pb2.py as ssd.transport._proto.ssd_draft_pb2.
 PROTO_PKG := ssd/transport/_proto
 PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(PROTO_PKG)=protos --python_out=. --grpc_python_out=.
+# The public API's stubs (serve_app/grpc_api.py and Serve's gRPC proxy), the same way.
+SERVE_PROTO_PKG := serve_app/_proto
+SERVE_PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(SERVE_PROTO_PKG)=protos --python_out=. --grpc_python_out=.
 
 .PHONY: install protos serve test bench demo-models clean
 
-install: $(STAMP) $(PROTO_PKG)/ssd_draft_pb2_grpc.py
+install: $(STAMP) $(PROTO_PKG)/ssd_draft_pb2_grpc.py $(SERVE_PROTO_PKG)/ssd_serve_pb2_grpc.py
 
-$(STAMP): pyproject.toml protos/ssd_draft.proto
+$(STAMP): pyproject.toml protos/ssd_draft.proto protos/ssd_serve.proto
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(PROTOC) protos/ssd_draft.proto
+	$(SERVE_PROTOC) protos/ssd_serve.proto
 	touch $(STAMP)
 
 # Stubs deleted or older than the proto (e.g. after a git clean) with the venv still installed.
 $(PROTO_PKG)/ssd_draft_pb2_grpc.py: protos/ssd_draft.proto | $(STAMP)
 	$(PROTOC) protos/ssd_draft.proto
 
+$(SERVE_PROTO_PKG)/ssd_serve_pb2_grpc.py: protos/ssd_serve.proto | $(STAMP)
+	$(SERVE_PROTOC) protos/ssd_serve.proto
+
 protos:
 	$(PROTOC) protos/ssd_draft.proto
+	$(SERVE_PROTOC) protos/ssd_serve.proto
 
 serve: install
-	$(BIN)/ssd generate --prompt "def fibonacci(n):" --max-tokens 128 --mode sd --stream
+	$(BIN)/ssd serve
 
 test: install
 	$(BIN)/python -m pytest -q

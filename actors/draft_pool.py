@@ -32,14 +32,14 @@ class DraftPoolActor:
     def __init__(self) -> None:
         self.table = LeaseTable()
 
-    def register(self, worker_id: str, address: str) -> None:
-        self.table.register(worker_id, address)
+    def register(self, worker_id: str, address: str, fingerprint: int | None = None) -> None:
+        self.table.register(worker_id, address, fingerprint)
 
     def unregister(self, worker_id: str) -> None:
         self.table.unregister(worker_id)
 
-    def lease(self, holder: str, n: int, ttl_s: float) -> list[Lease]:
-        return self.table.lease(holder, n, ttl_s)
+    def lease(self, holder: str, n: int, ttl_s: float, fingerprint: int | None = None) -> list[Lease]:
+        return self.table.lease(holder, n, ttl_s, fingerprint)
 
     def renew(self, holder: str, worker_ids: list[str], ttl_s: float) -> list[str]:
         return self.table.renew(holder, worker_ids, ttl_s)

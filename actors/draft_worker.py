@@ -25,40 +25,55 @@ from ssd.transport.draft_worker import config_fingerprint, load_drafter, make_li
 logger = logging.getLogger(__name__)
 
 
-@ray.remote(max_restarts=-1, max_task_retries=-1)
-class DraftWorkerActor:
-    """spec: {"config": EngineConfig fields, "vocab": int, "pool": pool actor handle}. The same
-    spec is kept by Ray and given to every restart."""
+class PoolMember:
+    """A draft worker serving sessions in a thread of this process, registered with the pool
+    actor under `worker_id` once it listens. Used by DraftWorkerActor and by the Serve app's
+    draft deployment (serve_app/deployments.py)."""
 
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, cfg: EngineConfig, vocab: int, pool, worker_id: str) -> None:
         import torch
 
-        cfg = EngineConfig(**spec["config"])
         torch.set_num_threads(cfg.draft_num_threads)
-        self.worker_id = ray.get_runtime_context().get_actor_id()  # stable across restarts
+        self.worker_id, self.pool = worker_id, pool
         self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
-        drafter = load_drafter(cfg, spec["vocab"])
+        drafter = load_drafter(cfg, vocab)
         self.stop = threading.Event()
-        fp = config_fingerprint(cfg, spec["vocab"])
+        fp = config_fingerprint(cfg, vocab)
         self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, fp, not cfg.ssd_reproducible, self.stop),
                                        name="ssd-draft-sessions", daemon=True)
         self.thread.start()
         # Registered only once it serves: a target that leases it can connect at once.
-        self.pool = spec["pool"]
-        ray.get(self.pool.register.remote(self.worker_id, self.listener.address))
+        ray.get(self.pool.register.remote(self.worker_id, self.listener.address, fp))
         logger.info("draft worker %s listening at %s", self.worker_id, self.listener.address)
 
-    def address(self) -> str:
-        return self.listener.address
-
-    def ping(self) -> bool:
+    def alive(self) -> bool:
         return self.thread.is_alive()
 
     def shutdown(self) -> None:
-        """Stop serving and leave the pool (the actor itself stays until killed)."""
+        """Stop serving and leave the pool."""
         self.stop.set()
         self.listener.close()
         try:
             ray.get(self.pool.unregister.remote(self.worker_id))
         except ray.exceptions.RayError as err:  # the pool is gone: nothing to leave
             logger.warning("draft worker %s could not leave the pool: %s", self.worker_id, err)
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1)
+class DraftWorkerActor:
+    """spec: {"config": EngineConfig fields, "vocab": int, "pool": pool actor handle}. The same
+    spec is kept by Ray and given to every restart."""
+
+    def __init__(self, spec: dict) -> None:
+        # The actor id is stable across restarts: a restarted worker replaces its former self.
+        self.member = PoolMember(EngineConfig(**spec["config"]), spec["vocab"], spec["pool"], ray.get_runtime_context().get_actor_id())
+
+    def address(self) -> str:
+        return self.member.listener.address
+
+    def ping(self) -> bool:
+        return self.member.alive()
+
+    def shutdown(self) -> None:
+        """Stop serving and leave the pool (the actor itself stays until killed)."""
+        self.member.shutdown()

@@ -96,7 +96,7 @@ class RayLeasedWorkers:
         self.actors: list = []  # workers this source started (killed on close)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        free = sum(w["holder"] is None for w in ray.get(self.pool.snapshot.remote()))
+        free = sum(w["holder"] is None and w["fingerprint"] in (None, self.fp) for w in ray.get(self.pool.snapshot.remote()))
         if start_workers > free:
             self.actors = start_draft_workers(config, vocab, start_workers - free, self.pool, resources)
         self._renewer = threading.Thread(target=self._renew_loop, name="ssd-lease-renewer", daemon=True)
@@ -105,7 +105,7 @@ class RayLeasedWorkers:
     def acquire(self) -> RemoteClient:
         end = time.monotonic() + self.acquire_timeout_s
         while True:
-            leases = ray.get(self.pool.lease.remote(self.holder, 1, self.ttl_s))
+            leases = ray.get(self.pool.lease.remote(self.holder, 1, self.ttl_s, self.fp))
             if leases:
                 lease = leases[0]
                 try:

@@ -1,4 +1,4 @@
-"""The `ssd` command line: generate, bench, build-demo-models."""
+"""The `ssd` command line: serve, generate, bench, build-demo-models."""
 
 from __future__ import annotations
 
@@ -41,11 +41,16 @@ def _flag_options(name: str, field: FieldInfo) -> dict:
     elif annotation in (int, float, str):
         options["type"] = annotation
         options["metavar"] = name.upper()  # not the dest's ENGINE_ prefix
+    elif get_origin(annotation) is list and get_origin(get_args(annotation)[0]) is Literal:  # --flag a b c
+        options["choices"] = list(get_args(get_args(annotation)[0]))
+        options["type"] = type(options["choices"][0])
+        options["nargs"] = "*"
+        options["metavar"] = name.upper()
     elif annotation is dict:  # given as JSON on the command line
         options["type"] = _json_object
         options["metavar"] = "JSON"
     else:
-        raise TypeError(f"EngineArgs.{name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it")
+        raise TypeError(f"config field {name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it")
     return options
 
 
@@ -119,10 +124,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_cli():
+    """serve_app's command module, looked up by name: ssd never imports the Serve layer itself."""
+    import importlib
+
+    try:
+        return importlib.import_module("serve_app.cli")
+    except ImportError as err:
+        raise SystemExit(f"`ssd serve` needs the serve_app package of ssd-serve and Ray Serve installed: {err}") from err
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    return _serve_cli().run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssd", description="Speculative Speculative Decoding: generate, benchmark, build the demo models.")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG, INFO, WARNING, ...).")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on this machine).")
+    _serve_cli().add_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="Generate text offline with the engine and print it with speculation metrics.")
     gen.add_argument("--prompt", action="append", help="A prompt; repeat for several (batched). Default: a Python function header.")

@@ -43,6 +43,7 @@ class EngineArgs(BaseModel):
     draft_split: Literal["outcomes", "sequences"] = Field("outcomes", description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every sequence and builds its share of each round's tree (the tree covers draft_workers x ssd_budget branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, where one worker cannot build every sequence's tree within a verification.")
     draft_launcher: Literal["auto", "process", "ray"] = Field("auto", description="SSD: who starts the draft workers. process: this process starts them as child processes on this host (restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and the transport is torch or grpc, else process.")
     draft_worker_resources: dict | None = Field(None, description="SSD with Ray: the resources of each draft worker actor, e.g. {\"num_cpus\": 1, \"num_gpus\": 0, \"resources\": {\"draft_node\": 1}, \"label_selector\": {...}}, so drafts land on other nodes than targets. Default: one CPU each.")
+    draft_start_workers: bool = Field(True, description="SSD with Ray: start the draft worker actors this engine needs when the shared pool has fewer free ones (and stop them on close). False = only lease workers someone else started, waiting for them (the Serve app, whose draft deployment is the pool).")
     draft_workers: int = Field(1, ge=1, le=64, description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. Not with draft_transport='inprocess'.")
     draft_spin_ms: float = Field(50.0, ge=0.0, le=10_000.0, description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for the next message before it blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the worker's core and costs a wake-up.")
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
@@ -87,6 +88,7 @@ class EngineArgs(BaseModel):
             ssd_reproducible=self.ssd_reproducible,
             draft_transport=self.draft_transport,
             draft_workers=self.draft_workers,
+            draft_start_workers=self.draft_start_workers,
             draft_launcher=self.draft_launcher,
             draft_split=self.draft_split,
             draft_worker_resources=self.draft_worker_resources,
@@ -120,6 +122,7 @@ class EngineConfig:
     ssd_reproducible: bool = False
     draft_transport: str = "shm"
     draft_workers: int = 1
+    draft_start_workers: bool = True
     draft_launcher: str = "auto"
     draft_split: str = "outcomes"
     draft_worker_resources: dict | None = None

@@ -84,3 +84,16 @@ def test_bad_arguments_name_the_parameter(table):
         t.lease("a", -1, 5)
     with pytest.raises(ValueError, match="ttl_s"):
         t.renew("a", ["w0"], -1)
+
+
+def test_workers_of_another_configuration_are_never_leased():
+    """Two applications share the cluster's pool: each target gets only workers of its own
+    fingerprint (an untagged worker serves anybody)."""
+    t = LeaseTable(lambda: 0.0)
+    t.register("a1", "addr-a1", fingerprint=1)
+    t.register("b1", "addr-b1", fingerprint=2)
+    t.register("any", "addr-any")
+    got = t.lease("target-b", 3, 10.0, fingerprint=2)
+    assert [lease.worker_id for lease in got] == ["b1", "any"]
+    assert [lease.worker_id for lease in t.lease("target-a", 3, 10.0, fingerprint=1)] == ["a1"]
+    assert t.lease("target-c", 1, 10.0, fingerprint=3) == []

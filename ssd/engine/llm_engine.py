@@ -11,6 +11,7 @@ of every running sequence holds all its tokens but the last one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -122,11 +123,15 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    max_draft: int | None = None) -> str:
+        """Queue a request; max_draft caps the draft tokens its rounds verify (0 = none)."""
         ids = self.check_request(prompt, params)
+        if max_draft is not None and max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0 (0 = no speculation for this request), got {max_draft}")
         seq_id = next(self._ids)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed))
+        seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), max_draft=max_draft)
         self.waiting.append(seq)
         return seq.request_id
 
@@ -190,6 +195,9 @@ class LLMEngine:
         k = self._round_k()
         t0 = time.perf_counter()
         spec = self.proposer.propose(seqs, k, sampling) if k > 0 else Speculation.empty(b, self.vocab_size)
+        if k > 0 and any(s.max_draft is not None and s.max_draft < k for s in seqs):
+            caps = torch.tensor([k if s.max_draft is None else min(s.max_draft, k) for s in seqs], dtype=torch.long)
+            spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
         t1 = time.perf_counter()
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
         tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
@@ -315,5 +323,5 @@ def draft_worker_source(config: EngineConfig, vocab_size: int):
         source = importlib.import_module("actors.source")
     except ImportError as err:
         raise ValueError(f"draft_launcher='ray' needs the actors package of ssd-serve and Ray installed: {err}") from err
-    return source.RayLeasedWorkers(config, vocab_size, start_workers=config.draft_workers,
+    return source.RayLeasedWorkers(config, vocab_size, start_workers=config.draft_workers if config.draft_start_workers else 0,
                                    resources=config.draft_worker_resources)

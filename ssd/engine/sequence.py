@@ -100,6 +100,10 @@ class Sequence:
     truncated_text: str | None = None  # output text cut before that stop string
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     # Streaming bookkeeping: how much of the output was already handed out.
+    # Most draft tokens this request's rounds verify (a per-request cap below the engine's K; 0
+    # decodes it without speculation); None = the engine's K. Truncating a speculation keeps
+    # verification exact: fewer proposals, same rules.
+    max_draft: int | None = None
     sent_tokens: int = 0
     sent_text: int = 0
     # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).

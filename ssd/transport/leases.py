@@ -6,7 +6,12 @@ so a target that dies gives its workers back without anybody noticing it died. A
 a worker it no longer needs, and reports one that failed under it: that worker is out of the
 pool until it registers again (a restarted worker re-registers by itself).
 
-Invariants: a worker is leased by at most one holder at a time; an expired lease is never
+Workers of different configurations (draft model, K, C, vocabulary: the channel fingerprint) may
+share one table, as two Serve applications on one cluster do: each registers with its
+fingerprint and a target leases only workers of its own.
+
+Invariants: a worker is leased by at most one holder at a time; a worker is only leased to a
+holder asking for its fingerprint; an expired lease is never
 renewed; a re-registration (the worker restarted) ends any lease on it.
 
 Plain Python: the Ray pool actor (actors/draft_pool.py) wraps one, tests drive one with a fake
@@ -31,6 +36,7 @@ class Lease:
 @dataclass
 class _Worker:
     address: str
+    fingerprint: int | None = None  # None: leased to any holder (one-configuration pools)
     holder: str | None = None
     expires_at: float = 0.0
 
@@ -47,15 +53,16 @@ class LeaseTable:
             self.expired += 1
         return w.holder is None
 
-    def register(self, worker_id: str, address: str) -> None:
+    def register(self, worker_id: str, address: str, fingerprint: int | None = None) -> None:
         """A worker is (again) available at `address`; a lease on its former self ends."""
-        self.workers[worker_id] = _Worker(address)
+        self.workers[worker_id] = _Worker(address, fingerprint)
 
     def unregister(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 
-    def lease(self, holder: str, n: int, ttl_s: float) -> list[Lease]:
-        """Up to n free workers for `holder`, for ttl_s seconds (fewer, or none, if fewer are free)."""
+    def lease(self, holder: str, n: int, ttl_s: float, fingerprint: int | None = None) -> list[Lease]:
+        """Up to n free workers for `holder`, for ttl_s seconds (fewer, or none, if fewer are free),
+        of the given fingerprint (workers registered without one match any)."""
         if n < 0:
             raise ValueError(f"lease: n must be >= 0, got {n}")
         if ttl_s <= 0:
@@ -65,6 +72,8 @@ class LeaseTable:
         for worker_id, w in self.workers.items():
             if len(out) == n:
                 break
+            if w.fingerprint not in (None, fingerprint) and fingerprint is not None:
+                continue
             if self._free(w, now):
                 w.holder, w.expires_at = holder, now + ttl_s
                 out.append(Lease(worker_id, w.address, holder, w.expires_at))
@@ -98,5 +107,5 @@ class LeaseTable:
 
     def snapshot(self) -> list[dict]:
         now = self.clock()
-        return [{"worker_id": i, "address": w.address, "holder": None if self._free(w, now) else w.holder,
+        return [{"worker_id": i, "address": w.address, "fingerprint": w.fingerprint, "holder": None if self._free(w, now) else w.holder,
                  "expires_in_s": max(w.expires_at - now, 0.0) if w.holder else None} for i, w in self.workers.items()]

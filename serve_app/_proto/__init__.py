@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of protos/ssd_serve.proto (by `make protos`; never edited, never committed)."""

@@ -1,0 +1,58 @@
+"""The application builder: `serve run serve_app.app:build_app key=value` or a Serve config file
+(serve_config.yaml at the repository root) whose `args` is an AppConfig.
+
+    Ingress (HTTP + gRPC) --handle--> Target x target_replicas --lease--> DraftWorker x draft_pool_size
+
+The target deployment holds the draft deployment's handle only so the pool is part of the same
+application (deployed, scaled and torn down with it); per-round traffic goes over the data
+plane to the workers it leases from the pool actor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from serve_app.config import AppConfig, ServeSettings
+from serve_app.deployments import DraftWorkerDeployment, IngressDeployment, TargetDeployment
+
+# Extra in-flight requests Serve may route to a full target replica: they are refused there at
+# once with the configured status (the replica's own bound is exact), instead of waiting in
+# Serve's router queue.
+ROUTER_SLACK = 16
+
+
+def model_name(settings: ServeSettings) -> str:
+    if settings.model_name:
+        return settings.model_name
+    target = settings.engine.target
+    return "ssd-demo" if target is None else Path(target.rstrip("/")).name
+
+
+def parse_config(args: dict | AppConfig | None) -> AppConfig:
+    """Validate builder args; a bad key or value raises ValueError naming it."""
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig.model_validate(args or {})
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors(include_url=False))
+        raise ValueError(f"invalid ssd-serve application config: {problems}") from None
+
+
+def build_app(args: dict | AppConfig | None = None) -> Application:
+    config = parse_config(args)
+    settings = config.to_settings()
+    pool = None
+    if "ssd" in settings.engine_modes:
+        resources = dict(config.engine.draft_worker_resources or {"num_cpus": 1})
+        pool = DraftWorkerDeployment.options(num_replicas=config.draft_pool_size, ray_actor_options=resources).bind(settings)
+    target = TargetDeployment.options(
+        num_replicas=config.target_replicas,
+        ray_actor_options={"num_cpus": config.target_num_cpus, "num_gpus": config.target_num_gpus},
+        max_ongoing_requests=settings.capacity + ROUTER_SLACK,
+        max_queued_requests=max(1, settings.capacity * config.target_replicas),
+    ).bind(settings, pool)
+    return IngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(settings, target, model_name(settings))

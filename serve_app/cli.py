@@ -1,0 +1,130 @@
+"""`ssd serve`: the application on a local Ray cluster (or the one `ray start --head` started),
+HTTP and gRPC addresses printed, everything shut down on Ctrl-C or SIGTERM.
+
+Flags: one per AppConfig field (--target-replicas, --draft-pool-size, --max-queue, ...) and one
+per engine field (--target, --draft, --mode, --k, --ssd-budget, --draft-workers, ...), with the
+short forms --budget and --transport; --config FILE reads a YAML AppConfig (or a Serve config
+file, whose first application's `args` are taken) and flags given beside it override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import AppConfig
+from ssd.cli import _ENGINE_DEST, _engine_arguments, _flag_options
+
+logger = logging.getLogger("ssd.serve")
+
+APP_NAME = "ssd"
+_APP_DEST = "app_"
+# Server flags beside the config's fields.
+_SERVER_FLAGS = ("host", "port", "grpc_port", "metrics_port", "config")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file: an AppConfig, or a Serve config file (its first application's args). Flags override it.")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on every interface).")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port.")
+    parser.add_argument("--grpc-port", type=int, default=9000, help="gRPC port.")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Port of Ray's Prometheus metrics endpoint when this command starts the Ray cluster (default: Ray picks one).")
+    for name, field in AppConfig.model_fields.items():
+        if name == "engine":
+            continue
+        options = _flag_options(name, field)
+        options["dest"] = _APP_DEST + name
+        parser.add_argument(f"--{name.replace('_', '-')}", **options)
+    _engine_arguments(parser)
+    parser.add_argument("--budget", dest=_ENGINE_DEST + "ssd_budget", type=int, default=argparse.SUPPRESS, help="Short for --ssd-budget.")
+    parser.add_argument("--transport", dest=_ENGINE_DEST + "draft_transport", choices=["torch", "grpc"], default=argparse.SUPPRESS,
+                        help="Short for --draft-transport: the data plane between target replicas and draft workers.")
+
+
+def _file_args(path: str) -> dict:
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping (an AppConfig or a Serve config file)")
+    if "applications" in data:  # a Serve config file: take its first application's args
+        apps = data["applications"] or []
+        if not apps:
+            raise ValueError(f"{path}: the Serve config file lists no applications")
+        return dict(apps[0].get("args") or {})
+    return data
+
+
+def app_config_from(args: argparse.Namespace) -> AppConfig:
+    """The AppConfig of --config and the flags (validated; a bad value raises ValueError naming it)."""
+    from serve_app.app import parse_config
+
+    base = _file_args(args.config) if args.config else {}
+    app = {name: getattr(args, _APP_DEST + name) for name in AppConfig.model_fields if hasattr(args, _APP_DEST + name)}
+    engine = dict(base.pop("engine", None) or {})
+    engine.update({name[len(_ENGINE_DEST):]: value for name, value in vars(args).items() if name.startswith(_ENGINE_DEST)})
+    return parse_config({**base, **app, **({"engine": engine} if engine else {})})
+
+
+def _start_ray(metrics_port: int | None) -> bool:
+    """Attach to a running cluster (RAY_ADDRESS, or one `ray start --head` started on this host);
+    else start a local one. -> whether this process started it."""
+    import ray
+
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+        logger.info("attached to the running Ray cluster")
+        return False
+    except ConnectionError:
+        options = {"_metrics_export_port": metrics_port} if metrics_port else {}
+        ray.init(include_dashboard=False, logging_level=logging.WARNING, **options)
+        return True
+
+
+def run(args: argparse.Namespace) -> int:
+    config = app_config_from(args)  # every user error before any process starts
+    settings = config.to_settings()
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from serve_app.app import build_app, model_name
+    from serve_app.grpc_api import SERVICER_FUNCTIONS
+
+    # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started = _start_ray(args.metrics_port)
+    import ray
+
+    try:
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
+                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        name = model_name(settings)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key or os.environ.get("SSD_API_KEY") else ""
+        sys.stdout.write(
+            f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {config.target_replicas} target replica(s), "
+            f"draft pool {config.draft_pool_size if 'ssd' in settings.engine_modes else 0}\n"
+            f"  HTTP (OpenAI): http://{host}:{args.port}/v1   health: http://{host}:{args.port}/health\n"
+            f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
+            f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, \"temperature\": 0}}'\n"
+            "Ctrl-C stops it.\n"
+        )
+        sys.stdout.flush()
+        while not stop.wait(0.5):
+            pass
+        sys.stdout.write("shutting down\n")
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+    return 0

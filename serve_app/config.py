@@ -1,0 +1,111 @@
+"""The Serve application's configuration: pydantic at the user boundary (the `args` of a Serve
+config file, `ssd serve` flags), a frozen dataclass of derived values inside.
+
+Engine options are EngineArgs' own (ssd/config.py), nested under `engine`; this model adds what
+only a server has: replicas, the draft pool, limits, the API key, the gRPC message bound.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ssd.config import EngineArgs
+
+# The environment variable an API key may come from when the config names none (so a key never
+# has to be written into a Serve config file or a KubeRay manifest).
+API_KEY_ENV = "SSD_API_KEY"
+# Per-request speculation modes a client may ask for, and the engine mode that serves each.
+REQUEST_MODES = {"ssd": "ssd", "sd": "sd", "off": "ar"}
+
+
+# Where a served engine differs from EngineArgs' defaults (offline: sd over shared memory).
+SERVE_ENGINE_DEFAULTS = {"mode": "ssd", "draft_transport": "torch"}
+
+
+class AppConfig(BaseModel):
+    """Everything `serve run` / `ssd serve` takes. Unknown keys are rejected, with their name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineArgs = Field(
+        default_factory=lambda: EngineArgs(**SERVE_ENGINE_DEFAULTS),
+        description="Engine options (see EngineArgs; here mode defaults to ssd and draft_transport to torch): target, draft, mode, k, ssd_budget, saguaro_c, draft_transport, "
+                    "draft_workers (D leased per target replica), draft_worker_resources, max_num_seqs (the maximum batch), ...",
+    )
+    model_name: str | None = Field(None, description="The model id clients send and /v1/models lists; None = the target's directory name (or 'ssd-demo' for the demo pair).")
+    extra_modes: list[Literal["ssd", "sd", "off"]] = Field(
+        default_factory=lambda: ["off"],
+        description="Per-request speculation modes served besides engine.mode (each is one more engine on the same loaded "
+                    "weights in every target replica; 'off' = plain decoding of the target). A request asking for a mode "
+                    "not served gets 400.",
+    )
+    target_replicas: int = Field(1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests).")
+    target_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for each target replica.")
+    target_num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for each target replica (set engine.device='cuda' too).")
+    draft_pool_size: int = Field(1, ge=0, le=4096, description="Draft deployment replicas: the shared pool of draft workers that target replicas lease from (mode ssd). Each target replica leases engine.draft_workers of them, so size the pool to target_replicas x draft_workers.")
+    max_queue: int = Field(64, ge=0, description="Requests a target replica holds waiting beyond its running batch (engine.max_num_seqs); one more is refused at once.")
+    overload_status: Literal[503, 429] = Field(503, description="HTTP status for a request refused because every target replica is full: 503, or 429 with a Retry-After header.")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429.")
+    max_n: int = Field(4, ge=1, le=64, description="Largest `n` (completions per request) accepted.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest HTTP request body accepted; larger gets 413.")
+    max_grpc_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC proxy's maximum message size in bytes (Ray's default is 2 GiB).")
+    api_key: str | None = Field(None, description=f"Bearer token every route but /health requires; None = read from the {API_KEY_ENV} environment variable, unset = no authentication.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none.")
+    chat_template: str | None = Field(None, description="Jinja chat template for /v1/chat/completions; None = the tokenizer's, or a plain 'role: content' template when it has none.")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_defaults(cls, v):
+        return {**SERVE_ENGINE_DEFAULTS, **v} if isinstance(v, dict) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        self.engine.to_config()  # the engine's own checks, with its messages
+        if self.engine.mode == "ssd" and self.draft_pool_size < self.engine.draft_workers:
+            raise ValueError(f"draft_pool_size ({self.draft_pool_size}) is below engine.draft_workers ({self.engine.draft_workers}): "
+                             "each target replica leases that many; raise draft_pool_size")
+        if self.engine.mode == "ssd" and self.engine.draft_transport not in ("torch", "grpc"):
+            raise ValueError(f"engine.draft_transport={self.engine.draft_transport!r}: served draft workers are other Ray actors, "
+                             "reached over 'torch' or 'grpc'")
+        return self
+
+    def to_settings(self) -> "ServeSettings":
+        modes = [self.engine.mode] + [REQUEST_MODES[m] for m in self.extra_modes]
+        engine_modes = tuple(dict.fromkeys(modes))  # first one is the default
+        served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
+        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        return ServeSettings(
+            engine=self.engine, engine_modes=engine_modes, request_modes=served, model_name=self.model_name,
+            capacity=self.engine.max_num_seqs + self.max_queue, max_batch=self.engine.max_num_seqs,
+            overload_status=self.overload_status, retry_after_s=self.retry_after_s, max_n=self.max_n,
+            max_body_bytes=self.max_body_bytes, api_key=key, default_max_tokens=self.default_max_tokens,
+            chat_template=self.chat_template, max_grpc_message_bytes=self.max_grpc_message_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Derived once from AppConfig; what the deployments read."""
+
+    engine: EngineArgs
+    engine_modes: tuple[str, ...]  # engine modes each target replica runs; [0] serves requests that ask for none
+    request_modes: tuple[str, ...]  # speculation.mode values accepted ("ssd", "sd", "off")
+    model_name: str | None
+    capacity: int  # requests one target replica holds: running batch + queue
+    max_batch: int
+    overload_status: int
+    retry_after_s: int
+    max_n: int
+    max_body_bytes: int
+    api_key: str | None
+    default_max_tokens: int
+    chat_template: str | None
+    max_grpc_message_bytes: int
+
+    def engine_args(self, mode: str) -> EngineArgs:
+        """The engine options of one mode's engine (ar needs no draft settings checked)."""
+        return self.engine.model_copy(update={"mode": mode})

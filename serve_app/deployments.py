@@ -1,0 +1,216 @@
+"""Thin Serve deployments over the plain classes: the draft pool's workers, the target replicas
+and the ingress (HTTP routes and gRPC methods).
+
+Per-round traffic never goes through Serve: a target replica's engine leases draft workers from
+the pool actor (actors/draft_pool.py) and talks to them over the data plane (torch or grpc).
+Serve places, starts, health-checks and replaces the replicas.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route methods' annotations
+# (Request) at class creation, through Serve's ingress wrapper, and needs them evaluated.
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve_app.config import API_KEY_ENV, ServeSettings
+from serve_app.engine_loop import EngineLoop, build_engines
+from serve_app.errors import APIError, overloaded
+from serve_app.grpc_api import GrpcFrontend
+from serve_app.metrics import ServeMetrics
+from serve_app.openai_api import OpenAIFrontend, parse_body
+from serve_app.types import GenerateChunk, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="DraftWorker", health_check_period_s=5, max_ongoing_requests=4)
+class DraftWorkerDeployment:
+    """One draft worker of the shared pool: loads the draft, listens on a port the OS picks and
+    registers with the pool actor; targets lease it from there. Replaced by Serve when its
+    session thread dies; the replacement registers under its own replica id."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        from transformers import AutoConfig
+
+        from actors.draft_pool import get_or_create_pool
+        from actors.draft_worker import PoolMember
+
+        cfg = settings.engine_args("ssd").to_config()
+        vocab = AutoConfig.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code).vocab_size
+        worker_id = serve.get_replica_context().replica_tag
+        self.member = PoolMember(cfg, vocab, get_or_create_pool(), f"serve-{worker_id}")
+
+    def check_health(self) -> None:
+        if not self.member.alive():
+            raise RuntimeError("the draft worker's session thread stopped")
+
+    def __del__(self) -> None:
+        member = getattr(self, "member", None)
+        if member is not None:
+            member.shutdown()
+
+
+@serve.deployment(name="Target", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
+class TargetDeployment:
+    """A target replica: one EngineLoop (continuous batching) over one engine per served mode."""
+
+    def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
+        # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
+        engine = settings.engine.model_copy(update={"draft_start_workers": False})
+        self.loop = EngineLoop(build_engines(engine, settings.engine_modes), settings.capacity, settings.overload_status,
+                               settings.retry_after_s)
+        self.metrics = ServeMetrics("target")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        async for chunk in self.loop.generate(request):
+            yield chunk
+            if chunk.finish_reason:
+                self.metrics.finished(chunk)
+                if chunk.mode == "ssd":
+                    self.metrics.engine(self.loop.engine_metrics("ssd"))
+
+    def stats(self) -> dict:
+        out = self.loop.stats()
+        for mode in self.loop.engines:
+            out[f"{mode}_metrics"] = self.loop.engine_metrics(mode)
+        return out
+
+    def check_health(self) -> None:
+        if not self.loop.healthy():
+            raise RuntimeError(f"engine loop failed: {self.loop.failure}")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.close()
+
+
+def _http_app() -> FastAPI:
+    api = FastAPI(title="ssd-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        status = err.status_code if err.status_code in (404, 405) else 400
+        return JSONResponse(APIError(status, "no such route" if status == 404 else "method not allowed", None, "not_found").body(), status_code=status)
+
+    return api
+
+
+api = _http_app()
+
+
+@serve.deployment(name="Ingress", health_check_period_s=5, max_ongoing_requests=1024)
+@serve.ingress(api)
+class IngressDeployment:
+    """Validation, auth, chat templates and streaming; forwards generations to the target."""
+
+    def __init__(self, settings: ServeSettings, target, model_name: str) -> None:
+        from ssd.model.loader import load_tokenizer
+
+        cfg = settings.engine.to_config()
+        self.settings, self.target = settings, target
+        self.api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+        self.metrics = ServeMetrics("ingress")
+        tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+        self.openai = OpenAIFrontend(settings, model_name, tokenizer, self._generate)
+        self.grpc = GrpcFrontend(settings, model_name, self._generate, self._authorized, self._health)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The target's stream of one generation; closing it cancels the generation there."""
+        from ray.serve.exceptions import BackPressureError
+
+        response = self.target.options(stream=True).generate.remote(request)
+        done = False
+        timer = self.metrics.request_started()
+        try:
+            async for chunk in response:
+                timer.chunk(chunk)
+                yield chunk
+            done = True
+        except BackPressureError:
+            raise overloaded(self.settings.overload_status, self.settings.retry_after_s) from None
+        finally:
+            timer.finish(done)
+            if not done:
+                response.cancel()
+
+    def _authorized(self, header: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        # compare_digest runs in time independent of where the strings differ.
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def _health(self) -> bool:
+        try:
+            stats = await self.target.stats.remote()
+        except Exception as err:  # noqa: BLE001 - any failure to reach a target means unhealthy
+            logger.warning("health: no target replica answered: %s", type(err).__name__)
+            return False
+        return bool(stats.get("healthy"))
+
+    async def _body(self, request: Request) -> dict:
+        if not self._authorized(request.headers.get("authorization")):
+            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
+        return parse_body(bytes(raw))
+
+    @staticmethod
+    def _reply(result) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return self._reply(await self.openai.completions(await self._body(request)))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return self._reply(await self.openai.chat(await self._body(request)))
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request.headers.get("authorization")):
+            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        return JSONResponse(self.openai.models())
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        if await self._health():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    # ---- gRPC (Serve's gRPC proxy calls these by method name) ------------------------------------
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - the proto's method name
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context):  # noqa: N802
+        async for reply in self.grpc.generate_stream(request, grpc_context):
+            yield reply
+
+    async def ListModels(self, request, grpc_context):  # noqa: N802
+        return await self.grpc.list_models(request, grpc_context)
+
+    async def Check(self, request, grpc_context):  # noqa: N802 - grpc.health.v1.Health
+        return await self.grpc.health_check(request, grpc_context)

@@ -1,0 +1,233 @@
+"""Continuous batching for async callers: one thread steps the engines, requests join and leave
+at round boundaries.
+
+A target replica holds one LLMEngine per served mode (ssd, sd, ar), all on one loaded copy of the
+models. Callers (the replica's asyncio loop) hand requests to the loop thread through an inbox;
+the thread admits them between rounds, runs a round of each engine that has work, and hands
+each round's outputs back to the callers' queues. A caller that stops listening (the client
+disconnected) aborts its request: the engine drops the row and the draft pool its state at the
+next round boundary.
+
+Invariants: only the loop thread touches the engines after construction; a request counts
+against `capacity` from the moment generate() is called until its last chunk or its abort; a
+round that raises fails the requests of that engine (each gets the error) and marks the loop
+unhealthy, so Serve replaces the replica instead of serving from a broken engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.errors import APIError, overloaded
+from serve_app.types import GenerateChunk, GenerateRequest
+from ssd.config import EngineArgs
+from ssd.engine.llm_engine import LLMEngine
+from ssd.engine.sequence import CompletionOutput
+from ssd.model.loader import load_pair
+
+logger = logging.getLogger(__name__)
+
+# Sent through a request's queue after its last chunk (or instead of it, with an error).
+_END = object()
+
+
+@dataclass
+class _Caller:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    mode: str
+
+
+def build_engines(engine: EngineArgs, modes: tuple[str, ...]) -> dict[str, LLMEngine]:
+    """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it)."""
+    with_draft = next((m for m in modes if m != "ar"), None)
+    base = engine.model_copy(update={"mode": with_draft or "ar"}).to_config()
+    if base.num_threads is not None:
+        torch.set_num_threads(base.num_threads)
+    pair = load_pair(base)
+    engines = {}
+    try:
+        for mode in modes:
+            config = engine.model_copy(update={"mode": mode}).to_config()
+            engines[mode] = LLMEngine(config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len)
+    except BaseException:
+        for built in engines.values():
+            built.close()
+        raise
+    return engines
+
+
+def request_error(err: ValueError) -> APIError:
+    """An engine's refusal of a request -> 400 naming the parameter its message starts with."""
+    text = str(err)
+    if "context length" in text:
+        return APIError(400, text, "max_tokens", "context_length_exceeded")
+    param = next((p for p in ("stop_token_ids", "max_draft", "prompt") if text.startswith(p)), None)
+    return APIError(400, text, "speculation.k" if param == "max_draft" else param, "invalid_value")
+
+
+class EngineLoop:
+    """engines: mode -> LLMEngine (the first is the default); capacity: requests held at once."""
+
+    def __init__(self, engines: dict[str, LLMEngine], capacity: int, overload_status: int = 503, retry_after_s: int = 1) -> None:
+        self.engines = engines
+        self.default_mode = next(iter(engines))
+        self.capacity, self.overload_status, self.retry_after_s = capacity, overload_status, retry_after_s
+        self.tokenizer = self.engines[self.default_mode].tokenizer
+        self.max_model_len = self.engines[self.default_mode].max_model_len
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._inbox: list[tuple[GenerateRequest, str]] = []
+        self._aborts: set[str] = set()
+        self._callers: dict[str, _Caller] = {}  # every request counted against capacity
+        self.failure: str | None = None  # why the loop stopped serving; None while healthy
+        self.rounds = 0
+        self.round_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="ssd-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (the replica's event loop) -----------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._callers)
+
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    def engine_for(self, mode: str | None) -> str:
+        """The engine mode serving a request's speculation mode (None = the default)."""
+        if mode is None:
+            return self.default_mode
+        engine_mode = {"ssd": "ssd", "sd": "sd", "off": "ar"}.get(mode)
+        if engine_mode not in self.engines:
+            served = sorted({"ssd": "ssd", "sd": "sd", "ar": "off"}[m] for m in self.engines)
+            raise APIError(400, f"speculation.mode {mode!r} is not served here; served: {served}", "speculation.mode", "invalid_value")
+        return engine_mode
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Chunks of one request as rounds produce them. Raises APIError before the first chunk
+        for a request the engine refuses or the replica cannot take."""
+        if not self.healthy():
+            raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
+        mode = self.engine_for(request.mode)
+        if request.request_id in self._callers:
+            raise APIError(400, "duplicate request id", None, "invalid_value")
+        if len(self._callers) >= self.capacity:
+            raise overloaded(self.overload_status, self.retry_after_s)
+        try:
+            self.engines[mode].check_request(request.prompt, request.params)
+        except ValueError as err:
+            raise request_error(err) from None
+        caller = _Caller(asyncio.get_running_loop(), asyncio.Queue(), mode)
+        self._callers[request.request_id] = caller
+        finished = False
+        try:
+            with self._lock:
+                self._inbox.append((request, mode))
+            self._wake.set()
+            while True:
+                item = await caller.queue.get()
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            self._callers.pop(request.request_id, None)
+            if not finished:  # the caller stopped listening: free the row and its draft state
+                with self._lock:
+                    self._aborts.add(request.request_id)
+                self._wake.set()
+
+    def stats(self) -> dict:
+        out = {"requests": len(self._callers), "rounds": self.rounds, "healthy": self.healthy()}
+        for mode, engine in self.engines.items():
+            out[mode] = {"running": len(engine.running), "waiting": len(engine.waiting)}
+        return out
+
+    def engine_metrics(self, mode: str) -> dict:
+        # Read from another thread: totals may be one round behind, never torn (ints, floats).
+        return self.engines[mode].engine_metrics()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        for engine in self.engines.values():
+            engine.close()
+
+    # ---- loop thread ----------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        caller = self._callers.get(request_id)
+        if caller is not None:
+            caller.loop.call_soon_threadsafe(caller.queue.put_nowait, item)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for request, mode in inbox:
+            if request.request_id in aborts:
+                continue
+            try:
+                self.engines[mode].add_request(request.prompt, request.params, request.request_id, request.k)
+            except ValueError as err:  # checked already; the engine has the last word
+                self._deliver(request.request_id, request_error(err))
+        if aborts:
+            for engine in self.engines.values():
+                engine.abort(list(aborts))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take_inbox()
+            busy = [(mode, e) for mode, e in self.engines.items() if e.has_unfinished()]
+            if not busy:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            for mode, engine in busy:
+                started = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception as err:  # noqa: BLE001 - a broken engine must not take the thread silently
+                    self._fail(mode, engine, err)
+                    return
+                self.rounds += 1
+                self.round_seconds += time.perf_counter() - started
+                for out in outputs:
+                    self._deliver(out.request_id, self._chunk(out, mode))
+                    if out.finished:
+                        self._deliver(out.request_id, _END)
+
+    def _fail(self, mode: str, engine: LLMEngine, err: Exception) -> None:
+        logger.exception("the %s engine failed; failing its requests and reporting the replica unhealthy", mode, exc_info=err)
+        self.failure = f"{mode} engine: {type(err).__name__}"
+        error = APIError(500, "the target replica failed while generating; retry the request", None, "engine_failed")
+        for engine_ in self.engines.values():
+            for seq in engine_.running + engine_.waiting:
+                self._deliver(seq.request_id, error)
+        with self._lock:
+            pending = [request for request, _ in self._inbox]
+            self._inbox = []
+        for request in pending:
+            self._deliver(request.request_id, error)
+
+    @staticmethod
+    def _chunk(out: CompletionOutput, mode: str) -> GenerateChunk:
+        return GenerateChunk(
+            request_id=out.request_id, delta_text=out.delta_text, delta_token_ids=list(out.delta_token_ids),
+            finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+            mode=mode, speculation=out.metrics if out.finished else {},
+        )

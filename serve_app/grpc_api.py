@@ -1,0 +1,186 @@
+"""The gRPC API (protos/ssd_serve.proto) as a plain class: convert a request to the same
+GenerateRequests the HTTP path makes, and the chunks back to replies; errors become status
+codes through APIError.
+
+Serve's gRPC proxy deserializes requests and calls the ingress deployment's method of the same
+name with a RayServegRPCContext; these methods take that context (set_code, set_details,
+invocation_metadata), so they also run under a plain grpc.aio server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from pydantic import ValidationError
+
+from serve_app.config import ServeSettings
+from serve_app.errors import APIError, from_validation
+from serve_app.openai_api import Generate
+from serve_app.types import GenerateChunk, GenerateRequest
+from ssd.sampling_params import SamplingParams
+
+# Import paths of the servicer functions Serve's gRPC proxy registers (gRPCOptions).
+SERVICER_FUNCTIONS = [
+    "serve_app._proto.ssd_serve_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def _pb():
+    try:
+        from serve_app._proto import ssd_serve_pb2
+    except ImportError as err:
+        raise ImportError("the gRPC stubs of protos/ssd_serve.proto are missing: run `make protos` (make install does)") from err
+    return ssd_serve_pb2
+
+
+class GrpcFrontend:
+    def __init__(self, settings: ServeSettings, model_name: str, generate: Generate,
+                 authorized: Callable[[str | None], bool], health: Callable[[], Awaitable[bool]]) -> None:
+        self.settings, self.model_name, self.generate = settings, model_name, generate
+        self.authorized, self.health = authorized, health
+        self.pb = _pb()
+
+    # ---- conversion ----------------------------------------------------------------------------
+
+    def _check(self, request, context) -> list[GenerateRequest]:
+        metadata = dict(context.invocation_metadata())
+        if not self.authorized(metadata.get("authorization")):
+            raise APIError(401, "missing or invalid API key: send metadata authorization: Bearer <key>", None, "invalid_api_key")
+        if request.model != self.model_name:
+            raise APIError(404, f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+        if request.prompt and request.prompt_token_ids:
+            raise APIError(400, "prompt: give prompt or prompt_token_ids, not both", "prompt", "invalid_value")
+        prompt = request.prompt or list(request.prompt_token_ids)
+        if not prompt:
+            raise APIError(400, "prompt: give prompt or prompt_token_ids", "prompt", "invalid_value")
+        n = request.n or 1
+        if n > self.settings.max_n:
+            raise APIError(400, f"n must be at most {self.settings.max_n}", "n", "invalid_value")
+        fields = {
+            "max_tokens": request.max_tokens if request.HasField("max_tokens") else self.settings.default_max_tokens,
+            "temperature": request.temperature if request.HasField("temperature") else 1.0,
+            "top_p": request.top_p if request.HasField("top_p") else 1.0,
+            "top_k": request.top_k if request.HasField("top_k") else 0,
+            "stop": list(request.stop), "stop_token_ids": list(request.stop_token_ids),
+            "seed": request.seed if request.HasField("seed") else None, "ignore_eos": request.ignore_eos,
+        }
+        try:
+            params = SamplingParams(**fields)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        spec = request.speculation
+        mode = spec.mode or None
+        if mode not in (None, "ssd", "sd", "off"):
+            raise APIError(400, "speculation.mode must be ssd, sd or off", "speculation.mode", "invalid_value")
+        k = spec.k if spec.HasField("k") else None
+        if k is not None and k > 32:
+            raise APIError(400, "speculation.k must be at most 32", "speculation.k", "invalid_value")
+        out = []
+        for i in range(n):
+            seeded = params if params.seed is None or i == 0 else params.model_copy(update={"seed": (params.seed + i) % 2**64})
+            out.append(GenerateRequest(f"{uuid.uuid4().hex}-{i}", prompt, seeded, mode, k))
+        return out
+
+    def _stats(self, chunk: GenerateChunk):
+        s = chunk.speculation
+        return self.pb.SpeculationStats(
+            mode=chunk.mode, rounds=s.get("rounds", 0), mean_accepted_per_round=s.get("mean_accepted_per_round", 0.0),
+            acceptance_rate=s.get("acceptance_rate", 0.0), tokens_per_round=s.get("tokens_per_round", 0.0),
+            cache_hits=s.get("cache_hits", 0), cache_hit_rate=s.get("cache_hit_rate", 0.0),
+        )
+
+    @staticmethod
+    def _fail(context, err: APIError) -> None:
+        context.set_code(err.grpc_code)
+        context.set_details(err.message)
+
+    # ---- methods --------------------------------------------------------------------------------
+
+    async def generate(self, request, context):
+        try:
+            gens = self._check(request, context)
+            tasks = [asyncio.create_task(self._drain(g)) for g in gens]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:  # one choice failed or the call was cancelled: stop the others
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        except APIError as err:
+            self._fail(context, err)
+            return self.pb.GenerateResponse()
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for index, chunks in enumerate(results):
+            last = chunks[-1]
+            prompt_tokens = last.prompt_tokens
+            completion_tokens += last.completion_tokens
+            choices.append(self.pb.Choice(
+                index=index, text="".join(c.delta_text for c in chunks),
+                token_ids=[t for c in chunks for t in c.delta_token_ids], finish_reason=last.finish_reason or "",
+                speculation=self._stats(last),
+            ))
+        usage = self.pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return self.pb.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.model_name, choices=choices, usage=usage)
+
+    async def _drain(self, gen: GenerateRequest) -> list[GenerateChunk]:
+        return [chunk async for chunk in self.generate(gen)]
+
+    async def generate_stream(self, request, context) -> AsyncIterator:
+        try:
+            gens = self._check(request, context)
+        except APIError as err:
+            self._fail(context, err)
+            return
+        rid = f"gen-{uuid.uuid4().hex}"
+        streams = [self.generate(g) for g in gens]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for chunk in streams[index]:
+                    await queue.put((index, chunk))
+                await queue.put((index, None))
+            except Exception as err:  # noqa: BLE001 - becomes the call's status
+                await queue.put((index, err))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+        try:
+            open_ = len(streams)
+            while open_:
+                index, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                    continue
+                if isinstance(item, Exception):
+                    err = item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
+                    self._fail(context, err)
+                    return
+                choice = self.pb.Choice(index=index, text=item.delta_text, token_ids=item.delta_token_ids,
+                                        finish_reason=item.finish_reason or "")
+                reply = self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice])
+                if item.finish_reason:
+                    choice.speculation.CopyFrom(self._stats(item))
+                    reply.usage.CopyFrom(self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
+                                                       total_tokens=item.prompt_tokens + item.completion_tokens))
+                yield reply
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+    async def list_models(self, request, context):
+        if not self.authorized(dict(context.invocation_metadata()).get("authorization")):
+            self._fail(context, APIError(401, "missing or invalid API key", None, "invalid_api_key"))
+            return self.pb.ListModelsResponse()
+        return self.pb.ListModelsResponse(models=[self.model_name])
+
+    async def health_check(self, request, context):
+        """grpc.health.v1.Health/Check (no auth, like GET /health)."""
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if await self.health() else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

@@ -1,0 +1,102 @@
+"""Prometheus metrics through Ray Serve's metrics API (ray.serve.metrics): each is exported by
+Ray's metrics agent with the prefix `ray_` and the tags deployment, replica, application.
+
+Names and meanings (the README's metrics reference lists the same):
+    ssd_requests_total{status}             generations finished at the ingress (ok, error, cancelled)
+    ssd_prompt_tokens_total                prompt tokens of finished generations
+    ssd_generation_tokens_total            generated tokens
+    ssd_time_to_first_token_seconds        request start to its first chunk (histogram)
+    ssd_inter_token_latency_seconds        mean time between tokens of one generation (histogram)
+    ssd_accepted_tokens_per_round          a generation's mean accepted draft tokens per round (histogram)
+    ssd_cache_hits_total / _misses_total   SSD rounds served / not served by the speculation cache
+    ssd_backup_rounds_total{kind}          SSD misses by backup: neural, fast
+    ssd_rounds_total{mode}                 verification rounds per engine mode
+    ssd_draft_workers_live                 draft workers a target replica holds leases on
+    ssd_data_plane_wait_ms                 mean ms per round the target spent reaching its draft workers
+                                           (send the outcome, wait for and read the reply)
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.serve import metrics
+
+from serve_app.types import GenerateChunk
+
+_SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+_ITL = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+_ACCEPTED = [0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16]
+
+
+class RequestTimer:
+    """Times one generation at the ingress."""
+
+    def __init__(self, owner: "ServeMetrics") -> None:
+        self.owner, self.start, self.first, self.last_chunk = owner, time.perf_counter(), None, None
+
+    def chunk(self, chunk: GenerateChunk) -> None:
+        now = time.perf_counter()
+        if self.first is None and chunk.delta_token_ids:
+            self.first = now
+            self.owner.ttft.observe(now - self.start)
+        self.last_chunk = chunk
+        self.end = now
+
+    def finish(self, done: bool) -> None:
+        chunk = self.last_chunk
+        status = "ok" if done else ("cancelled" if chunk is not None else "error")
+        self.owner.requests.inc(1, tags={"status": status})
+        if chunk is None:
+            return
+        self.owner.prompt_tokens.inc(chunk.prompt_tokens)
+        if chunk.completion_tokens:
+            self.owner.generation_tokens.inc(chunk.completion_tokens)
+        if self.first is not None and chunk.completion_tokens > 1:
+            self.owner.itl.observe((self.end - self.first) / (chunk.completion_tokens - 1))
+
+
+class ServeMetrics:
+    """The metrics one deployment records (created in its replica, never at import)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.requests = metrics.Counter("ssd_requests_total", "Generations finished at the ingress, by status.", tag_keys=("status",))
+        self.prompt_tokens = metrics.Counter("ssd_prompt_tokens_total", "Prompt tokens of finished generations.")
+        self.generation_tokens = metrics.Counter("ssd_generation_tokens_total", "Generated tokens.")
+        self.ttft = metrics.Histogram("ssd_time_to_first_token_seconds", "Seconds from request to first generated token.", boundaries=_SECONDS)
+        self.itl = metrics.Histogram("ssd_inter_token_latency_seconds", "Mean seconds between generated tokens of a generation.", boundaries=_ITL)
+        self.accepted = metrics.Histogram("ssd_accepted_tokens_per_round", "Mean accepted draft tokens per round of a generation.", boundaries=_ACCEPTED)
+        self.hits = metrics.Counter("ssd_cache_hits_total", "SSD rounds served from the speculation cache.")
+        self.misses = metrics.Counter("ssd_cache_misses_total", "SSD rounds not served from the speculation cache.")
+        self.backups = metrics.Counter("ssd_backup_rounds_total", "SSD miss rounds by backup speculator.", tag_keys=("kind",))
+        self.rounds = metrics.Counter("ssd_rounds_total", "Verification rounds of generations, by engine mode.", tag_keys=("mode",))
+        self.live = metrics.Gauge("ssd_draft_workers_live", "Draft workers a target replica holds leases on.")
+        self.wait_ms = metrics.Gauge("ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers.")
+
+    def request_started(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def finished(self, chunk: GenerateChunk) -> None:
+        """A generation's last chunk at the target: its speculation statistics."""
+        s = chunk.speculation
+        rounds = s.get("rounds", 0)
+        if not rounds:  # Ray's counters refuse inc(0)
+            return
+        self.rounds.inc(rounds, tags={"mode": chunk.mode})
+        if chunk.mode != "ar":
+            self.accepted.observe(s.get("mean_accepted_per_round", 0.0))
+        counts = [(self.hits, s.get("cache_hits", 0), None),
+                  (self.backups, s.get("backup_neural_rounds", 0), {"kind": "neural"}),
+                  (self.backups, s.get("backup_fast_rounds", 0), {"kind": "fast"}),
+                  (self.misses, s.get("backup_neural_rounds", 0) + s.get("backup_fast_rounds", 0), None)]
+        for metric, value, tags in counts:
+            if value:
+                metric.inc(value, tags=tags)
+
+    def engine(self, engine_metrics: dict) -> None:
+        """Gauges from an SSD engine's figures (LLMEngine.engine_metrics())."""
+        ssd = engine_metrics.get("ssd", {})
+        if "draft_workers_live" in ssd:
+            self.live.set(ssd["draft_workers_live"])
+        self.wait_ms.set(engine_metrics.get("draft_ms_per_round", 0.0))

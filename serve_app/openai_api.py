@@ -1,0 +1,202 @@
+"""The OpenAI-compatible front end as a plain class: parse and validate a body, fan a request out
+into one generation per choice, and build the response or the server-sent events.
+
+`generate` is any function GenerateRequest -> async iterator of GenerateChunk: a Serve handle
+to the target deployment in production, an EngineLoop in-process in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import ValidationError
+
+from serve_app.config import ServeSettings
+from serve_app.errors import APIError, from_validation
+from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.types import GenerateChunk, GenerateRequest
+
+Generate = Callable[[GenerateRequest], AsyncIterator[GenerateChunk]]
+
+# Used when the tokenizer has no chat template of its own (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the body is not valid JSON: {err.__class__.__name__} at position {getattr(err, 'pos', 0)}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class OpenAIFrontend:
+    def __init__(self, settings: ServeSettings, model_name: str, tokenizer, generate: Generate) -> None:
+        self.settings, self.model_name, self.tokenizer, self.generate = settings, model_name, tokenizer, generate
+        self.chat_template = settings.chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}]}
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _validate(self, cls, body: dict):
+        try:
+            request = cls.model_validate(body)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        if request.model != self.model_name:
+            raise APIError(404, f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+        if request.n > self.settings.max_n:
+            raise APIError(400, f"n must be at most {self.settings.max_n}", "n", "invalid_value")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
+        try:
+            params = request.sampling_params(self.settings.default_max_tokens)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        return request, params
+
+    def _requests(self, request, params, prompts: list) -> list[GenerateRequest]:
+        spec = request.speculation
+        out = []
+        for p_index, prompt in enumerate(prompts):
+            for i in range(request.n):
+                # n choices of one prompt must differ: a seeded request gives each its own seed.
+                seeded = params if params.seed is None or i == 0 else params.model_copy(update={"seed": (params.seed + i) % 2**64})
+                out.append(GenerateRequest(f"{uuid.uuid4().hex}-{p_index}-{i}", prompt, seeded,
+                                           spec.mode if spec else None, spec.k if spec else None))
+        return out
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt)
+        except Exception as err:  # noqa: BLE001 - a template error is the request's (or config's), never a 500
+            raise APIError(400, f"messages could not be rendered with the chat template: {type(err).__name__}", "messages", "invalid_value") from None
+
+    async def completions(self, body: dict) -> dict | AsyncIterator[bytes]:
+        request, params = self._validate(CompletionRequest, body)
+        return await self._serve(request, self._requests(request, params, request.prompts()), chat=False)
+
+    async def chat(self, body: dict) -> dict | AsyncIterator[bytes]:
+        request, params = self._validate(ChatCompletionRequest, body)
+        return await self._serve(request, self._requests(request, params, [self.chat_prompt(request)]), chat=True)
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def _serve(self, request, gens: list[GenerateRequest], chat: bool):
+        streams = [self.generate(g) for g in gens]
+        # The first chunk of each choice is awaited before answering: a request refused by the
+        # target (bad prompt, overload) gets its status code, not a 200 with an error event.
+        try:
+            firsts = await asyncio.gather(*(anext(s, None) for s in streams))
+        except BaseException:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if request.stream:
+            return self._stream(rid, request, streams, firsts, chat)
+        return await self._collect(rid, streams, firsts, chat, request.n, request.return_token_ids)
+
+    async def _collect(self, rid: str, streams, firsts, chat: bool, n: int, token_ids: bool) -> dict:
+        async def drain(index: int):
+            chunks = [firsts[index]] if firsts[index] is not None else []
+            async for chunk in streams[index]:
+                chunks.append(chunk)
+            return chunks
+
+        tasks = [asyncio.create_task(drain(i)) for i in range(len(streams))]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # the client went away (cancelled) or a choice failed: stop the others' generations
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        choices, prompt_tokens, completion_tokens, spec = [], 0, 0, []
+        for index, chunks in enumerate(results):
+            text = "".join(c.delta_text for c in chunks)
+            last = chunks[-1]
+            prompt_tokens += last.prompt_tokens if index % n == 0 else 0  # each prompt once, whatever n
+            completion_tokens += last.completion_tokens
+            spec.append({"mode": last.mode, **last.speculation})
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+            if token_ids:
+                body["token_ids"] = [t for c in chunks for t in c.delta_token_ids]
+            choices.append({"index": index, **body, "finish_reason": last.finish_reason})
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+            "speculation": spec,
+        }
+
+    def _stream(self, rid: str, request, streams, firsts, chat: bool) -> AsyncIterator[bytes]:
+        created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int):
+            try:
+                if firsts[index] is not None:
+                    await queue.put((index, firsts[index]))
+                async for chunk in streams[index]:
+                    await queue.put((index, chunk))
+                await queue.put((index, None))
+            except Exception as err:  # noqa: BLE001 - reported to the client as an error event
+                await queue.put((index, err))
+
+        def event(index: int, delta: dict | str, finish: str | None, extra: dict | None = None) -> bytes:
+            choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta, "logprobs": None}
+            return sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
+                        "choices": [{**choice, "finish_reason": finish, **(extra or {})}]})
+
+        async def events() -> AsyncIterator[bytes]:
+            tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+            open_, usage = len(streams), {"prompt_tokens": 0, "completion_tokens": 0}
+            try:
+                if chat:
+                    for i in range(len(streams)):
+                        yield event(i, {"role": "assistant", "content": ""}, None)
+                while open_:
+                    index, item = await queue.get()
+                    if item is None:
+                        open_ -= 1
+                        continue
+                    if isinstance(item, Exception):
+                        err = item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
+                        yield sse(err.body())
+                        break
+                    text = {"content": item.delta_text} if chat else item.delta_text
+                    extra = {"speculation": {"mode": item.mode, **item.speculation}} if item.finish_reason else {}
+                    if request.return_token_ids:
+                        extra["token_ids"] = item.delta_token_ids
+                    if item.delta_text or item.finish_reason or (request.return_token_ids and item.delta_token_ids):
+                        yield event(index, text, item.finish_reason, extra)
+                    if item.finish_reason:
+                        usage["completion_tokens"] += item.completion_tokens
+                        usage["prompt_tokens"] += item.prompt_tokens if index % request.n == 0 else 0
+                if request.stream_options is not None and request.stream_options.include_usage:
+                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    yield sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage})
+                yield sse("[DONE]")
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+        return events()

@@ -1,0 +1,132 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) as pydantic models.
+
+Unknown fields are refused (400 naming the field) rather than silently ignored; the OpenAI fields
+this server does not implement are accepted only at their neutral value (logprobs null,
+penalties 0, echo false), so a client never gets a result computed differently from what it
+asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ssd.sampling_params import SamplingParams
+
+# Prompts in one /v1/completions request (each gets n choices).
+MAX_PROMPTS = 32
+
+
+class Speculation(BaseModel):
+    """Per-request speculation: which decoding serves it and how long its speculations are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["ssd", "sd", "off"] | None = Field(None, description="ssd, sd or off (plain decoding); None = the server's default.")
+    k: int | None = Field(None, ge=0, le=32, description="Most draft tokens verified per round for this request (at most the server's K; 0 = none).")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    speculation: Speculation | None = None
+    return_token_ids: bool = Field(False, description="Also return each choice's generated token ids (as vLLM does).")
+    # OpenAI fields accepted only at their neutral value.
+    logprobs: None | Literal[False] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported (they would change the target's distribution); use 0")
+        return v
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises pydantic's ValidationError naming the field (reported as the request's param)."""
+        fields = {
+            "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": 0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+        }
+        return SamplingParams(**fields)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: Literal[False] = False
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be empty")
+            if len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        v = self.prompt
+        if isinstance(v, str) or (v and isinstance(v[0], int)):
+            return [v]
+        return list(v)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    add_generation_prompt: bool = True

@@ -1,0 +1,69 @@
+"""A real Ray Serve deployment of the application on localhost, shared by the serving tests of a
+module: a local Ray cluster, Serve's HTTP and gRPC proxies on ports the OS picked, and two
+applications:
+
+- "main" at /: SSD over the torch data plane on the tiny pair, with sd and off served too, an
+  API key, room for 32 concurrent streams;
+- "small" at /small: plain SD with a batch of 1 and a queue of 1 answering 429, for backpressure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+API_KEY = "test-key-0123456789"
+MAIN = {
+    "engine": {"mode": "ssd", "k": 4, "ssd_budget": 12, "ssd_autobudget": False, "draft_transport": "torch", "max_num_seqs": 8},
+    "extra_modes": ["sd", "off"], "max_queue": 64, "api_key": API_KEY, "max_n": 3, "max_body_bytes": 65536,
+    "model_name": "tiny", "draft_pool_size": 1, "target_num_cpus": 1,
+}
+SMALL = {
+    "engine": {"mode": "sd", "k": 4, "max_num_seqs": 1}, "extra_modes": [], "max_queue": 1,
+    "overload_status": 429, "retry_after_s": 2, "model_name": "tiny-small", "target_num_cpus": 1,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    http: str  # base URL, e.g. http://127.0.0.1:PORT
+    grpc: str  # host:port
+    api_key: str
+
+
+def start(tiny_pair, main: dict | None = None, small: dict | None = None):
+    """Start Ray, Serve and the two applications; -> Served. stop() undoes it."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from serve_app.app import build_app
+    from serve_app.grpc_api import SERVICER_FUNCTIONS
+
+    target, draft = tiny_pair
+    http_port, grpc_port = free_port(), free_port()
+    os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(4 << 20)
+    # Logical CPUs: ingress (0), two targets and a draft worker (1 each); the machine has 2 cores.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+    models = {"target": target, "draft": draft}
+    for name, cfg, prefix in (("main", main or MAIN, "/"), ("small", small or SMALL, "/small")):
+        cfg = {**cfg, "engine": {**models, **cfg["engine"]}}
+        serve.run(build_app(cfg), name=name, route_prefix=prefix)
+    return Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY)
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
