@@ -97,11 +97,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
+    started = _start_ray(args.metrics_port)
+    import ray
+
+    # After ray.init, which installs handlers of its own: ours make the main loop shut down.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    started = _start_ray(args.metrics_port)
-    import ray
 
     try:
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port),

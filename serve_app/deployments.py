@@ -99,6 +99,11 @@ def _http_app() -> FastAPI:
         headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path, exc_info=err)
+        return JSONResponse(APIError(500, "internal error; retry the request", None, "internal").body(), status_code=500)
+
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         status = err.status_code if err.status_code in (404, 405) else 400

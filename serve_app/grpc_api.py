@@ -10,6 +10,7 @@ invocation_metadata), so they also run under a plain grpc.aio server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -20,6 +21,8 @@ from serve_app.errors import APIError, from_validation
 from serve_app.openai_api import Generate
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Import paths of the servicer functions Serve's gRPC proxy registers (gRPCOptions).
 SERVICER_FUNCTIONS = [
@@ -39,7 +42,7 @@ def _pb():
 class GrpcFrontend:
     def __init__(self, settings: ServeSettings, model_name: str, generate: Generate,
                  authorized: Callable[[str | None], bool], health: Callable[[], Awaitable[bool]]) -> None:
-        self.settings, self.model_name, self.generate = settings, model_name, generate
+        self.settings, self.model_name, self._generate = settings, model_name, generate
         self.authorized, self.health = authorized, health
         self.pb = _pb()
 
@@ -112,6 +115,10 @@ class GrpcFrontend:
         except APIError as err:
             self._fail(context, err)
             return self.pb.GenerateResponse()
+        except Exception:  # noqa: BLE001 - logged here; the client gets a bounded message, no traceback
+            logger.exception("gRPC Generate failed")
+            self._fail(context, APIError(500, "generation failed; retry the request", None, "internal"))
+            return self.pb.GenerateResponse()
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, chunks in enumerate(results):
             last = chunks[-1]
@@ -126,16 +133,18 @@ class GrpcFrontend:
         return self.pb.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.model_name, choices=choices, usage=usage)
 
     async def _drain(self, gen: GenerateRequest) -> list[GenerateChunk]:
-        return [chunk async for chunk in self.generate(gen)]
+        return [chunk async for chunk in self._generate(gen)]
 
     async def generate_stream(self, request, context) -> AsyncIterator:
         try:
             gens = self._check(request, context)
         except APIError as err:
+            # A stream that yields nothing ends with OK under Serve's proxy; raising after
+            # set_code makes it end with the code and details set here.
             self._fail(context, err)
-            return
+            raise
         rid = f"gen-{uuid.uuid4().hex}"
-        streams = [self.generate(g) for g in gens]
+        streams = [self._generate(g) for g in gens]
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int) -> None:
@@ -157,15 +166,15 @@ class GrpcFrontend:
                 if isinstance(item, Exception):
                     err = item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
                     self._fail(context, err)
-                    return
+                    raise err
                 choice = self.pb.Choice(index=index, text=item.delta_text, token_ids=item.delta_token_ids,
                                         finish_reason=item.finish_reason or "")
-                reply = self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice])
-                if item.finish_reason:
+                usage = None
+                if item.finish_reason:  # set before the reply copies the choice in
                     choice.speculation.CopyFrom(self._stats(item))
-                    reply.usage.CopyFrom(self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
-                                                       total_tokens=item.prompt_tokens + item.completion_tokens))
-                yield reply
+                    usage = self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
+                                          total_tokens=item.prompt_tokens + item.completion_tokens)
+                yield self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice], usage=usage)
         finally:
             for task in tasks:
                 task.cancel()

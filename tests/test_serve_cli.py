@@ -1,0 +1,97 @@
+"""`ssd serve` as users run it: the embedded default (demo pair, SSD, a Ray draft worker) comes up
+on the ports given, prints its addresses and a curl example that works, and SIGTERM shuts down
+everything it started (no Ray process left). The repository's Serve config file validates
+against Ray Serve's own schema and builds the application."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+requests = pytest.importorskip("requests")
+
+from serve_harness import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ray_processes() -> set[int]:
+    out = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "raylet" in text or "gcs_server" in text or text.startswith("ray::"):
+            out.add(int(cmdline.parent.name))
+    return out
+
+
+def test_ssd_serve_starts_answers_and_stops_clean():
+    before = ray_processes()
+    http, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
+    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
+                             "--k", "4", "--default-max-tokens", "16"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 240
+        while not any(line.startswith("Ctrl-C") for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        assert f"http://127.0.0.1:{http}/v1" in text and f"127.0.0.1:{grpc_port}" in text
+        curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60)
+        body = json.loads(out.stdout)
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["speculation"][0]["mode"] == "ssd"
+        assert requests.get(f"http://127.0.0.1:{http}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 30
+    while ray_processes() - before:
+        assert time.monotonic() < deadline, ray_processes() - before
+        time.sleep(0.5)
+
+
+def test_the_serve_config_file_validates_and_builds():
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.app import build_app
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    app = schema.applications[0]
+    assert app.import_path == "serve_app.app:build_app"
+    module, attr = app.import_path.split(":")
+    assert getattr(__import__(module, fromlist=[attr]), attr) is build_app
+    build_app(app.args)
+    for servicer in schema.grpc_options.grpc_servicer_functions:
+        module, _, name = servicer.rpartition(".")
+        assert callable(getattr(__import__(module, fromlist=[name]), name))
+    with pytest.raises(ValueError, match="frobnicate"):
+        build_app({**app.args, "frobnicate": 1})
+
+
+def test_flags_override_the_config_file():
+    from serve_app.cli import app_config_from
+    from ssd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--config", str(ROOT / "serve_config.yaml"), "--k", "3", "--budget", "8",
+                                      "--transport", "grpc", "--target-replicas", "2", "--extra-modes", "off"])
+    config = app_config_from(args)
+    assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
+    assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
+    assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "ssd"  # the served default
+    with pytest.raises(ValueError, match="draft_pool_size"):
+        app_config_from(build_parser().parse_args(["serve", "--draft-workers", "2"]))

@@ -1,0 +1,92 @@
+"""The gRPC API (protos/ssd_serve.proto) through Ray Serve's gRPC proxy, with a client built from
+the generated stubs: greedy output equals Hugging Face `generate`, streaming equals unary, the
+standard health service and server reflection answer, status codes map like HTTP, and the
+message size is bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+
+from refimpl import hf_greedy  # noqa: E402
+from serve_app._proto import ssd_serve_pb2 as pb, ssd_serve_pb2_grpc as pb_grpc  # noqa: E402
+
+PROMPT = "def add(a, b):\n    return"
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def channel(served):
+    with grpc.insecure_channel(served.grpc) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.GenerationStub(channel)
+
+
+def meta(served, key: str | None = "own", app: str = "main"):
+    out = [("application", app)]
+    if key is not None:
+        out.append(("authorization", f"Bearer {served.api_key if key == 'own' else key}"))
+    return out
+
+
+def request(**kw) -> pb.GenerateRequest:
+    fields = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, **kw}
+    return pb.GenerateRequest(**fields)
+
+
+def test_unary_and_stream_greedy_equal_hf(served, stub, tiny_pair):
+    expected = hf_greedy(tiny_pair[0], [PROMPT], MAX_TOKENS)[0]
+    reply = stub.Generate(request(), metadata=meta(served))
+    choice = reply.choices[0]
+    assert list(choice.token_ids) == expected and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == MAX_TOKENS and reply.usage.total_tokens == reply.usage.prompt_tokens + MAX_TOKENS
+    assert choice.speculation.mode == "ssd" and choice.speculation.rounds > 0
+    parts = list(stub.GenerateStream(request(), metadata=meta(served)))
+    assert [t for p in parts for t in p.choices[0].token_ids] == expected
+    assert "".join(p.choices[0].text for p in parts) == choice.text
+    assert parts[-1].usage.completion_tokens == MAX_TOKENS and parts[-1].choices[0].speculation.rounds > 0
+    by_ids = stub.Generate(request(prompt="", prompt_token_ids=list(reply.choices[0].token_ids[:3]),
+                                   speculation=pb.Speculation(mode="off")), metadata=meta(served))
+    assert by_ids.choices[0].speculation.mode == "ar" and len(by_ids.choices[0].token_ids) == MAX_TOKENS
+
+
+def test_models_health_and_reflection(served, stub, channel):
+    assert list(stub.ListModels(pb.ListModelsRequest(), metadata=meta(served)).models) == ["tiny"]
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=meta(served, key=None))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    services = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"ssd.serve.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+@pytest.mark.parametrize("req,key,code,word", [
+    (request(temperature=-1.0), "own", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (request(max_tokens=10**6), "own", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (request(speculation=pb.Speculation(mode="turbo")), "own", grpc.StatusCode.INVALID_ARGUMENT, "speculation.mode"),
+    (request(prompt=""), "own", grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (request(model="gpt-5"), "own", grpc.StatusCode.NOT_FOUND, "model"),
+    (request(), None, grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    (request(), "wrong", grpc.StatusCode.UNAUTHENTICATED, "API key"),
+])
+def test_errors_map_to_status_codes(served, stub, req, key, code, word):
+    for call in (lambda: stub.Generate(req, metadata=meta(served, key)),
+                 lambda: list(stub.GenerateStream(req, metadata=meta(served, key)))):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == code and word in info.value.details()
+
+
+def test_the_message_size_is_bounded(served, stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(request(prompt="x" * (5 << 20)), metadata=meta(served))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.Generate(request(max_tokens=2), metadata=meta(served)).usage.completion_tokens == 2
