@@ -64,7 +64,7 @@ class TargetDeployment:
         # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
         engine = settings.engine.model_copy(update={"draft_start_workers": False})
         self.loop = EngineLoop(build_engines(engine, settings.engine_modes), settings.capacity, settings.overload_status,
-                               settings.retry_after_s)
+                               settings.retry_after_s, settings.stream_interval_ms / 1000)
         self.metrics = ServeMetrics("target")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -17,6 +17,7 @@ unhealthy, so Serve replaces the replica instead of serving from a broken engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -64,6 +65,12 @@ def build_engines(engine: EngineArgs, modes: tuple[str, ...]) -> dict[str, LLMEn
     return engines
 
 
+def merge(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
+    """Two consecutive chunks of one request as one."""
+    return dataclasses.replace(then, delta_text=first.delta_text + then.delta_text,
+                               delta_token_ids=first.delta_token_ids + then.delta_token_ids)
+
+
 def request_error(err: ValueError) -> APIError:
     """An engine's refusal of a request -> 400 naming the parameter its message starts with."""
     text = str(err)
@@ -76,10 +83,12 @@ def request_error(err: ValueError) -> APIError:
 class EngineLoop:
     """engines: mode -> LLMEngine (the first is the default); capacity: requests held at once."""
 
-    def __init__(self, engines: dict[str, LLMEngine], capacity: int, overload_status: int = 503, retry_after_s: int = 1) -> None:
+    def __init__(self, engines: dict[str, LLMEngine], capacity: int, overload_status: int = 503, retry_after_s: int = 1,
+                 stream_interval_s: float = 0.0) -> None:
         self.engines = engines
         self.default_mode = next(iter(engines))
         self.capacity, self.overload_status, self.retry_after_s = capacity, overload_status, retry_after_s
+        self.stream_interval_s = stream_interval_s
         self.tokenizer = self.engines[self.default_mode].tokenizer
         self.max_model_len = self.engines[self.default_mode].max_model_len
         self._lock = threading.Lock()
@@ -134,14 +143,27 @@ class EngineLoop:
             with self._lock:
                 self._inbox.append((request, mode))
             self._wake.set()
+            last_yield = 0.0
             while True:
                 item = await caller.queue.get()
+                wait = last_yield + self.stream_interval_s - time.monotonic()
+                if wait > 0 and isinstance(item, GenerateChunk) and not item.finish_reason:
+                    await asyncio.sleep(wait)  # let more rounds arrive: they go out together
+                # Rounds that arrived while the caller was busy go out as one chunk: fewer
+                # messages through Serve when the consumer is the bottleneck, none held back.
+                while isinstance(item, GenerateChunk) and not item.finish_reason and not caller.queue.empty():
+                    following = caller.queue.get_nowait()
+                    if not isinstance(following, GenerateChunk):
+                        caller.queue.put_nowait(following)  # _END or an error: after this chunk
+                        break
+                    item = merge(item, following)
                 if item is _END:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                last_yield = time.monotonic()
                 yield item
         finally:
             self._callers.pop(request.request_id, None)

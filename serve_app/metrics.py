@@ -24,6 +24,14 @@ from ray.serve import metrics
 
 from serve_app.types import GenerateChunk
 
+# Every metric this module defines, as Prometheus shows it (Ray adds the ray_ prefix).
+PROMETHEUS_NAMES = (
+    "ray_ssd_requests_total", "ray_ssd_prompt_tokens_total", "ray_ssd_generation_tokens_total",
+    "ray_ssd_time_to_first_token_seconds", "ray_ssd_inter_token_latency_seconds", "ray_ssd_accepted_tokens_per_round",
+    "ray_ssd_cache_hits_total", "ray_ssd_cache_misses_total", "ray_ssd_backup_rounds_total", "ray_ssd_rounds_total",
+    "ray_ssd_draft_workers_live", "ray_ssd_data_plane_wait_ms",
+)
+
 _SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _ITL = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 _ACCEPTED = [0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16]

@@ -36,6 +36,7 @@ class Served:
     http: str  # base URL, e.g. http://127.0.0.1:PORT
     grpc: str  # host:port
     api_key: str
+    metrics: str  # Ray's Prometheus endpoint, e.g. http://127.0.0.1:PORT/metrics
 
 
 def start(tiny_pair, main: dict | None = None, small: dict | None = None):
@@ -48,17 +49,18 @@ def start(tiny_pair, main: dict | None = None, small: dict | None = None):
     from serve_app.grpc_api import SERVICER_FUNCTIONS
 
     target, draft = tiny_pair
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(4 << 20)
     # Logical CPUs: ingress (0), two targets and a draft worker (1 each); the machine has 2 cores.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
     models = {"target": target, "draft": draft}
     for name, cfg, prefix in (("main", main or MAIN, "/"), ("small", small or SMALL, "/small")):
         cfg = {**cfg, "engine": {**models, **cfg["engine"]}}
         serve.run(build_app(cfg), name=name, route_prefix=prefix)
-    return Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY)
+    return Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def stop() -> None:
