@@ -15,7 +15,7 @@ PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(PROTO_PKG)=protos --python_out=
 SERVE_PROTO_PKG := serve_app/_proto
 SERVE_PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(SERVE_PROTO_PKG)=protos --python_out=. --grpc_python_out=.
 
-.PHONY: install protos serve test bench demo-models clean
+.PHONY: install protos serve test bench loadtest demo-models clean
 
 install: $(STAMP) $(PROTO_PKG)/ssd_draft_pb2_grpc.py $(SERVE_PROTO_PKG)/ssd_serve_pb2_grpc.py
 
@@ -46,6 +46,13 @@ test: install
 
 bench: install
 	$(BIN)/ssd bench
+
+# Against a running `make serve` (another terminal): 4 users for 60 s, every speculation mode,
+# reports in bench_results/loadtest_*.csv and bench_results/loadtest.html.
+loadtest: install
+	mkdir -p bench_results
+	$(BIN)/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \
+		--spec-modes ssd,sd,off --csv bench_results/loadtest --html bench_results/loadtest.html
 
 demo-models: install
 	$(BIN)/ssd build-demo-models

@@ -1,0 +1,383 @@
+"""KubeRay manifests (k8s/), rendered as kustomize would and validated offline (no Ray or
+Kubernetes cluster): the KubeRay CRD schemas, Ray Serve's config schema, the application built
+from its args (binds deployments, starts nothing), and every replica packed onto the pods as
+Ray would count them. The broken copies at the end show each check catching its mistake.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import shutil
+import subprocess
+import typing
+from functools import lru_cache
+from pathlib import Path
+
+import jsonpatch
+import jsonschema
+import pytest
+import yaml
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+KUBERAY = Path(__file__).resolve().parents[2] / "shared" / "kuberay"
+TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu-70b"]
+HAVE_CRDS = (KUBERAY / "ray.io_rayservices.yaml").is_file() and (KUBERAY / "ray.io_rayclusters.yaml").is_file()
+needs_crds = pytest.mark.skipif(not HAVE_CRDS, reason=f"KubeRay CRDs not found in {KUBERAY}")
+
+
+class ManifestError(AssertionError):
+    pass
+
+
+# ---- rendering: the subset of kustomize the manifests use, and nothing else -------------------
+
+def render(kdir: Path) -> list[dict]:
+    spec = yaml.safe_load((kdir / "kustomization.yaml").read_text())
+    # A field this renderer ignores would make its output differ from kustomize's unseen.
+    assert set(spec) <= {"apiVersion", "kind", "resources", "patches", "images"}, set(spec)
+    docs = []
+    for res in spec.get("resources", []):
+        path = kdir / res
+        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in spec.get("patches", []):
+        ops = yaml.safe_load((kdir / patch["path"]).read_text())
+        assert isinstance(ops, list), f"{patch['path']}: only JSON6902 patches (a list of ops) are rendered"
+        hits = [i for i, d in enumerate(docs) if _targets(d, patch["target"])]
+        assert hits, f"{patch['path']}: its target matches nothing"
+        for i in hits:
+            docs[i] = jsonpatch.apply_patch(docs[i], ops)
+    for image in spec.get("images", []):
+        for doc in docs:
+            for container in _containers(doc):
+                name, _, tag = container["image"].partition(":")
+                if name == image["name"]:
+                    container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+    return docs
+
+
+def _targets(doc: dict, target: dict) -> bool:
+    group, _, version = doc["apiVersion"].rpartition("/")
+    have = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    return all(have[k] == v for k, v in target.items())
+
+
+def _containers(node):
+    """Every container and init container, wherever the pod templates sit."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        yield from value if key in ("containers", "initContainers") else _containers(value)
+
+
+@lru_cache
+def rendered(target: str) -> tuple:
+    return tuple(render(K8S / target))
+
+
+def rayservice(docs) -> dict:
+    found = [d for d in docs if d["kind"] == "RayService"]
+    assert len(found) == 1, f"{len(found)} RayServices"
+    return found[0]
+
+
+# ---- KubeRay CRD schemas ----------------------------------------------------------------------
+
+def _closed(schema):
+    """Unknown fields fail, as with kubectl's strict field validation (its default since
+    Kubernetes 1.27); without it the API server silently drops a misspelt field."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+        return schema
+    return [_closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
+@lru_cache
+def crd_schema(name: str) -> dict:
+    crd = yaml.load((KUBERAY / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return _closed(version["schema"]["openAPIV3Schema"])
+
+
+def crd_problems(rs: dict) -> list[str]:
+    checks = [(rs, crd_schema("ray.io_rayservices.yaml"), "RayService"),
+              (rs["spec"].get("rayClusterConfig", {}),
+               crd_schema("ray.io_rayclusters.yaml")["properties"]["spec"], "RayCluster spec")]
+    out = []
+    for obj, schema, what in checks:
+        for err in jsonschema.Draft7Validator(schema).iter_errors(obj):
+            out.append(f"{what} schema: /{'/'.join(map(str, err.absolute_path))}: {err.message}")
+    return out
+
+
+# ---- serveConfigV2: Ray Serve's schema, then the application itself ----------------------------
+
+def _models(annotation):
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in typing.get_args(annotation):
+        yield from _models(arg)
+
+
+def unknown_keys(value, model: type[BaseModel], where: str) -> list[str]:
+    """Keys Serve's schema would silently ignore (its models accept extra keys)."""
+    if not isinstance(value, dict):
+        return []
+    fields = model.model_fields
+    out = [f"{where}.{k}" for k in value if k not in fields and k not in {f.alias for f in fields.values()}]
+    for key, sub in value.items():
+        inner = next(_models(fields[key].annotation), None) if key in fields else None
+        for item in (sub if isinstance(sub, list) else [sub]) if inner else []:
+            out += unknown_keys(item, inner, f"{where}.{key}")
+    return out
+
+
+def _attempt(what: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - any failure is the manifest's
+        raise ManifestError(f"{what}: {err!r}") from None
+
+
+def serve_checks(rs: dict):
+    """Validates serveConfigV2; returns it, its AppConfig and, per deployment, (replicas,
+    ray_actor_options) as the Serve controller will run them. Raises ManifestError."""
+    from ray._common.utils import import_attr  # what Serve resolves import paths with
+    from ray.serve._private.build_app import build_app as serve_build
+    from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
+
+    import serve_app.app
+
+    if not isinstance(rs["spec"].get("serveConfigV2"), str):
+        raise ManifestError("serveConfigV2 must be a YAML string")
+    cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    _attempt("ServeDeploySchema", ServeDeploySchema.model_validate, cfg)
+    if extra := unknown_keys(cfg, ServeDeploySchema, "serveConfigV2"):
+        raise ManifestError(f"serveConfigV2: unknown key(s) {extra}")
+    for path in cfg["grpc_options"]["grpc_servicer_functions"]:
+        _attempt(f"grpc_servicer_functions: {path}", import_attr, path)
+    if len(cfg["applications"]) != 1:
+        raise ManifestError("one application expected (the cluster checks size for one)")
+    app = cfg["applications"][0]
+    if _attempt(f"import_path {app['import_path']}", import_attr, app["import_path"]) is not serve_app.app.build_app:
+        raise ManifestError(f"import_path {app['import_path']} is not serve_app.app.build_app")
+    if (app.get("args") or {}).get("api_key"):
+        raise ManifestError("api_key is written in the manifest: use the ssd-serve-api-key Secret")
+    config = _attempt("args", serve_app.app.parse_config, app.get("args"))
+    # build_app binds the deployments (Serve checks their options there); nothing starts.
+    built = _attempt("build_app", lambda: serve_build(serve_app.app.build_app(config), name=app["name"]))
+    built = {d.name: d for d in built.deployments}
+    overrides = {}
+    for over in app.get("deployments", []):
+        if over["name"] not in built:
+            raise ManifestError(f"deployments: {over['name']} is not a deployment of the app ({sorted(built)})")
+        if set(over) != {"name", "ray_actor_options"}:  # replica counts come from args
+            raise ManifestError(f"deployments.{over['name']}: override ray_actor_options only")
+        overrides[over["name"]] = over["ray_actor_options"]
+    placement = {}
+    for name, dep in built.items():
+        options = overrides.get(name, dep.ray_actor_options) or {}
+        if extra := unknown_keys(options, RayActorOptionsSchema, f"{name}.ray_actor_options"):
+            raise ManifestError(f"unknown actor option(s) {extra}")
+        _attempt(f"{name}.ray_actor_options", RayActorOptionsSchema.model_validate, options)
+        placement[name] = (dep.num_replicas, options)
+    target = placement["Target"][1]
+    if (target.get("num_cpus", 1), target.get("num_gpus", 0)) != (config.target_num_cpus, config.target_num_gpus):
+        raise ManifestError("the Target override's num_cpus/num_gpus disagree with target_num_cpus/target_num_gpus")
+    return cfg, config, placement
+
+
+# ---- the cluster: ports, env, probes, and whether every replica fits ---------------------------
+
+def _node_resources(group) -> dict:
+    """What Ray sees on one pod of the group (KubeRay derives num-cpus/num-gpus from the limits,
+    rounding CPUs up)."""
+    params, limits = group.get("rayStartParams", {}), group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    cpu = str(limits.get("cpu", 0))
+    cpu = math.ceil(float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
+    have = {"CPU": float(params.get("num-cpus", cpu)), "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
+    return {**have, **(yaml.safe_load(yaml.safe_load(params["resources"])) if "resources" in params else {})}  # '"{...}"'
+
+
+def _demand(options: dict) -> dict:
+    return {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+
+
+def _fits(demand, free) -> bool:
+    return all(free.get(k, 0) >= v for k, v in demand.items() if v)
+
+
+def cluster_problems(rs: dict, cfg: dict, config, placement: dict) -> list[str]:
+    rc, out, nodes = rs["spec"]["rayClusterConfig"], [], []
+    head = rc["headGroupSpec"]["rayStartParams"]
+    want_head = {"num-cpus": "0", "metrics-export-port": "8080", "dashboard-host": "0.0.0.0"}
+    out += [f"head rayStartParams.{k} must be {v!r}" for k, v in want_head.items() if head.get(k) != v]
+    if cfg["http_options"].get("host") != "0.0.0.0":
+        out.append("http_options.host must be 0.0.0.0 (the proxies are reached from other pods)")
+    if f"ARG RAY_VERSION={rc.get('rayVersion')}\n" not in (REPO / "Dockerfile").read_text():
+        out.append(f"rayVersion {rc.get('rayVersion')} differs from the Dockerfile's RAY_VERSION")
+    want_ports = {"serve": cfg["http_options"]["port"], "grpc": cfg["grpc_options"]["port"], "metrics": 8080}
+    groups = [("head", rc["headGroupSpec"], 1)] + [(g["groupName"], g, g["replicas"]) for g in rc.get("workerGroupSpecs", [])]
+    for name, group, replicas in groups:
+        c = group["template"]["spec"]["containers"][0]
+        ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+        want = {**want_ports, **({"gcs-server": 6379, "dashboard": 8265} if name == "head" else {})}
+        out += [f"{name}: container port {p} ({n}) not declared" for n, p in want.items() if ports.get(n) != p]
+        if group.get("rayStartParams", {}).get("metrics-export-port") != "8080":
+            out.append(f"{name}: rayStartParams.metrics-export-port must be '8080'")
+        env = {e["name"]: e for e in c.get("env", [])}
+        if env.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", {}).get("value") != str(config.max_grpc_message_bytes):
+            out.append(f"{name}: env RAY_SERVE_GRPC_MAX_MESSAGE_SIZE must be {config.max_grpc_message_bytes} (= max_grpc_message_bytes)")
+        key = env.get("SSD_API_KEY", {})
+        if "value" in key or not key.get("valueFrom", {}).get("secretKeyRef", {}).get("optional"):
+            out.append(f"{name}: env SSD_API_KEY must come from a secretKeyRef with optional: true")
+        # /health is readiness only where the Ingress runs, and never on the head: KubeRay
+        # submits serveConfigV2 once the head is ready, so the app would never come up.
+        probe, have = c.get("readinessProbe"), _node_resources(group)
+        if name == "head":
+            if probe:
+                out.append("head: no readinessProbe (KubeRay submits serveConfigV2 only once the head is ready)")
+        elif _fits(_demand(placement["Ingress"][1]), have):
+            if (probe or {}).get("httpGet") != {"path": "/health", "port": "serve"}:
+                out.append(f"{name}: the Ingress runs here: readinessProbe httpGet /health on port serve")
+        elif probe:
+            out.append(f"{name}: a readinessProbe replaces KubeRay's own; only the Ingress's groups get /health")
+        nodes += [dict(have) for _ in range(replicas)]
+    # First fit, largest CPU demand first: enough for these few, uniform replicas.
+    for dep, (replicas, options) in sorted(placement.items(), key=lambda p: -_demand(p[1][1])["CPU"]):
+        demand = _demand(options)
+        if _fits(demand, nodes[0]):
+            out.append(f"{dep} could be placed on the head (it needs {demand}); the head must run no replicas")
+        for i in range(replicas):
+            node = next((free for free in nodes[1:] if _fits(demand, free)), None)
+            if node is None:
+                out.append(f"{dep} replica {i + 1}/{replicas} ({demand}) fits on no worker pod: add pods or resources")
+                break
+            node.update({k: node.get(k, 0) - v for k, v in demand.items()})
+    return out
+
+
+def validate(docs, crds: bool) -> None:
+    rs = rayservice(docs)
+    problems = [f"apiVersion {rs['apiVersion']}"] if rs["apiVersion"] != "ray.io/v1" else []
+    problems += crd_problems(rs) if crds else []
+    if not problems:  # the checks below assume a well-typed object
+        try:
+            problems += cluster_problems(rs, *serve_checks(rs))
+        except ManifestError as err:
+            problems.append(str(err))
+    if problems:
+        raise ManifestError("\n".join(problems))
+
+
+# ---- the manifests as written -------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_serve_config_and_layout(target):
+    validate(rendered(target), crds=False)
+
+
+@needs_crds
+@pytest.mark.parametrize("target", TARGETS)
+def test_kuberay_crd_schemas(target):
+    assert crd_problems(rayservice(rendered(target))) == []
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) not installed")
+@pytest.mark.parametrize("target", TARGETS)
+def test_renderer_matches_kustomize(target):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / target)], capture_output=True, text=True, timeout=60, check=True)
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(yaml.safe_load_all(out.stdout), key=key) == sorted(copy.deepcopy(rendered(target)), key=key)
+
+
+def test_overlays_are_what_they_claim():
+    base, gpu = rayservice(rendered("base")), rayservice(rendered("overlays/gpu-70b"))
+    demo = yaml.safe_load(rayservice(rendered("overlays/cpu-demo"))["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "target" not in demo["engine"] and (demo["engine"]["mode"], demo["engine"]["draft_transport"]) == ("ssd", "torch")
+    args = yaml.safe_load(gpu["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "70B" in args["engine"]["target"] and args["engine"]["device"] == args["engine"]["draft_device"] == "cuda"
+    assert args["engine"]["draft_worker_resources"]["num_gpus"] == 1 and args["target_num_gpus"] == 4
+    for group, gpus in zip(gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"], ["4", "1"]):
+        c = group["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert {c["image"] for c in _containers(gpu)} == {"ssd-serve:cuda"}
+    assert {c["image"] for c in _containers(base)} == {"ssd-serve:latest"}
+    svc = next(d for d in rendered("base") if d["kind"] == "Service")  # gRPC: the Ingress's pods
+    assert svc["spec"]["selector"].items() <= base["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(9000, "grpc")]
+
+
+# ---- broken copies: each validator catches its own kind of mistake -------------------------------
+
+def _serve(fn):
+    def mutate(rs):
+        cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        fn(cfg, cfg["applications"][0])
+        rs["spec"]["serveConfigV2"] = yaml.safe_dump(cfg)
+    return mutate
+
+
+def _group(i, fn):  # i: a worker group's index, or None for the head
+    rc = lambda rs: rs["spec"]["rayClusterConfig"]  # noqa: E731
+    return lambda rs: fn(rc(rs)["headGroupSpec"] if i is None else rc(rs)["workerGroupSpecs"][i])
+
+
+def _ray(group):
+    return group["template"]["spec"]["containers"][0]
+
+
+BROKEN = {  # name: (mutation of the base RayService, what the error names, needs the CRDs)
+    "import path typo": (_serve(lambda c, a: a.update(import_path="serve_app.app:build_ap")), "import_path", False),
+    "unknown args key": (_serve(lambda c, a: a["args"].update(draft_pool=2)), "draft_pool", False),
+    "args value of the wrong type": (_serve(lambda c, a: a["args"].update(target_replicas="two")), "target_replicas", False),
+    "unknown engine key": (_serve(lambda c, a: a["args"]["engine"].update(drafts=2)), "engine.drafts", False),
+    "api key in the manifest": (_serve(lambda c, a: a["args"].update(api_key="sk-123")), "api_key", False),
+    "servicer function typo": (_serve(lambda c, a: c["grpc_options"]["grpc_servicer_functions"].append("serve_app._proto.nope")), "grpc_servicer_functions", False),
+    "grpc port not an int": (_serve(lambda c, a: c["grpc_options"].update(port="grpc")), "ServeDeploySchema", False),
+    "serve key Serve would ignore": (_serve(lambda c, a: a.update(deployment=[])), "deployment", False),
+    "override of a missing deployment": (_serve(lambda c, a: a["deployments"][0].update(name="Targets")), "Targets", False),
+    "override disagrees with args": (_serve(lambda c, a: a["deployments"][0]["ray_actor_options"].update(num_cpus=3)), "target_num_cpus", False),
+    "actor option typo": (_serve(lambda c, a: a["args"]["engine"]["draft_worker_resources"].update(num_gpu=1)), "num_gpu", False),
+    "pool larger than the draft pods": (_serve(lambda c, a: a["args"].update(draft_pool_size=3)), "DraftWorker replica 3/3", False),
+    "http host loopback": (_serve(lambda c, a: c["http_options"].update(host="127.0.0.1")), "http_options.host", False),
+    "head may run replicas": (_group(None, lambda g: g["rayStartParams"].update({"num-cpus": "8"})), "num-cpus", False),
+    "metrics port missing": (_group(None, lambda g: _ray(g)["ports"].pop()), "8080", False),
+    "grpc size env differs": (_group(0, lambda g: _ray(g)["env"][0].update(value="1024")), "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", False),
+    "no /health where the Ingress runs": (_group(0, lambda g: _ray(g).pop("readinessProbe")), "target: the Ingress runs here", False),
+    "probe on the draft pods": (_group(1, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": "serve"}})), "draft: a readinessProbe", False),
+    "probe on the head": (_group(None, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": 8000}})), "head: no readinessProbe", False),
+    "replicas of the wrong type": (_group(0, lambda g: g.update(replicas="two")), "replicas: 'two' is not of type 'integer'", True),
+    "rayStartParams value unquoted": (_group(None, lambda g: g["rayStartParams"].update({"num-cpus": 0})), "num-cpus: 0 is not of type 'string'", True),
+    "misspelt pod field": (_group(1, lambda g: _ray(g).update(imagePullPolicyy="Always")), "imagePullPolicyy", True),
+    "bad memory quantity": (_group(1, lambda g: _ray(g)["resources"]["limits"].update(memory="4GB")), "does not match", True),
+    "serveConfigV2 not a string": (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "serveConfigV2", True),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_copy_fails(name):
+    mutate, expected, crds = BROKEN[name]
+    if crds and not HAVE_CRDS:
+        pytest.skip(f"KubeRay CRDs not found in {KUBERAY}")
+    docs = copy.deepcopy(list(rendered("base")))
+    mutate(rayservice(docs))
+    with pytest.raises(ManifestError, match=re.escape(expected)):
+        validate(docs, crds=HAVE_CRDS)
+
+
+def test_overlay_patch_refuses_a_reordered_base(tmp_path):
+    """The overlays' `test` ops stop a patch from landing on the wrong worker group."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    base = tmp_path / "k8s" / "base" / "rayservice.yaml"
+    rs = yaml.safe_load(base.read_text())
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"].reverse()
+    base.write_text(yaml.safe_dump(rs))
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        render(tmp_path / "k8s" / "overlays" / "gpu-70b")
