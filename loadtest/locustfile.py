@@ -12,7 +12,9 @@ request events of their own, under the request type in the first column:
     ITL       mean ms between chunks after the first (per request)
     TOKPS     generated tokens per second of the request, as the value (not ms)
     E2E       ms from sending to `data: [DONE]` (or the whole JSON body)
-Their names are "<kind> <mode> <stream|whole>". A request that fails (non-200, an error event, a
+    TOKENS    generated tokens of the request, as the value (so average x count = total)
+Their name is the mode (one row per mode and figure; the POST rows are named "<kind> <mode>
+<stream|whole>"). A request that fails (non-200, an error event, a
 stream without [DONE]) is reported as a failure of its POST.
 """
 
@@ -56,7 +58,8 @@ class OpenAIUser(HttpUser):
         self.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
 
     def _report(self, kind: str, name: str, value: float) -> None:
-        events.request.fire(request_type=kind, name=name, response_time=value, response_length=0, exception=None, context={})
+        mode = name.split(" ")[1]
+        events.request.fire(request_type=kind, name=mode, response_time=value, response_length=0, exception=None, context={})
 
     @task
     def generate(self) -> None:
@@ -85,6 +88,7 @@ class OpenAIUser(HttpUser):
                 elapsed = time.perf_counter() - sent
                 self._report("E2E", name, 1000 * elapsed)
                 self._report("TOKPS", name, tokens / elapsed if elapsed > 0 else 0.0)
+                self._report("TOKENS", name, tokens)
                 response.success()
 
     def _streamed(self, response, name: str, sent: float, chat: bool) -> None:
@@ -120,4 +124,5 @@ class OpenAIUser(HttpUser):
         if gaps:
             self._report("ITL", name, 1000 * sum(gaps) / len(gaps))
         self._report("TOKPS", name, tokens / elapsed if elapsed > 0 else 0.0)
+        self._report("TOKENS", name, tokens)
         response.success()

@@ -26,8 +26,6 @@ logger = logging.getLogger("ssd.serve")
 
 APP_NAME = "ssd"
 _APP_DEST = "app_"
-# Server flags beside the config's fields.
-_SERVER_FLAGS = ("host", "port", "grpc_port", "metrics_port", "config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on every interface).")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port.")
     parser.add_argument("--grpc-port", type=int, default=9000, help="gRPC port.")
+    parser.add_argument("--ray-address", default="auto",
+                        help="auto: attach to the Ray cluster of RAY_ADDRESS or one running on this machine (`ray start --head`), else start one; "
+                             "local: always start a cluster of its own (stopped on exit); or a cluster address to attach to.")
     parser.add_argument("--metrics-port", type=int, default=None, help="Port of Ray's Prometheus metrics endpoint when this command starts the Ray cluster (default: Ray picks one).")
     for name, field in AppConfig.model_fields.items():
         if name == "engine":
@@ -71,19 +72,22 @@ def app_config_from(args: argparse.Namespace) -> AppConfig:
     return parse_config({**base, **app, **({"engine": engine} if engine else {})})
 
 
-def _start_ray(metrics_port: int | None) -> bool:
-    """Attach to a running cluster (RAY_ADDRESS, or one `ray start --head` started on this host);
-    else start a local one. -> whether this process started it."""
+def _start_ray(address: str, metrics_port: int | None) -> bool:
+    """Attach to a running cluster or start one (see --ray-address). -> whether this process
+    started it (and so stops it on exit)."""
     import ray
 
-    try:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
-        logger.info("attached to the running Ray cluster")
-        return False
-    except ConnectionError:
-        options = {"_metrics_export_port": metrics_port} if metrics_port else {}
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, **options)
-        return True
+    if address != "local":
+        try:
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto") if address == "auto" else address, logging_level=logging.WARNING)
+            logger.info("attached to the running Ray cluster")
+            return False
+        except ConnectionError:
+            if address != "auto":
+                raise
+    options = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, **options)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
-    started = _start_ray(args.metrics_port)
+    started = _start_ray(args.ray_address, args.metrics_port)
     import ray
 
     # After ray.init, which installs handlers of its own: ours make the main loop shut down.

@@ -74,14 +74,3 @@ def peaked_target(peaked_pair):
 
     return AutoModelForCausalLM.from_pretrained(peaked_pair[0], local_files_only=True, dtype=torch.float32).eval()
 
-
-@pytest.fixture(scope="session")
-def served(tiny_pair):
-    """The application on a real local Ray Serve (tests/serve_harness.py), started once for every
-    serving test module and stopped at the end of the session."""
-    pytest.importorskip("ray")
-    import serve_harness
-
-    s = serve_harness.start(tiny_pair)
-    yield s
-    serve_harness.stop()

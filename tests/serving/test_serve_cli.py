@@ -20,7 +20,7 @@ requests = pytest.importorskip("requests")
 
 from serve_harness import free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ray_processes() -> set[int]:
@@ -40,7 +40,8 @@ def test_ssd_serve_starts_answers_and_stops_clean():
     http, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
     proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
-                             "--k", "4", "--default-max-tokens", "16"],
+                             "--k", "4", "--default-max-tokens", "16",
+                             "--ray-address", "local"],  # never the test session's cluster
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines, deadline = [], time.monotonic() + 240

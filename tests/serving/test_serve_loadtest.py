@@ -16,7 +16,7 @@ import pytest
 if importlib.util.find_spec("locust") is None:
     pytest.skip("locust is not installed", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_short_headless_run_has_no_failures(served, tmp_path):

@@ -1,0 +1,82 @@
+"""Load benchmark: SSD vs SD vs plain decoding (off) at several concurrent user counts, against a
+running server that serves all three (`.venv/bin/ssd serve --extra-modes sd off` in another
+terminal).
+
+    python -m loadtest.bench --users 1,4,16 --duration 30 --modes ssd,sd,off
+
+Each (mode, users) cell is one headless Locust run of loadtest/locustfile.py in which every
+request asks for that speculation mode (greedy, the prompt mix, 75% streamed). Reported per cell:
+generated tokens per second over the run (sum of the TOKENS events / duration), requests per
+second, and p50/p99 of end-to-end latency and time to first token (ms). Prints a table and
+writes bench_results/loadtest_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+def run_cell(host: str, mode: str, users: int, duration: int, model: str, api_key: str, workdir: Path) -> dict:
+    prefix = workdir / f"{mode}_{users}"
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host, "--headless", "-u", str(users),
+           "-r", str(users), "-t", f"{duration}s", "--stop-timeout", "60", "--csv", str(prefix), "--only-summary",
+           "--spec-modes", mode, "--model", model, "--api-key", api_key]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=duration + 300)
+    with open(f"{prefix}_stats.csv") as f:
+        rows = list(csv.DictReader(f))
+
+    def typed(kind: str) -> list[dict]:
+        return [r for r in rows if r["Type"] == kind]
+
+    def percentile(kind: str, column: str) -> float:
+        (row,) = typed(kind)  # the locustfile names its own events by mode only: one row per cell
+        return float(row[column])
+
+    posts = typed("POST")
+    failures = sum(int(r["Failure Count"]) for r in posts)
+    tokens = sum(float(r["Average Response Time"]) * int(r["Request Count"]) for r in typed("TOKENS"))
+    requests = sum(int(r["Request Count"]) for r in posts)
+    return {
+        "mode": mode, "users": users, "requests": requests, "failures": failures,
+        "tok_per_s": tokens / duration, "req_per_s": requests / duration,
+        "e2e_p50_ms": percentile("E2E", "50%"), "e2e_p99_ms": percentile("E2E", "99%"),
+        "ttft_p50_ms": percentile("TTFT", "50%"), "ttft_p99_ms": percentile("TTFT", "99%"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="ssd-demo")
+    parser.add_argument("--api-key", default="")
+    parser.add_argument("--modes", default="ssd,sd,off")
+    parser.add_argument("--users", default="1,4,16")
+    parser.add_argument("--duration", type=int, default=30, help="Seconds per cell.")
+    parser.add_argument("--out", default="bench_results/loadtest_bench.json")
+    args = parser.parse_args(argv)
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for users in [int(u) for u in args.users.split(",")]:
+            for mode in args.modes.split(","):
+                cell = run_cell(args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp))
+                cells.append(cell)
+                sys.stdout.write(f"{mode:4s} users {users:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s  "
+                                 f"E2E p50/p99 {cell['e2e_p50_ms']:6.0f}/{cell['e2e_p99_ms']:6.0f} ms  "
+                                 f"TTFT p50/p99 {cell['ttft_p50_ms']:5.0f}/{cell['ttft_p99_ms']:5.0f} ms  failures {cell['failures']}\n")
+                sys.stdout.flush()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cells": cells}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
