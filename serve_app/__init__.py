@@ -11,4 +11,5 @@ that batch continuously and lease draft workers from a shared pool.
     deployments.py   thin Serve deployments: Ingress (HTTP + gRPC), Target, DraftWorker
     app.py           build_app(args): the builder `serve run` and `ssd serve` use
     cli.py           `ssd serve`: a local Ray cluster, the app, clean shutdown
+    bench.py         serving overhead: HTTP against the offline engine at batch 1
 """
