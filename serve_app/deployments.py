@@ -8,6 +8,7 @@ Serve places, starts, health-checks and replaces the replicas.
 
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations
 # (Request) at class creation, through Serve's ingress wrapper, and needs them evaluated.
+import asyncio
 import hmac
 import logging
 import os
@@ -27,6 +28,9 @@ from serve_app.openai_api import OpenAIFrontend, parse_body
 from serve_app.types import GenerateChunk, GenerateRequest
 
 logger = logging.getLogger(__name__)
+
+# /health and gRPC Health/Check answer "unavailable" when no target replica answers within this.
+HEALTH_TIMEOUT_S = 5.0
 
 
 @serve.deployment(name="DraftWorker", health_check_period_s=5, max_ongoing_requests=4)
@@ -158,8 +162,8 @@ class IngressDeployment:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _health(self) -> bool:
-        try:
-            stats = await self.target.stats.remote()
+        try:  # bounded: with no target replica running, a handle call waits for one
+            stats = await asyncio.wait_for(self.target.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - any failure to reach a target means unhealthy
             logger.warning("health: no target replica answered: %s", type(err).__name__)
             return False
