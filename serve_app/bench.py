@@ -49,7 +49,8 @@ def offline(engine: dict, prompts: list[str], max_tokens: int) -> dict:
                     tokens += len(out.token_ids)
             ttft.append(first - sent)
         elapsed = time.perf_counter() - started
-    return {"tok_per_s": tokens / elapsed, "ttft_ms_p50": 1000 * statistics.median(ttft), "tokens": tokens}
+        verify_ms = llm.metrics()["verify_ms_per_round"]
+    return {"tok_per_s": tokens / elapsed, "ttft_ms_p50": 1000 * statistics.median(ttft), "tokens": tokens, "verify_ms_per_round": verify_ms}
 
 
 def http(url: str, model: str, prompts: list[str], max_tokens: int, api_key: str | None) -> dict:
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = row
         sys.stdout.write(f"{mode:4s} offline {row['offline']['tok_per_s']:7.1f} tok/s (TTFT {row['offline']['ttft_ms_p50']:6.1f} ms)   "
                          f"HTTP {row['http']['tok_per_s']:7.1f} tok/s (TTFT {row['http']['ttft_ms_p50']:6.1f} ms)   "
-                         f"HTTP/offline {row['http_over_offline']:.3f}\n")
+                         f"HTTP/offline {row['http_over_offline']:.3f}   verify ms/round offline {row['offline']['verify_ms_per_round']:.2f} "
+                         f"HTTP {row['http']['verify_ms_per_round']:.2f}\n")
         sys.stdout.flush()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,11 @@ def _served(engine: dict, prompts: list[str], max_tokens: int, stream_interval_m
         if stream_interval_ms is not None:
             config["stream_interval_ms"] = stream_interval_ms
         serve.run(build_app(config), name="bench", route_prefix="/")
-        return http(f"http://127.0.0.1:{port}", "bench", prompts, max_tokens, None)
+        result = http(f"http://127.0.0.1:{port}", "bench", prompts, max_tokens, None)
+        # The engine's own time per verification inside the replica (warm-up included, as offline).
+        stats = serve.get_deployment_handle("Target", app_name="bench").stats.remote().result()
+        result["verify_ms_per_round"] = stats[f"{engine['mode']}_metrics"]["verify_ms_per_round"]
+        return result
     finally:
         serve.shutdown()
         ray.shutdown()

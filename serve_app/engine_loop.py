@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.config import REQUEST_MODES
 from serve_app.errors import APIError, overloaded
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.config import EngineArgs
@@ -116,9 +117,9 @@ class EngineLoop:
         """The engine mode serving a request's speculation mode (None = the default)."""
         if mode is None:
             return self.default_mode
-        engine_mode = {"ssd": "ssd", "sd": "sd", "off": "ar"}.get(mode)
+        engine_mode = REQUEST_MODES.get(mode)
         if engine_mode not in self.engines:
-            served = sorted({"ssd": "ssd", "sd": "sd", "ar": "off"}[m] for m in self.engines)
+            served = sorted(name for name, m in REQUEST_MODES.items() if m in self.engines)
             raise APIError(400, f"speculation.mode {mode!r} is not served here; served: {served}", "speculation.mode", "invalid_value")
         return engine_mode
 

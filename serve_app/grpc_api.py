@@ -10,6 +10,7 @@ invocation_metadata), so they also run under a plain grpc.aio server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
-from serve_app.openai_api import Generate
+from serve_app.openai_api import Generate, interleave
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.sampling_params import SamplingParams
 
@@ -145,41 +146,20 @@ class GrpcFrontend:
             raise
         rid = f"gen-{uuid.uuid4().hex}"
         streams = [self._generate(g) for g in gens]
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            try:
-                async for chunk in streams[index]:
-                    await queue.put((index, chunk))
-                await queue.put((index, None))
-            except Exception as err:  # noqa: BLE001 - becomes the call's status
-                await queue.put((index, err))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
         try:
-            open_ = len(streams)
-            while open_:
-                index, item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                    continue
-                if isinstance(item, Exception):
-                    err = item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
-                    self._fail(context, err)
-                    raise err
-                choice = self.pb.Choice(index=index, text=item.delta_text, token_ids=item.delta_token_ids,
-                                        finish_reason=item.finish_reason or "")
-                usage = None
-                if item.finish_reason:  # set before the reply copies the choice in
-                    choice.speculation.CopyFrom(self._stats(item))
-                    usage = self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
-                                          total_tokens=item.prompt_tokens + item.completion_tokens)
-                yield self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice], usage=usage)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            async with contextlib.aclosing(interleave(streams)) as merged:
+                async for index, item in merged:
+                    choice = self.pb.Choice(index=index, text=item.delta_text, token_ids=item.delta_token_ids,
+                                            finish_reason=item.finish_reason or "")
+                    usage = None
+                    if item.finish_reason:  # set before the reply copies the choice in
+                        choice.speculation.CopyFrom(self._stats(item))
+                        usage = self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
+                                              total_tokens=item.prompt_tokens + item.completion_tokens)
+                    yield self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice], usage=usage)
+        except APIError as err:  # see above: raised, so the call ends with this code
+            self._fail(context, err)
+            raise
 
     async def list_models(self, request, context):
         if not self.authorized(dict(context.invocation_metadata()).get("authorization")):

@@ -8,6 +8,7 @@ to the target deployment in production, an EngineLoop in-process in tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -37,6 +38,41 @@ def parse_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
     return body
+
+
+async def interleave(streams: list[AsyncIterator[GenerateChunk]], firsts: list | None = None) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """The chunks of several generations (the choices of one request) as they arrive, each with
+    its stream's index; firsts[i], when given and not None, is stream i's chunk already read. A
+    stream that fails ends the whole with its APIError (500 for anything else); closing this
+    stops every stream, which cancels their generations."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            if firsts is not None and firsts[index] is not None:
+                await queue.put((index, firsts[index]))
+            async for chunk in streams[index]:
+                await queue.put((index, chunk))
+            await queue.put((index, None))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which reports it
+            await queue.put((index, err))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
 def sse(data: dict | str) -> bytes:
@@ -147,56 +183,35 @@ class OpenAIFrontend:
 
     def _stream(self, rid: str, request, streams, firsts, chat: bool) -> AsyncIterator[bytes]:
         created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int):
-            try:
-                if firsts[index] is not None:
-                    await queue.put((index, firsts[index]))
-                async for chunk in streams[index]:
-                    await queue.put((index, chunk))
-                await queue.put((index, None))
-            except Exception as err:  # noqa: BLE001 - reported to the client as an error event
-                await queue.put((index, err))
-
         def event(index: int, delta: dict | str, finish: str | None, extra: dict | None = None) -> bytes:
             choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta, "logprobs": None}
             return sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
                         "choices": [{**choice, "finish_reason": finish, **(extra or {})}]})
 
         async def events() -> AsyncIterator[bytes]:
-            tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-            open_, usage = len(streams), {"prompt_tokens": 0, "completion_tokens": 0}
+            usage = {"prompt_tokens": 0, "completion_tokens": 0}
+            if chat:
+                for i in range(len(streams)):
+                    yield event(i, {"role": "assistant", "content": ""}, None)
             try:
-                if chat:
-                    for i in range(len(streams)):
-                        yield event(i, {"role": "assistant", "content": ""}, None)
-                while open_:
-                    index, item = await queue.get()
-                    if item is None:
-                        open_ -= 1
-                        continue
-                    if isinstance(item, Exception):
-                        err = item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
-                        yield sse(err.body())
-                        break
-                    text = {"content": item.delta_text} if chat else item.delta_text
-                    extra = {"speculation": {"mode": item.mode, **item.speculation}} if item.finish_reason else {}
-                    if request.return_token_ids:
-                        extra["token_ids"] = item.delta_token_ids
-                    if item.delta_text or item.finish_reason or (request.return_token_ids and item.delta_token_ids):
-                        yield event(index, text, item.finish_reason, extra)
-                    if item.finish_reason:
-                        usage["completion_tokens"] += item.completion_tokens
-                        usage["prompt_tokens"] += item.prompt_tokens if index % request.n == 0 else 0
-                if request.stream_options is not None and request.stream_options.include_usage:
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                    yield sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage})
+                async with contextlib.aclosing(interleave(streams, firsts)) as merged:
+                    async for index, item in merged:
+                        text = {"content": item.delta_text} if chat else item.delta_text
+                        extra = {"speculation": {"mode": item.mode, **item.speculation}} if item.finish_reason else {}
+                        if request.return_token_ids:
+                            extra["token_ids"] = item.delta_token_ids
+                        if item.delta_text or item.finish_reason or (request.return_token_ids and item.delta_token_ids):
+                            yield event(index, text, item.finish_reason, extra)
+                        if item.finish_reason:
+                            usage["completion_tokens"] += item.completion_tokens
+                            usage["prompt_tokens"] += item.prompt_tokens if index % request.n == 0 else 0
+            except APIError as err:  # after the stream started: an error event, then [DONE]
+                yield sse(err.body())
                 yield sse("[DONE]")
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+                return
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage})
+            yield sse("[DONE]")
 
         return events()
