@@ -9,10 +9,13 @@ Lifetime: detached. Whoever calls get_or_create_pool first creates it, and that 
 target replica or driver; an owned actor would die with it and take every other target's leases
 and every worker's registration along. Detached, it lives as long as the cluster; `ray.kill` it
 to remove it. It is named in an explicit namespace ("ssd"), so drivers and Serve replicas in
-namespaces of their own find the same one. It is not restarted by Ray: a restarted pool would be
-empty, since workers register only when they (re)start. If it is lost anyway (its node died),
-the next get_or_create_pool creates an empty one, and the running workers must be restarted to
-join it (targets waiting for a worker say so: DrafterUnavailable after their acquire timeout).
+namespaces of their own find the same one. It is not restarted by Ray. If it is lost anyway (its
+node died, or someone killed it), the next get_or_create_pool creates an empty one: every worker
+checks its listing each heartbeat (PoolMember) and registers with the new pool, and targets
+(RayLeasedWorkers) move to it at their next call. Leases held at the loss are not carried over:
+their channels keep working, and the new pool may lease a busy worker to another target, whose
+connection then waits for the worker's current session and fails over if it outlasts the
+deadline.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class DraftPoolActor:
 
     def register(self, worker_id: str, address: str, fingerprint: int | None = None) -> None:
         self.table.register(worker_id, address, fingerprint)
+
+    def has(self, worker_id: str, address: str) -> bool:
+        return self.table.has(worker_id, address)
 
     def unregister(self, worker_id: str) -> None:
         self.table.unregister(worker_id)

@@ -30,24 +30,59 @@ class PoolMember:
     actor under `worker_id` once it listens. Used by DraftWorkerActor and by the Serve app's
     draft deployment (serve_app/deployments.py)."""
 
-    def __init__(self, cfg: EngineConfig, vocab: int, pool, worker_id: str) -> None:
+    def __init__(self, cfg: EngineConfig, vocab: int, pool, worker_id: str, heartbeat_s: float = 5.0) -> None:
         import torch
 
         torch.set_num_threads(cfg.draft_num_threads)
-        self.worker_id, self.pool = worker_id, pool
+        self.worker_id, self.pool, self.heartbeat_s = worker_id, pool, heartbeat_s
         self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
         drafter = load_drafter(cfg, vocab)
+        self.drafter = drafter  # read by held(); driven by the session thread only
         self.stop = threading.Event()
-        fp = config_fingerprint(cfg, vocab)
-        self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, fp, not cfg.ssd_reproducible, self.stop),
+        self.fp = config_fingerprint(cfg, vocab)
+        self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, self.fp, not cfg.ssd_reproducible, self.stop),
                                        name="ssd-draft-sessions", daemon=True)
         self.thread.start()
         # Registered only once it serves: a target that leases it can connect at once.
-        ray.get(self.pool.register.remote(self.worker_id, self.listener.address, fp))
+        self._pool_call("register", self.worker_id, self.listener.address, self.fp)
         logger.info("draft worker %s listening at %s", self.worker_id, self.listener.address)
+        self.heartbeat = threading.Thread(target=self._heartbeat, name="ssd-pool-heartbeat", daemon=True)
+        self.heartbeat.start()
+
+    def _pool_call(self, method: str, *args):
+        """A pool actor method. The pool actor may have been lost since this worker got its handle
+        (a restarted actor is given the handle of its first start): then the call goes to the
+        new pool that get_or_create_pool makes."""
+        from actors.draft_pool import get_or_create_pool
+
+        try:
+            return ray.get(getattr(self.pool, method).remote(*args))
+        except ray.exceptions.RayActorError:
+            logger.warning("draft worker %s: the pool actor is gone; joining a new one", self.worker_id)
+            self.pool = get_or_create_pool()
+            return ray.get(getattr(self.pool, method).remote(*args))
+
+    def _heartbeat(self) -> None:
+        """Every heartbeat_s: register again if the pool no longer lists this worker. A target
+        that saw it fail (a stall past the deadline, a broken connection) drops it from the pool;
+        a pool actor that was lost comes back empty. Either way a live worker rejoins by itself."""
+        while not self.stop.wait(self.heartbeat_s):
+            try:
+                if self._pool_call("has", self.worker_id, self.listener.address) or self.stop.is_set():
+                    continue
+                self._pool_call("register", self.worker_id, self.listener.address, self.fp)
+                logger.info("draft worker %s registered again at %s", self.worker_id, self.listener.address)
+            except ray.exceptions.RayError as err:  # next heartbeat tries again
+                logger.warning("draft worker %s could not reach the pool: %s", self.worker_id, err)
 
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def held(self) -> dict:
+        """What the worker holds for targets: sequences with draft state and rows of its draft KV
+        cache (both 0 when no target has a sequence running here). Read from another thread:
+        a snapshot that may be one message old."""
+        return {"sequences": len(self.drafter.states), "cache_rows": self.drafter.cache.batch_size}
 
     def shutdown(self) -> None:
         """Stop serving and leave the pool."""

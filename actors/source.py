@@ -102,17 +102,27 @@ class RayLeasedWorkers:
         self._renewer = threading.Thread(target=self._renew_loop, name="ssd-lease-renewer", daemon=True)
         self._renewer.start()
 
+    def _call(self, method: str, *args):
+        """A pool actor method; a pool actor that was lost is replaced by a new one (which its
+        workers join at their next heartbeat) and the call made there."""
+        try:
+            return ray.get(getattr(self.pool, method).remote(*args))
+        except ray.exceptions.RayActorError:
+            logger.warning("the draft pool actor is gone; moving to a new one")
+            self.pool = get_or_create_pool()
+            return ray.get(getattr(self.pool, method).remote(*args))
+
     def acquire(self) -> RemoteClient:
         end = time.monotonic() + self.acquire_timeout_s
         while True:
-            leases = ray.get(self.pool.lease.remote(self.holder, 1, self.ttl_s, self.fp))
+            leases = self._call("lease", self.holder, 1, self.ttl_s, self.fp)
             if leases:
                 lease = leases[0]
                 try:
                     link = RemoteClient.connect(lease.address, self.fp, self.config.draft_deadline_s,
                                                 f"ray worker {lease.worker_id[:8]} at {lease.address}", self.config.draft_device)
                 except DrafterUnavailable:
-                    self.pool.report_failed.remote(self.holder, lease.worker_id, lease.address)
+                    self.pool.report_failed.remote(self.holder, lease.worker_id, lease.address)  # no wait: best effort
                     raise
                 with self._lock:
                     self.held[id(link)] = (lease.worker_id, lease.address)
@@ -127,10 +137,13 @@ class RayLeasedWorkers:
             held = self.held.pop(id(link), None)
         if held is not None:
             worker_id, address = held
-            if failed:
-                ray.get(self.pool.report_failed.remote(self.holder, worker_id, address))
-            else:
-                ray.get(self.pool.release.remote(self.holder, [worker_id]))
+            try:
+                if failed:
+                    self._call("report_failed", self.holder, worker_id, address)
+                else:
+                    self._call("release", self.holder, [worker_id])
+            except ray.exceptions.RayError as err:  # the lease expires by itself; the round goes on
+                logger.warning("could not tell the pool about draft worker %s: %s", worker_id, err)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -140,6 +153,10 @@ class RayLeasedWorkers:
                 continue
             try:
                 kept = ray.get(self.pool.renew.remote(self.holder, ids, self.ttl_s), timeout=self.ttl_s / 3)
+            except ray.exceptions.RayActorError:
+                logger.warning("the draft pool actor is gone; renewing with a new one from now on")
+                self.pool = get_or_create_pool()
+                continue
             except (ray.exceptions.RayError, TimeoutError) as err:  # try again next period; the lease lasts ttl
                 logger.warning("could not renew the leases on draft workers %s: %s", sorted(ids), err)
                 continue

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from serve_app.app import build_app, model_name
+    from serve_app.drain import drain, remove_board
     from serve_app.grpc_api import SERVICER_FUNCTIONS
 
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
@@ -104,10 +105,17 @@ def run(args: argparse.Namespace) -> int:
     started = _start_ray(args.ray_address, args.metrics_port)
     import ray
 
-    # After ray.init, which installs handlers of its own: ours make the main loop shut down.
+    # After ray.init, which installs handlers of its own: the first signal starts the drain, a
+    # second one skips what is left of it.
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
 
     try:
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
@@ -123,14 +131,21 @@ def run(args: argparse.Namespace) -> int:
             f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
             f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, \"temperature\": 0}}'\n"
-            "Ctrl-C stops it.\n"
+            "Ctrl-C stops it (in-flight requests finish first, up to --drain-timeout-s).\n"
         )
         sys.stdout.flush()
         while not stop.wait(0.5):
             pass
-        sys.stdout.write("shutting down\n")
+        sys.stdout.write(f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n")
+        sys.stdout.flush()
+        try:
+            left, waited = drain(APP_NAME, config.drain_timeout_s)
+            sys.stdout.write(f"shutting down after {waited:.1f} s ({left} generation(s) still in flight)\n")
+        except KeyboardInterrupt:
+            sys.stdout.write("drain skipped: shutting down now\n")
     finally:
         serve.shutdown()
+        remove_board(APP_NAME)  # after the ingress replicas, which would create it again
         if started:
             ray.shutdown()
     return 0

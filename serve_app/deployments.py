@@ -20,6 +20,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import API_KEY_ENV, ServeSettings
+from serve_app.drain import DrainReporter
 from serve_app.engine_loop import EngineLoop, build_engines
 from serve_app.errors import APIError, overloaded
 from serve_app.grpc_api import GrpcFrontend
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 # /health and gRPC Health/Check answer "unavailable" when no target replica answers within this.
 HEALTH_TIMEOUT_S = 5.0
+# A generation refused by a target replica that is down, before its first chunk, is sent again
+# every RETRY_BACKOFF_S for up to RETRY_WINDOW_S (above the Target's health-check period plus
+# its timeout to notice a dead one, so Serve has stopped routing to the replica by then).
+RETRY_BACKOFF_S = 0.2
+RETRY_WINDOW_S = 20.0
 
 
 @serve.deployment(name="DraftWorker", health_check_period_s=5, max_ongoing_requests=4)
@@ -49,10 +55,15 @@ class DraftWorkerDeployment:
         vocab = AutoConfig.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code).vocab_size
         worker_id = serve.get_replica_context().replica_tag
         self.member = PoolMember(cfg, vocab, get_or_create_pool(), f"serve-{worker_id}")
+        self.metrics = ServeMetrics("draft")
 
     def check_health(self) -> None:
         if not self.member.alive():
             raise RuntimeError("the draft worker's session thread stopped")
+        self.metrics.draft_held(self.member.held())
+
+    def held(self) -> dict:
+        return self.member.held()
 
     def __del__(self) -> None:
         member = getattr(self, "member", None)
@@ -88,6 +99,8 @@ class TargetDeployment:
     def check_health(self) -> None:
         if not self.loop.healthy():
             raise RuntimeError(f"engine loop failed: {self.loop.failure}")
+        stats = self.loop.stats()
+        self.metrics.target_sequences.set(sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines))
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
@@ -134,25 +147,63 @@ class IngressDeployment:
         tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
         self.openai = OpenAIFrontend(settings, model_name, tokenizer, self._generate)
         self.grpc = GrpcFrontend(settings, model_name, self._generate, self._authorized, self._health)
+        context = serve.get_replica_context()
+        self.drain = DrainReporter(context.app_name, context.replica_tag)
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The target's stream of one generation; closing it cancels the generation there."""
         from ray.serve.exceptions import BackPressureError
 
-        response = self.target.options(stream=True).generate.remote(request)
-        done = False
+        await self.drain.ensure_started()
+        if self.drain.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", None, "shutting_down",
+                           self.settings.retry_after_s)
+        self.drain.inflight += 1  # no await since the check: a drain that starts now waits for it
+        done, response = False, None
         timer = self.metrics.request_started()
         try:
-            async for chunk in response:
-                timer.chunk(chunk)
-                yield chunk
+            response, first = await self._first_chunk(request)
+            timer.chunk(first)
+            yield first
+            if not first.finish_reason:
+                async for chunk in response:
+                    timer.chunk(chunk)
+                    yield chunk
             done = True
         except BackPressureError:
             raise overloaded(self.settings.overload_status, self.settings.retry_after_s) from None
         finally:
+            self.drain.inflight -= 1
             timer.finish(done)
-            if not done:
+            if not done and response is not None:
                 response.cancel()
+
+    async def _first_chunk(self, request: GenerateRequest):
+        """Open the target's stream -> (stream, its first chunk). A replica that is down (its
+        engine failed, or its process died) before producing anything is tried again, on
+        whichever replica the router picks, until RETRY_WINDOW_S: Serve stops routing to it
+        within its health-check period. Nothing was generated yet, so a retry changes no output;
+        a request whose own round failed (500) is never retried, as it may fail the next
+        replica the same way."""
+        import ray
+
+        deadline = asyncio.get_running_loop().time() + RETRY_WINDOW_S
+        while True:
+            response = self.target.options(stream=True).generate.remote(request)
+            try:
+                return response, await response.__anext__()
+            except APIError as err:
+                if err.code != "engine_failed" or err.status != 503 or asyncio.get_running_loop().time() > deadline:
+                    raise
+                reason = "its engine failed"
+            except ray.exceptions.RayActorError as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise APIError(503, "no target replica is serving; retry later", None, "engine_failed",
+                                   self.settings.retry_after_s) from err
+                reason = "its process died"
+            self.metrics.retried()
+            logger.warning("request %s: a target replica is down (%s); trying again", request.request_id, reason)
+            await asyncio.sleep(RETRY_BACKOFF_S)
 
     def _authorized(self, header: str | None) -> bool:
         if self.api_key is None:
@@ -162,6 +213,9 @@ class IngressDeployment:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _health(self) -> bool:
+        await self.drain.ensure_started()
+        if self.drain.draining:
+            return False
         try:  # bounded: with no target replica running, a handle call waits for one
             stats = await asyncio.wait_for(self.target.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - any failure to reach a target means unhealthy

@@ -144,6 +144,8 @@ class EngineLoop:
             with self._lock:
                 self._inbox.append((request, mode))
             self._wake.set()
+            if self.failure is not None:  # failed after the check above: the loop takes no more
+                raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
             last_yield = 0.0
             while True:
                 item = await caller.queue.get()
@@ -236,16 +238,15 @@ class EngineLoop:
 
     def _fail(self, mode: str, engine: LLMEngine, err: Exception) -> None:
         logger.exception("the %s engine failed; failing its requests and reporting the replica unhealthy", mode, exc_info=err)
-        self.failure = f"{mode} engine: {type(err).__name__}"
         error = APIError(500, "the target replica failed while generating; retry the request", None, "engine_failed")
-        for engine_ in self.engines.values():
-            for seq in engine_.running + engine_.waiting:
-                self._deliver(seq.request_id, error)
+        # Every caller, not only the engines' running and waiting rows: a round can fail with a
+        # row in neither (admission takes rows out of `waiting` before their prefill runs).
+        # Set before the snapshot: a caller that registers after it sees the failure itself.
+        self.failure = f"{mode} engine: {type(err).__name__}"
         with self._lock:
-            pending = [request for request, _ in self._inbox]
             self._inbox = []
-        for request in pending:
-            self._deliver(request.request_id, error)
+        for request_id in list(self._callers):
+            self._deliver(request_id, error)
 
     @staticmethod
     def _chunk(out: CompletionOutput, mode: str) -> GenerateChunk:

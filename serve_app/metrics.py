@@ -14,6 +14,13 @@ Names and meanings (the README's metrics reference lists the same):
     ssd_draft_workers_live                 draft workers a target replica holds leases on
     ssd_data_plane_wait_ms                 mean ms per round the target spent reaching its draft workers
                                            (send the outcome, wait for and read the reply)
+    ssd_target_retries_total               generations the ingress sent again because the target
+                                           replica it reached was down before its first chunk
+    ssd_target_sequences                   sequences a target replica holds (running + waiting)
+    ssd_draft_sequences                    sequences a draft worker holds draft state for
+    ssd_draft_cache_rows                   rows of a draft worker's draft KV cache
+                                           (the three gauges, set every health check, are 0 when idle:
+                                           anything else after traffic stops is a leak)
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ PROMETHEUS_NAMES = (
     "ray_ssd_requests_total", "ray_ssd_prompt_tokens_total", "ray_ssd_generation_tokens_total",
     "ray_ssd_time_to_first_token_seconds", "ray_ssd_inter_token_latency_seconds", "ray_ssd_accepted_tokens_per_round",
     "ray_ssd_cache_hits_total", "ray_ssd_cache_misses_total", "ray_ssd_backup_rounds_total", "ray_ssd_rounds_total",
-    "ray_ssd_draft_workers_live", "ray_ssd_data_plane_wait_ms",
+    "ray_ssd_draft_workers_live", "ray_ssd_data_plane_wait_ms", "ray_ssd_target_retries_total",
+    "ray_ssd_target_sequences", "ray_ssd_draft_sequences", "ray_ssd_draft_cache_rows",
 )
 
 _SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -81,6 +89,18 @@ class ServeMetrics:
         self.rounds = metrics.Counter("ssd_rounds_total", "Verification rounds of generations, by engine mode.", tag_keys=("mode",))
         self.live = metrics.Gauge("ssd_draft_workers_live", "Draft workers a target replica holds leases on.")
         self.wait_ms = metrics.Gauge("ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers.")
+        self.retries = metrics.Counter("ssd_target_retries_total", "Generations sent again because their target replica was down.")
+        self.target_sequences = metrics.Gauge("ssd_target_sequences", "Sequences a target replica holds (running + waiting).")
+        self.draft_sequences = metrics.Gauge("ssd_draft_sequences", "Sequences a draft worker holds draft state for.")
+        self.draft_cache_rows = metrics.Gauge("ssd_draft_cache_rows", "Rows of a draft worker's draft KV cache.")
+
+    def draft_held(self, held: dict) -> None:
+        """A draft worker's PoolMember.held()."""
+        self.draft_sequences.set(held["sequences"])
+        self.draft_cache_rows.set(held["cache_rows"])
+
+    def retried(self) -> None:
+        self.retries.inc(1)
 
     def request_started(self) -> RequestTimer:
         return RequestTimer(self)

@@ -51,9 +51,9 @@ def start(tiny_pair, main: dict | None = None, small: dict | None = None):
     target, draft = tiny_pair
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(4 << 20)
-    # Logical CPUs: ingress (0), targets and draft workers (1 each) of up to three applications
-    # (test_serve_sampling.py adds one); the machine has 2 cores.
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+    # Logical CPUs: ingress (0), targets and draft workers (1 each) of up to four applications
+    # (test_serve_reliability.py and test_serve_sampling.py add some); the machine has 2 cores.
+    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))

@@ -92,6 +92,28 @@ def test_a_failing_round_fails_its_requests_and_the_loop(loop):
     asyncio.run(run())
 
 
+def test_a_prefill_that_raises_fails_its_request_instead_of_hanging(loop):
+    """Admission takes a row out of the engine's waiting list before its prefill runs: a prefill
+    that raises (a real target forward, here a poisoned one) left that request waiting forever
+    when only running and waiting rows were failed."""
+    target = loop.engines["ar"].target
+    forward = target.forward
+
+    def poisoned(cache, tokens, *args, **kwargs):
+        if bool((tokens == 7).any()):
+            raise RuntimeError("forward failed")
+        return forward(cache, tokens, *args, **kwargs)
+
+    target.forward = poisoned
+
+    async def run():
+        with pytest.raises(APIError) as failed:
+            await asyncio.wait_for(collect(loop, GenerateRequest("p", [1, 7, 2], SamplingParams(temperature=0, max_tokens=4), "off")), 30)
+        assert failed.value.status == 500 and not loop.healthy() and loop.num_requests == 0
+
+    asyncio.run(run())
+
+
 def test_requests_the_engine_refuses_name_the_param(loop):
     async def run(request):
         with pytest.raises(APIError) as info:

@@ -1,7 +1,8 @@
 """Draft workers as Ray actors on a real local Ray cluster (2 CPUs, started once for the module):
 greedy output over the torch and grpc transports equals Hugging Face `generate`; a worker
 actor killed mid-generation leaves the output unchanged, Ray restarts it, it re-registers, and
-the target leases it again; a lease that is not renewed expires and goes to another target; a
+the target leases it again; a lost pool actor is replaced and its workers rejoin the new one; a
+lease that is not renewed expires and goes to another target; a
 source's renewer keeps its leases past their ttl and its close() gives them back; a worker that
 cannot start says why; worker processes carry the title `ray::DraftWorkerActor`.
 """
@@ -66,6 +67,54 @@ def test_a_killed_worker_actor_restarts_rejoins_and_is_leased_again(cluster, tin
         hits = llm.metrics()["cache_hits"]
         check_greedy(llm, prompts, tiny_reference)
         assert llm.metrics()["cache_hits"] > hits and metric(llm.metrics(), "draft_worker_failures") == 1
+
+
+def test_a_lost_pool_actor_is_replaced_and_the_workers_rejoin(cluster, tiny_pair, prompts, tiny_reference):
+    """The pool actor killed under a running target: generation goes on over the open channel,
+    the worker registers with the new pool within its heartbeat (5 s), and a worker failure
+    after that is reported to the new pool, which leases the restarted worker again. Before,
+    the worker never rejoined and the target's report to the dead pool failed the round."""
+    from actors.draft_pool import POOL_NAME, POOL_NAMESPACE
+
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_transport="torch", draft_workers=1, ssd_backup="neural", max_num_seqs=2) as llm:
+        source = llm.engine.proposer.client.source
+        workers = {w["worker_id"] for w in pool_snapshot()}
+        ray.kill(ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE))
+        check_greedy(llm, prompts, tiny_reference)
+        deadline = time.monotonic() + 15
+        while {w["worker_id"] for w in pool_snapshot()} != workers:  # pool_snapshot() makes the new pool
+            assert time.monotonic() < deadline, pool_snapshot()
+            time.sleep(0.5)
+        ray.kill(source.actors[0], no_restart=False)
+        generate_until_replaced(llm, prompts, tiny_reference)
+        hits = llm.metrics()["cache_hits"]
+        check_greedy(llm, prompts, tiny_reference)
+        assert llm.metrics()["cache_hits"] > hits
+
+
+def test_a_live_worker_dropped_from_the_pool_registers_again(cluster, tiny_pair):
+    """A target's failure report drops a worker that is in fact alive (it stalled past the
+    deadline once, say): its heartbeat (5 s) puts it back. Before, it stayed out for good."""
+    from actors.source import start_draft_workers
+
+    from actors.draft_pool import get_or_create_pool
+
+    config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
+    pool = get_or_create_pool()
+    actors = start_draft_workers(config, VOCAB_SIZE, 1, pool)
+    try:
+        (worker,) = [w for w in ray.get(pool.snapshot.remote())]
+        ray.get(pool.report_failed.remote("a-target", worker["worker_id"], worker["address"]))
+        assert ray.get(pool.snapshot.remote()) == []
+        deadline = time.monotonic() + 12
+        while [(w["worker_id"], w["address"]) for w in ray.get(pool.snapshot.remote())] != [(worker["worker_id"], worker["address"])]:
+            assert time.monotonic() < deadline, ray.get(pool.snapshot.remote())
+            time.sleep(0.25)
+    finally:
+        for a in actors:
+            ray.get(a.shutdown.remote())
+            ray.kill(a, no_restart=True)
 
 
 def test_a_lease_not_renewed_expires_and_another_target_gets_the_worker(cluster, tiny_pair):

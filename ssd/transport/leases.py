@@ -57,6 +57,12 @@ class LeaseTable:
         """A worker is (again) available at `address`; a lease on its former self ends."""
         self.workers[worker_id] = _Worker(address, fingerprint)
 
+    def has(self, worker_id: str, address: str) -> bool:
+        """Whether the worker is listed at this address (a worker checks it, to register again
+        when a target's failure report or the loss of the pool dropped it)."""
+        w = self.workers.get(worker_id)
+        return w is not None and w.address == address
+
     def unregister(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 

@@ -1,7 +1,8 @@
 """`ssd serve` as users run it: the embedded default (demo pair, SSD, a Ray draft worker) comes up
-on the ports given, prints its addresses and a curl example that works, and SIGTERM shuts down
-everything it started (no Ray process left). The repository's Serve config file validates
-against Ray Serve's own schema and builds the application."""
+on the ports given, prints its addresses and a curl example that works, and SIGTERM drains it
+(streams in flight finish, new requests get 503) and shuts down everything it started (no Ray
+process left). The repository's Serve config file validates against Ray Serve's own schema and
+builds the application."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,14 +57,54 @@ def test_ssd_serve_starts_answers_and_stops_clean():
         body = json.loads(out.stdout)
         assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["speculation"][0]["mode"] == "ssd"
         assert requests.get(f"http://127.0.0.1:{http}/health", timeout=10).status_code == 200
+        drained = drain_under_load(proc, f"http://127.0.0.1:{http}")
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     assert proc.returncode == 0
+    assert drained["refused"] and all(status == 503 for status in drained["refused"]), drained
+    assert drained["health"] == 503, drained
+    assert drained["streams"] == [("length", True)] * 4, drained  # each finished, [DONE] included
     deadline = time.monotonic() + 30
     while ray_processes() - before:
         assert time.monotonic() < deadline, ray_processes() - before
         time.sleep(0.5)
+
+
+def drain_under_load(proc, base: str) -> dict:
+    """Open 4 long streams, SIGTERM the server while they run, then knock: every new request
+    must get 503 while the streams still finish. -> what was seen."""
+    seen = {"streams": [], "refused": [], "health": None}
+    started = threading.Barrier(5)
+
+    def stream():
+        body = {"model": "ssd-demo", "prompt": "def f(x):", "max_tokens": 400, "temperature": 0, "stream": True,
+                "speculation": {"mode": "off"}}  # plain decoding: long enough to outlast the knocking
+        first, finish, done = True, None, False
+        with requests.post(base + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    if first:
+                        first = False
+                        started.wait(30)
+                    finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+                done = done or line == b"data: [DONE]"
+        seen["streams"].append((finish, done))
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # the drain flag reaches the ingress within two report periods
+    for _ in range(3):
+        r = requests.post(base + "/v1/completions", json={"model": "ssd-demo", "prompt": "x", "max_tokens": 2}, timeout=30)
+        seen["refused"].append(r.status_code)
+    seen["health"] = requests.get(base + "/health", timeout=30).status_code
+    for t in threads:
+        t.join(120)
+    return seen
 
 
 def test_the_serve_config_file_validates_and_builds():

@@ -1,0 +1,115 @@
+"""Graceful drain of one application: new generations refused with 503, the ones in flight
+finished, then the shutdown.
+
+Serve's own `serve.shutdown()` stops the proxies at once, which cuts every open stream. So
+`ssd serve`, on SIGTERM or Ctrl-C, first marks the application draining in its DrainBoard (a
+named actor); every ingress replica reports its in-flight count to the board a few times a
+second and learns the flag in the same call. Draining, an ingress refuses new generations (HTTP
+503 with Retry-After, gRPC UNAVAILABLE) and reports unhealthy on /health, so a load balancer
+stops sending; `ssd serve` waits until the board's in-flight total is zero, or the drain timeout
+passes, and only then shuts Serve down.
+
+The board is detached (an ingress replica creates it on first report, and replicas come and
+go) and takes no CPU. Invariant: a generation that an ingress admitted before it saw the flag
+is counted in flight from its admission, so the wait covers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+BOARD_NAMESPACE = "ssd"
+# How often an ingress replica reports; the CLI's wait starts with two periods of grace so that
+# every replica has seen the flag (and counted what it admitted before) when the total is read.
+REPORT_PERIOD_S = 0.25
+
+
+def board_name(app_name: str) -> str:
+    return f"ssd-drain-{app_name}"
+
+
+@ray.remote(num_cpus=0)
+class DrainBoard:
+    """The drain flag of one application and the in-flight count of each of its ingress replicas."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight: dict[str, tuple[int, float]] = {}  # replica -> (count, when reported)
+
+    def report(self, replica: str, inflight: int) -> bool:
+        """An ingress replica's count; -> whether the application is draining."""
+        self.inflight[replica] = (inflight, time.monotonic())
+        return self.draining
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def total_inflight(self, fresh_s: float = 5.0) -> int:
+        """In-flight generations over the replicas that reported within fresh_s (one that stopped
+        reporting is gone, and so are its streams)."""
+        now = time.monotonic()
+        return sum(count for count, when in self.inflight.values() if now - when <= fresh_s)
+
+
+def get_board(app_name: str):
+    return DrainBoard.options(name=board_name(app_name), namespace=BOARD_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
+
+
+class DrainReporter:
+    """An ingress replica's side: counts its generations in flight and keeps `draining` current."""
+
+    def __init__(self, app_name: str, replica: str) -> None:
+        self.app_name, self.replica = app_name, replica
+        self.inflight = 0
+        self.draining = False
+        self._task: asyncio.Task | None = None
+
+    async def ensure_started(self) -> None:
+        """Report once now (so the flag is known before the first admission), then every
+        REPORT_PERIOD_S in the background. Called from the replica's event loop."""
+        if self._task is None:
+            board = await self._report(None)
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run(board))
+
+    async def _report(self, board):
+        try:
+            board = board or get_board(self.app_name)
+            self.draining = await board.report.remote(self.replica, self.inflight)
+            return board
+        except ray.exceptions.RayError as err:  # the board was removed: make a new one next time
+            logger.warning("drain board of %s unreachable: %s", self.app_name, type(err).__name__)
+            return None
+
+    async def _run(self, board) -> None:
+        while True:
+            await asyncio.sleep(REPORT_PERIOD_S)
+            board = await self._report(board)
+
+
+def drain(app_name: str, timeout_s: float) -> tuple[int, float]:
+    """Mark the application draining and wait until nothing is in flight or timeout_s passes
+    (from the driver, before serve.shutdown()). -> (generations still in flight, seconds waited)."""
+    board = get_board(app_name)
+    started = time.monotonic()
+    ray.get(board.start_draining.remote())
+    time.sleep(2 * REPORT_PERIOD_S)
+    left = ray.get(board.total_inflight.remote())
+    while left and time.monotonic() - started < timeout_s:
+        time.sleep(REPORT_PERIOD_S)
+        left = ray.get(board.total_inflight.remote())
+    return left, time.monotonic() - started
+
+
+def remove_board(app_name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE))
+    except ValueError:  # never created: no ingress ever reported
+        pass
