@@ -51,7 +51,7 @@ class AppConfig(BaseModel):
     overload_status: Literal[503, 429] = Field(503, description="HTTP status for a request refused because every target replica is full: 503, or 429 with a Retry-After header.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429.")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="Least time between two streamed chunks of one request (the first goes out at once): rounds that finish within it go out as one chunk. Each chunk costs the target replica CPU time that its rounds then lack (the README's serving-overhead figures show how much), so 20 ms (50 updates a second) is the default. 0 = a chunk per round, or per whatever arrived while the previous one was in flight.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="`ssd serve` on SIGTERM or Ctrl-C: how long generations in flight may take to finish while new ones get 503, before Serve shuts down. On Kubernetes, keep the pod's terminationGracePeriodSeconds above it.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="`ssd serve` on SIGTERM or Ctrl-C: how long generations in flight may take to finish while new ones get 503, before Serve shuts down (a RayService does not run `ssd serve`: there the Target deployment's graceful shutdown applies).")
     max_n: int = Field(4, ge=1, le=64, description="Largest `n` (completions per request) accepted.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest HTTP request body accepted; larger gets 413.")
     max_grpc_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC proxy's maximum message size in bytes (Ray's default is 2 GiB). Applied by `ssd serve` to the cluster it starts; elsewhere Serve's proxy reads the environment variable RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of its node (set it in the node's environment, as the KubeRay manifests do).")
@@ -67,10 +67,14 @@ class AppConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         self.engine.to_config()  # the engine's own checks, with its messages
-        if self.engine.mode == "ssd" and self.draft_pool_size < self.engine.draft_workers:
-            raise ValueError(f"draft_pool_size ({self.draft_pool_size}) is below engine.draft_workers ({self.engine.draft_workers}): "
-                             "each target replica leases that many; raise draft_pool_size")
-        if self.engine.mode == "ssd" and self.engine.draft_transport not in ("torch", "grpc"):
+        ssd = "ssd" in (self.engine.mode, *self.extra_modes)
+        needed = self.target_replicas * self.engine.draft_workers
+        if ssd and self.draft_pool_size < needed:
+            # A replica that finds no free worker waits for one and then fails to start.
+            raise ValueError(f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers "
+                             f"({self.target_replicas} x {self.engine.draft_workers} = {needed}): each target replica leases "
+                             "engine.draft_workers workers of its own; raise draft_pool_size")
+        if ssd and self.engine.draft_transport not in ("torch", "grpc"):
             raise ValueError(f"engine.draft_transport={self.engine.draft_transport!r}: served draft workers are other Ray actors, "
                              "reached over 'torch' or 'grpc'")
         return self

@@ -131,10 +131,13 @@ def test_flags_override_the_config_file():
     from ssd.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--config", str(ROOT / "serve_config.yaml"), "--k", "3", "--budget", "8",
-                                      "--transport", "grpc", "--target-replicas", "2", "--extra-modes", "off"])
+                                      "--transport", "grpc", "--target-replicas", "2", "--draft-pool-size", "2", "--extra-modes", "off"])
     config = app_config_from(args)
     assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
     assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
     assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "ssd"  # the served default
     with pytest.raises(ValueError, match="draft_pool_size"):
         app_config_from(build_parser().parse_args(["serve", "--draft-workers", "2"]))
+    with pytest.raises(ValueError, match=r"draft_pool_size \(1\) is below target_replicas x engine.draft_workers \(2 x 1 = 2\)"):
+        app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2"]))  # a replica would find no worker
+    assert app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "off"]))
