@@ -152,6 +152,24 @@ def test_process_logits_rows_with_different_settings_are_independent():
     assert torch.allclose(process_logits(logits.repeat_interleave(counts, 0), rep), batched.repeat_interleave(counts, 0), atol=1e-6)
 
 
+def test_process_logits_at_a_large_vocabulary_with_mixed_rows():
+    """At V = 32768, rows that all have a top_k are ranked by topk over max(top_k) instead of a
+    sort of the vocabulary; a row that filters nothing keeps every token, and a top-p row
+    without top_k takes the full sort. Each row equals the numpy statement of the rules."""
+    torch.manual_seed(3)
+    vocab = 32768
+    logits = torch.randn(4, 2, vocab) * 3
+    rows = [(1.0, 50, 1.0), (0.8, 5, 0.9), (1.0, 0, 1.0), (0.0, 0, 1.0)]
+    for picked in (rows, rows + [(1.0, 0, 0.95)]):  # without, then with, a row lacking top_k
+        batch = logits[torch.arange(len(picked)) % 4]
+        probs = process_logits(batch, _sampling(*[list(col) for col in zip(*picked)]))
+        for r, (t, k, p) in enumerate(picked):
+            for j in range(2):
+                expected = reference_probs(batch[r, j].numpy(), t, k, p)
+                assert np.abs(probs[r, j].numpy() - expected).max() < 1e-5, (picked[r], j)
+                assert (probs[r, j].numpy() > 0).sum() == (expected > 0).sum()
+
+
 def test_sample_from_never_returns_zero_probability_token():
     gen = torch.Generator().manual_seed(24)
     for vocab in [2, 7, 258, 32000]:

@@ -227,6 +227,7 @@ class Drafter:
             seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, build, depth,
             (undo_states, pending_lens) if stale is not None else None,
         )
+        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, self.round.probs.nbytes)
         return True
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:

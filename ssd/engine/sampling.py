@@ -54,17 +54,27 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
-        rank = torch.arange(vocab, device=logits.device).view(1, 1, vocab)
+        # Only the first max(top_k) ranks can survive when every filtered row has a top_k: rank
+        # those alone (topk) instead of sorting the vocabulary, which at V = 128k and a tree of
+        # N x K distributions per round was most of a drafter's time.
+        width = int(sampling.top_k[needs_filter].max()) if bool((sampling.top_k[needs_filter] > 0).all()) else vocab
+        width = min(width, vocab)
+        if width < vocab:
+            sorted_logits, order = scaled.topk(width, dim=-1)  # [b, n, width], descending
+        else:
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
+        rank = torch.arange(width, device=logits.device).view(1, 1, width)
         top_k = torch.where(sampling.top_k > 0, sampling.top_k, torch.full_like(sampling.top_k, vocab))
-        drop_sorted = (rank >= top_k.view(b, 1, 1)).expand(b, n, vocab).clone()
+        drop_sorted = (rank >= top_k.view(b, 1, 1)).expand(b, n, width).clone()
         sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted |= mass_before >= sampling.top_p.view(b, 1, 1)
         drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        # Tokens past `width` are dropped; rows that filter nothing keep every token.
+        keep = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, ~drop_sorted)
+        keep |= (~needs_filter).view(b, 1, 1)
+        scaled = scaled.masked_fill(~keep, float("-inf"))
     probs = scaled.softmax(-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

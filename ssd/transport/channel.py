@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ssd.drafting.drafter import Drafter
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.wire import WireCounts
 
 
 class DrafterUnavailable(RuntimeError):
@@ -35,6 +36,7 @@ class Channel(Protocol):
     DrafterUnavailable)."""
 
     fp: int  # configuration fingerprint every frame carries; frames with another are refused
+    counts: WireCounts  # frame bytes this end sent and received
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None: ...
 
@@ -68,6 +70,7 @@ class WorkerLink(Protocol):
 
     name: str
     rejected: int  # stale or duplicated replies it dropped
+    wire: WireCounts  # frame bytes sent to and received from this worker (its channel's counts)
 
     def join(self, shard: int, num_shards: int) -> None: ...
     def admit(self, msg: AdmitMsg) -> None: ...

@@ -46,7 +46,7 @@ from ssd.transport.messages import (
     ResolveMsg,
     SpeculationReply,
 )
-from ssd.transport.wire import MsgType, encode
+from ssd.transport.wire import MsgType, WireCounts, encode
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,10 @@ class ProcessClient:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def wire(self) -> WireCounts:
+        return self.channel.counts
 
     def is_alive(self) -> bool:
         return self.process.poll() is None

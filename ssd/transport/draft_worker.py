@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 PROCESS_NAME = "ssd-draft-worker"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), 0 where /proc is unavailable. Not
+    getrusage's ru_maxrss: in a process started by subprocess it also counts the parent's peak,
+    which the child held until its exec."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # no /proc (not Linux): nothing to report
+        pass
+    return 0
+
+
 def config_fingerprint(config, vocab: int) -> int:
     """Ties both ends of a channel to one configuration: a message from a worker of another
     model, K, dtype or C is refused."""
@@ -135,6 +149,7 @@ class DraftWorker:
                     continue
                 reply = self.drafter.resolve(msg)
                 self.channel.send(reply)
+                self._note_memory()
                 predicted = self.drafter.predict_round(msg, reply)
                 if predicted is not None:
                     self.last_begun = predicted.round_id
@@ -142,8 +157,13 @@ class DraftWorker:
             elif kind == MsgType.DRAFT_NOW:
                 _, round_id, ints, floats = encode(self.drafter.draft_reply(msg))
                 self.channel.send_raw(MsgType.DRAFT_REPLY, round_id, ints, floats)
+                self._note_memory()
             else:
                 raise ValueError(f"draft worker got unexpected {kind.name}")
+
+    def _note_memory(self) -> None:
+        """After a reply is sent, so the target never waits for it (the next reply carries it)."""
+        self.drafter.counters.peak_rss_bytes = peak_rss_bytes()
 
     def _reject(self, kind: MsgType, round_id: int) -> None:
         self.drafter.counters.rejected += 1

@@ -45,7 +45,7 @@ import torch
 
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.torch_channel import WorkerBusy
-from ssd.transport.wire import MAGIC, MsgType, body_size, encode, unframe
+from ssd.transport.wire import MAGIC, MsgType, WireCounts, body_size, encode, unframe
 
 try:
     import ssd.transport._proto.ssd_draft_pb2 as pb
@@ -99,6 +99,7 @@ class GrpcChannel:
         self.finished = threading.Event()  # the RPC is over
         self.accepted = threading.Event()  # the worker's end: accept() took it
         self._cancel = self._release = lambda: None  # cancel the RPC; close the target's grpc.Channel
+        self.counts = WireCounts()  # wire.py's frame bytes, as every transport counts them
 
     @property
     def over(self) -> bool:
@@ -115,10 +116,13 @@ class GrpcChannel:
         deadline = time.monotonic() + (wait if wait is not None else float("inf"))
         while not self.over:
             try:
-                return self._out.put(frame, timeout=max(0.0, min(_WAKE_S, deadline - time.monotonic())))
+                self._out.put(frame, timeout=max(0.0, min(_WAKE_S, deadline - time.monotonic())))
             except queue.Full:
                 if time.monotonic() >= deadline:
                     raise ChannelTimeout(f"{self.name}: the peer took no message within {wait:g} s") from None
+                continue
+            self.counts.on_send(kind, len(frame.ints) + len(frame.floats))
+            return
         raise ChannelClosed(f"{self.name}: {self._closed or self._over}")
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
@@ -145,7 +149,9 @@ class GrpcChannel:
         header = torch.tensor([item.magic, item.kind, item.round_id, n_ints, n_floats, item.fingerprint, 0, 0])
         body_size(header, self.fp)  # ForeignMessage unless the frame is this pair's
         body = bytearray().join((item.ints, item.floats))  # one copy, into memory the message's tensors own
-        return unframe(header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8))
+        message = unframe(header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8))
+        self.counts.on_receive(message[0], len(body))
+        return message
 
     def close(self) -> None:
         """Flushes what was sent, ends the stream, releases the connection (the target's end)."""

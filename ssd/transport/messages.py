@@ -78,7 +78,9 @@ class DraftNowMsg:
 
 @dataclass
 class DrafterCounters:
-    """What a drafter did since it started (cumulative; every reply carries a snapshot)."""
+    """What a drafter did since it started (counts, and two high-water marks; every reply
+    carries a snapshot). Adding two (a pool's workers) sums the counts and keeps the larger
+    high-water marks: what one worker needed."""
 
     rounds: int = 0  # rounds whose cache answered an outcome
     cut: int = 0  # of which the tree stopped before depth K (the outcome arrived first)
@@ -86,18 +88,28 @@ class DrafterCounters:
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
+    # Largest bytes of the branch probabilities one round kept ([b, N_own, depth, V] float32).
+    branch_probs_bytes: int = 0
+    # Peak resident memory of the worker process (VmHWM, as of its previous reply; 0 when the
+    # drafter runs in the engine's own process).
+    peak_rss_bytes: int = 0
 
     def as_list(self) -> list[int]:
-        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back, self.rejected]
+        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back, self.rejected,
+                self.branch_probs_bytes, self.peak_rss_bytes]
 
     def __add__(self, other: "DrafterCounters") -> "DrafterCounters":
-        return DrafterCounters(*(a + b for a, b in zip(self.as_list(), other.as_list())))
+        summed = [a + b for a, b in zip(self.as_list()[:_COUNTS], other.as_list()[:_COUNTS])]
+        peaks = [max(a, b) for a, b in zip(self.as_list()[_COUNTS:], other.as_list()[_COUNTS:])]
+        return DrafterCounters(*summed, *peaks)
 
     def as_dict(self) -> dict[str, int]:
         return {f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())}
 
 
-COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back", "rejected_messages")
+COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back", "rejected_messages",
+                 "branch_probs_bytes", "peak_rss_bytes")
+_COUNTS = 6  # the first six are counts; the rest are high-water marks
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from ssd.transport.messages import (
     SpeculationReply,
 )
 from ssd.transport.rows import assemble, take
+from ssd.transport.wire import WireCounts
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class DraftPool:
         self.replacements = 0  # links attached after a failure
         self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
         self._retired = DrafterCounters()  # counters of links that are gone
+        self._retired_wire = WireCounts()  # frame bytes of links that are gone
         self._latest: dict[int, DrafterCounters] = {}  # per slot, as of its latest reply
         self.slot_hits = [0] * num_workers  # rows whose hit each slot held
         self.hints = 0  # PREDICT messages sent
@@ -141,6 +143,7 @@ class DraftPool:
         # A worker that fails before its first reply will likely fail again: back off.
         slot.backoff_s = 0.0 if slot.answered else min(max(0.5, 2 * slot.backoff_s), 30.0)
         self.rejected_replies += link.rejected
+        self._retired_wire = self._retired_wire + link.wire
         self._retired = self._retired + self._latest.pop(w, DrafterCounters())
         logger.warning("draft worker %s (slot %d of %d) lost: %s; its share counts as misses until a replacement joins",
                        link.name, w, self.d, err)
@@ -382,6 +385,7 @@ class DraftPool:
         return total
 
     def stats(self) -> dict:
+        wire = sum((s.link.wire for s in self.slots if s.link is not None), self._retired_wire)
         return {
             "draft_workers": self.d,
             "draft_workers_live": self.live(),
@@ -390,6 +394,9 @@ class DraftPool:
             "draft_slot_hits": list(self.slot_hits),
             "draft_predict_hints": self.hints,
             "rejected_replies": self.rejected_replies + sum(s.link.rejected for s in self.slots if s.link is not None),
+            # Frame bytes (ssd/transport/wire.py WireCounts) to and from the workers, by message type.
+            "wire_bytes_sent": wire.sent,
+            "wire_bytes_received": wire.received,
         }
 
     def close(self) -> None:

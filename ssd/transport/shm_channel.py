@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.wire import HEADER, MsgType, body_size, encode, frame, unframe
+from ssd.transport.wire import HEADER, MsgType, WireCounts, body_size, encode, frame, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
 # is for (a few to a few tens of milliseconds), after which latency no longer matters.
@@ -198,11 +198,13 @@ class ShmChannel:
         self.fp = fp
         self.inbox, self.outbox = inbox, outbox
         self.reader, self.writer = _Reader(inbox, peer_alive, spin_s), _Writer(outbox, peer_alive, spin_s)
+        self.counts = WireCounts()
 
     def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
                  timeout: datetime.timedelta | None = None) -> None:
         header, body = frame(kind, round_id, ints, floats, self.fp)
         self.writer.write(torch.cat([header.view(torch.uint8), body]), timeout)
+        self.counts.on_send(kind, body.numel())
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
@@ -217,7 +219,9 @@ class ShmChannel:
         self.reader.read_into(header.view(torch.uint8), timeout)
         body = torch.zeros(body_size(header, self.fp), dtype=torch.uint8)
         self.reader.read_into(body, timeout)
-        return unframe(header, body)
+        message = unframe(header, body)
+        self.counts.on_receive(message[0], body.numel())
+        return message
 
     def close(self) -> None:
         self.inbox.close()

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.wire import HEADER, ForeignMessage, MsgType, body_size, encode, frame, unframe
+from ssd.transport.wire import HEADER, ForeignMessage, MsgType, WireCounts, body_size, encode, frame, unframe
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class TorchChannel:
         self.peer, self.fp, self.device, self._on_end = peer, fp, torch.device(device), on_end
         self._posted: _Posted | None = None
         self._ended: str | None = None  # why it ended
+        self.counts = WireCounts()
 
     def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
                  timeout: datetime.timedelta | None = None) -> None:
@@ -127,6 +128,7 @@ class TorchChannel:
         header, body = frame(kind, round_id, ints, floats, self.fp)
         parts = [t.to(self.device) for t in ([header, body] if body.numel() else [header])]
         self._transfer("send", lambda g: [g.send([t], self.peer, _TAG) for t in parts], timeout)
+        self.counts.on_send(kind, body.numel())
 
     def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
         self.send_raw(*encode(msg), timeout=timeout)
@@ -156,7 +158,9 @@ class TorchChannel:
         body = torch.zeros(size, dtype=torch.uint8, device=self.device)
         if size:
             self._transfer("receive", lambda g: [g.recv([body], self.peer, _TAG)], timeout)
-        return unframe(header, body.cpu())
+        message = unframe(header, body.cpu())
+        self.counts.on_receive(message[0], size)
+        return message
 
     def close(self) -> None:
         self._abort("closed by this end")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import enum
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 
-MAGIC = 0x55D0_0001
+MAGIC = 0x55D0_0002  # 2: replies carry the drafter's two high-water marks (DrafterCounters)
 HEADER = 8
 
 
@@ -34,6 +35,31 @@ class MsgType(enum.IntEnum):
     PREDICT = 10  # a BeginRoundMsg the target expects to announce next: begin it, confirm it later
     JOIN = 11  # ints [shard, num_shards]: which share of the branch grid this worker builds
     DRAFT_REPLY = 12  # a SpeculationReply answering DRAFT_NOW (REPLY answers RESOLVE; both carry the round id)
+
+
+@dataclass
+class WireCounts:
+    """Frame bytes one channel end has sent and received, by message type (MsgType name): the
+    64-byte header plus both bodies, i.e. the frame as laid out here, which every transport
+    carries (gRPC's own encoding of the header fields and HTTP/2 framing are not counted).
+    Counted as frames go out and come in, so a pool's figures are what its data plane moved."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+
+    def on_send(self, kind: int, body_bytes: int) -> None:
+        name = MsgType(kind).name
+        self.sent[name] = self.sent.get(name, 0) + HEADER * 8 + body_bytes
+
+    def on_receive(self, kind: int, body_bytes: int) -> None:
+        name = MsgType(kind).name
+        self.received[name] = self.received.get(name, 0) + HEADER * 8 + body_bytes
+
+    def __add__(self, other: "WireCounts") -> "WireCounts":
+        def merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {name: a.get(name, 0) + b.get(name, 0) for name in sorted(a.keys() | b.keys())}
+
+        return WireCounts(merged(self.sent, other.sent), merged(self.received, other.received))
 
 
 def fingerprint(*parts) -> int:

@@ -1,0 +1,56 @@
+"""What the data plane carries and what a draft worker keeps: the channels' byte counters are
+exact, and the payload measurement (ssd/bench/payload.py) sees greedy rows travel as token ids
+while dense rows travel whole."""
+
+from __future__ import annotations
+
+import torch
+
+from ssd.bench.payload import PayloadPlan, format_table, measure
+from ssd.transport.messages import ResolveMsg, SpeculationReply
+from ssd.transport.shm_channel import Mailbox, ShmChannel
+from ssd.transport.wire import HEADER, MsgType, encode
+
+
+def _pair():
+    a_to_b, b_to_a = Mailbox.create(), Mailbox.create()
+    return ShmChannel(b_to_a, a_to_b, 7, lambda: True), ShmChannel(a_to_b, b_to_a, 7, lambda: True)
+
+
+def _frame_bytes(msg) -> int:
+    _, _, ints, floats = encode(msg)
+    return HEADER * 8 + ints.numel() * 8 + floats.numel() * 4
+
+
+def test_a_channel_counts_the_bytes_of_every_frame_by_type_on_both_ends():
+    a, b = _pair()
+    dense = torch.rand(2, 6, 1000) + 0.01  # [b, K, V]
+    reply = SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.zeros(2, 6, dtype=torch.long), dense,
+                             torch.full((2,), 6))
+    outcome = ResolveMsg(3, [1, 2], torch.tensor([1, 0]), torch.tensor([5, 6]), True)
+    a.send(outcome)
+    assert b.recv()[0] == MsgType.RESOLVE
+    b.send(reply)
+    assert a.recv()[0] == MsgType.REPLY
+    assert a.counts.sent == b.counts.received == {"RESOLVE": _frame_bytes(outcome)}
+    assert b.counts.sent == a.counts.received == {"REPLY": _frame_bytes(reply)}
+    assert _frame_bytes(reply) > 2 * 6 * 1000 * 4  # dense rows travel whole
+    total = a.counts + b.counts
+    assert total.sent == {"REPLY": _frame_bytes(reply), "RESOLVE": _frame_bytes(outcome)}
+
+
+def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole():
+    plan = PayloadPlan(vocab=4096, transports=("shm",), samplings=("greedy", "dense"), batch_sizes=(2,), k=4, budget=4,
+                       max_tokens=6, prompt_tokens=6)
+    greedy, dense = measure(plan)
+    print(format_table([greedy, dense]))
+    for r in (greedy, dense):
+        assert r.row_rounds > 0 and r.to_workers_per_row > 0 and r.from_workers_per_row > 0, r
+        assert r.received_by_type.get("REPLY", 0) > 0 and r.sent_by_type.get("RESOLVE", 0) > 0, r
+        # Trees are built to depth K: the largest round kept exactly [b, N, K, V] float32.
+        assert r.branch_probs_bytes == r.branch_probs_formula == 2 * 4 * 4 * 4096 * 4, r
+        assert r.worker_peak_rss_bytes > r.branch_probs_bytes, r
+    # A dense row is K x V float32 per round (plus the reply's last, unverified speculation);
+    # a greedy one is K token ids.
+    assert dense.from_workers_per_row >= dense.dense_row_bytes
+    assert greedy.from_workers_per_row < dense.from_workers_per_row / 100
