@@ -115,7 +115,10 @@ class RayLeasedWorkers:
     def acquire(self) -> RemoteClient:
         end = time.monotonic() + self.acquire_timeout_s
         while True:
-            leases = self._call("lease", self.holder, 1, self.ttl_s, self.fp)
+            try:
+                leases = self._call("lease", self.holder, 1, self.ttl_s, self.fp)
+            except ray.exceptions.RayError as err:  # the pool's refill loop retries DrafterUnavailable
+                raise DrafterUnavailable(f"the draft pool actor did not answer: {type(err).__name__}") from err
             if leases:
                 lease = leases[0]
                 try:

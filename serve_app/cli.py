@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from serve_app.app import build_app, model_name
-    from serve_app.drain import drain, remove_board
+    from serve_app.drain import drain, remove_board, reset_board
     from serve_app.grpc_api import SERVICER_FUNCTIONS
 
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
@@ -106,13 +106,16 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     # After ray.init, which installs handlers of its own: the first signal starts the drain, a
-    # second one skips what is left of it.
-    stop = threading.Event()
+    # second one during the drain skips what is left of it; later ones are ignored, so that the
+    # shutdown itself always runs to its end.
+    stop, draining = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
-        if stop.is_set():
+        if not stop.is_set():
+            stop.set()
+        elif draining.is_set():
+            draining.clear()
             raise KeyboardInterrupt
-        stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -120,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
                     grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+        reset_board(APP_NAME)  # a drain of an earlier run that was killed must not carry over
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         name = model_name(settings)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -138,14 +142,22 @@ def run(args: argparse.Namespace) -> int:
             pass
         sys.stdout.write(f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n")
         sys.stdout.flush()
+        draining.set()
         try:
             left, waited = drain(APP_NAME, config.drain_timeout_s)
-            sys.stdout.write(f"shutting down after {waited:.1f} s ({left} generation(s) still in flight)\n")
+            draining.clear()
+            still = "unknown (not every ingress replica answered)" if left is None else str(left)
+            sys.stdout.write(f"shutting down after {waited:.1f} s; generations still in flight: {still}\n")
         except KeyboardInterrupt:
             sys.stdout.write("drain skipped: shutting down now\n")
     finally:
-        serve.shutdown()
-        remove_board(APP_NAME)  # after the ingress replicas, which would create it again
-        if started:
-            ray.shutdown()
+        draining.clear()
+        try:
+            serve.shutdown()
+        finally:
+            try:
+                remove_board(APP_NAME)  # after the ingress replicas, which would create it again
+            finally:
+                if started:
+                    ray.shutdown()
     return 0

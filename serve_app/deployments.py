@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 
 # /health and gRPC Health/Check answer "unavailable" when no target replica answers within this.
 HEALTH_TIMEOUT_S = 5.0
-# A generation refused by a target replica that is down, before its first chunk, is sent again
-# every RETRY_BACKOFF_S for up to RETRY_WINDOW_S (above the Target's health-check period plus
-# its timeout to notice a dead one, so Serve has stopped routing to the replica by then).
+# A generation refused by a target replica whose engine failed, before its first chunk, is sent
+# again every RETRY_BACKOFF_S for up to RETRY_WINDOW_S: Serve marks such a replica unhealthy
+# after 3 failed health checks 5 s apart and stops routing to it, about 15 s at most.
 RETRY_BACKOFF_S = 0.2
 RETRY_WINDOW_S = 20.0
 
@@ -101,6 +101,11 @@ class TargetDeployment:
             raise RuntimeError(f"engine loop failed: {self.loop.failure}")
         stats = self.loop.stats()
         self.metrics.target_sequences.set(sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines))
+        if "ssd" in self.loop.engines:  # also when idle: a lost worker shows without traffic
+            try:
+                self.metrics.engine(self.loop.engine_metrics("ssd"))
+            except (AttributeError, KeyError, RuntimeError) as err:  # read across threads: a slot changing mid-read
+                logger.warning("target metrics not updated this health check: %s", err)
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
@@ -158,10 +163,10 @@ class IngressDeployment:
         if self.drain.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", None, "shutting_down",
                            self.settings.retry_after_s)
+        done, response, timer = False, None, None
         self.drain.inflight += 1  # no await since the check: a drain that starts now waits for it
-        done, response = False, None
-        timer = self.metrics.request_started()
         try:
+            timer = self.metrics.request_started()
             response, first = await self._first_chunk(request)
             timer.chunk(first)
             yield first
@@ -174,20 +179,23 @@ class IngressDeployment:
             raise overloaded(self.settings.overload_status, self.settings.retry_after_s) from None
         finally:
             self.drain.inflight -= 1
-            timer.finish(done)
+            if timer is not None:
+                timer.finish(done)
             if not done and response is not None:
                 response.cancel()
 
     async def _first_chunk(self, request: GenerateRequest):
-        """Open the target's stream -> (stream, its first chunk). A replica that is down (its
-        engine failed, or its process died) before producing anything is tried again, on
-        whichever replica the router picks, until RETRY_WINDOW_S: Serve stops routing to it
-        within its health-check period. Nothing was generated yet, so a retry changes no output;
-        a request whose own round failed (500) is never retried, as it may fail the next
-        replica the same way."""
+        """Open the target's stream -> (stream, its first chunk). A replica whose engine failed
+        refuses before admitting anything (503 engine_failed): the request is sent again, to
+        whichever replica the router picks, every RETRY_BACKOFF_S until RETRY_WINDOW_S. A
+        replica whose process died is tried again once only: the request itself may have killed
+        it (in its prefill), and must not take the other replicas down one after another. A
+        request whose own round failed (500) is never retried, for the same reason. Nothing was
+        generated before a retry, so no output changes."""
         import ray
 
         deadline = asyncio.get_running_loop().time() + RETRY_WINDOW_S
+        died_once = False
         while True:
             response = self.target.options(stream=True).generate.remote(request)
             try:
@@ -197,10 +205,13 @@ class IngressDeployment:
                     raise
                 reason = "its engine failed"
             except ray.exceptions.RayActorError as err:
-                if asyncio.get_running_loop().time() > deadline:
+                if died_once or asyncio.get_running_loop().time() > deadline:
                     raise APIError(503, "no target replica is serving; retry later", None, "engine_failed",
                                    self.settings.retry_after_s) from err
-                reason = "its process died"
+                died_once, reason = True, "its process died"
+            except BaseException:  # the caller left (cancelled) or anything unexpected: stop the generation
+                response.cancel()
+                raise
             self.metrics.retried()
             logger.warning("request %s: a target replica is down (%s); trying again", request.request_id, reason)
             await asyncio.sleep(RETRY_BACKOFF_S)

@@ -10,8 +10,10 @@ stops sending; `ssd serve` waits until the board's in-flight total is zero, or t
 passes, and only then shuts Serve down.
 
 The board is detached (an ingress replica creates it on first report, and replicas come and
-go) and takes no CPU. Invariant: a generation that an ingress admitted before it saw the flag
-is counted in flight from its admission, so the wait covers it.
+go) and takes no CPU. Invariant: an ingress admits nothing once it has seen the flag, and every
+report says whether its sender had seen the flag before sending; the drain ends only when every
+replica that reports has sent a report after seeing the flag and those counts are all 0, so a
+generation admitted just before the flag arrived is waited for.
 """
 
 from __future__ import annotations
@@ -40,21 +42,31 @@ class DrainBoard:
 
     def __init__(self) -> None:
         self.draining = False
-        self.inflight: dict[str, tuple[int, float]] = {}  # replica -> (count, when reported)
+        self.inflight: dict[str, tuple[int, bool, float]] = {}  # replica -> (count, had seen the flag, when)
 
-    def report(self, replica: str, inflight: int) -> bool:
-        """An ingress replica's count; -> whether the application is draining."""
-        self.inflight[replica] = (inflight, time.monotonic())
+    def report(self, replica: str, inflight: int, saw_flag: bool) -> bool:
+        """An ingress replica's count, and whether it had seen the flag when it counted;
+        -> whether the application is draining."""
+        self.inflight[replica] = (inflight, saw_flag, time.monotonic())
         return self.draining
 
     def start_draining(self) -> None:
         self.draining = True
 
-    def total_inflight(self, fresh_s: float = 5.0) -> int:
+    def reset(self) -> None:
+        """Serving again (a new `ssd serve` on a cluster whose last drain left the board)."""
+        self.draining = False
+        self.inflight.clear()
+
+    def left(self, fresh_s: float = 5.0) -> int | None:
         """In-flight generations over the replicas that reported within fresh_s (one that stopped
-        reporting is gone, and so are its streams)."""
+        reporting is gone, and so are its streams), or None while one of them has not yet
+        reported after seeing the flag (it may have admitted more)."""
         now = time.monotonic()
-        return sum(count for count, when in self.inflight.values() if now - when <= fresh_s)
+        fresh = [(count, saw) for count, saw, when in self.inflight.values() if now - when <= fresh_s]
+        if not all(saw for _, saw in fresh):
+            return None
+        return sum(count for count, _ in fresh)
 
 
 def get_board(app_name: str):
@@ -82,7 +94,8 @@ class DrainReporter:
     async def _report(self, board):
         try:
             board = board or get_board(self.app_name)
-            self.draining = await board.report.remote(self.replica, self.inflight)
+            saw = self.draining  # read before the count: admissions stop once it is True
+            self.draining = await board.report.remote(self.replica, self.inflight, saw)
             return board
         except ray.exceptions.RayError as err:  # the board was removed: make a new one next time
             logger.warning("drain board of %s unreachable: %s", self.app_name, type(err).__name__)
@@ -94,18 +107,28 @@ class DrainReporter:
             board = await self._report(board)
 
 
-def drain(app_name: str, timeout_s: float) -> tuple[int, float]:
+def drain(app_name: str, timeout_s: float) -> tuple[int | None, float]:
     """Mark the application draining and wait until nothing is in flight or timeout_s passes
-    (from the driver, before serve.shutdown()). -> (generations still in flight, seconds waited)."""
+    (from the driver, before serve.shutdown()). -> (generations still in flight, None if not
+    every ingress replica had confirmed the flag; seconds waited)."""
     board = get_board(app_name)
     started = time.monotonic()
     ray.get(board.start_draining.remote())
-    time.sleep(2 * REPORT_PERIOD_S)
-    left = ray.get(board.total_inflight.remote())
-    while left and time.monotonic() - started < timeout_s:
+    while True:
+        left = ray.get(board.left.remote())
+        if left == 0 or time.monotonic() - started >= timeout_s:
+            return left, time.monotonic() - started
         time.sleep(REPORT_PERIOD_S)
-        left = ray.get(board.total_inflight.remote())
-    return left, time.monotonic() - started
+
+
+def reset_board(app_name: str) -> None:
+    """Clear a board an earlier drain of this application left on the cluster (its process was
+    killed before it could remove it), so the new ingress replicas do not start draining."""
+    try:
+        board = ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE)
+    except ValueError:  # none: the usual case
+        return
+    ray.get(board.reset.remote())
 
 
 def remove_board(app_name: str) -> None:

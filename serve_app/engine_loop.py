@@ -215,28 +215,29 @@ class EngineLoop:
                 engine.abort(list(aborts))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._take_inbox()
-            busy = [(mode, e) for mode, e in self.engines.items() if e.has_unfinished()]
-            if not busy:
-                self._wake.wait(1.0)
-                self._wake.clear()
-                continue
-            for mode, engine in busy:
-                started = time.perf_counter()
-                try:
+        mode = self.default_mode
+        try:
+            while not self._stop.is_set():
+                mode = self.default_mode
+                self._take_inbox()
+                busy = [(m, e) for m, e in self.engines.items() if e.has_unfinished()]
+                if not busy:
+                    self._wake.wait(1.0)
+                    self._wake.clear()
+                    continue
+                for mode, engine in busy:
+                    started = time.perf_counter()
                     outputs = engine.step()
-                except Exception as err:  # noqa: BLE001 - a broken engine must not take the thread silently
-                    self._fail(mode, engine, err)
-                    return
-                self.rounds += 1
-                self.round_seconds += time.perf_counter() - started
-                for out in outputs:
-                    self._deliver(out.request_id, self._chunk(out, mode))
-                    if out.finished:
-                        self._deliver(out.request_id, _END)
+                    self.rounds += 1
+                    self.round_seconds += time.perf_counter() - started
+                    for out in outputs:
+                        self._deliver(out.request_id, self._chunk(out, mode))
+                        if out.finished:
+                            self._deliver(out.request_id, _END)
+        except Exception as err:  # noqa: BLE001 - whatever stops the thread must fail its callers, not strand them
+            self._fail(mode, err)
 
-    def _fail(self, mode: str, engine: LLMEngine, err: Exception) -> None:
+    def _fail(self, mode: str, err: Exception) -> None:
         logger.exception("the %s engine failed; failing its requests and reporting the replica unhealthy", mode, exc_info=err)
         error = APIError(500, "the target replica failed while generating; retry the request", None, "engine_failed")
         # Every caller, not only the engines' running and waiting rows: a round can fail with a
@@ -245,7 +246,7 @@ class EngineLoop:
         self.failure = f"{mode} engine: {type(err).__name__}"
         with self._lock:
             self._inbox = []
-        for request_id in list(self._callers):
+        for request_id in list(self._callers):  # one C-level copy under the GIL: no torn iteration
             self._deliver(request_id, error)
 
     @staticmethod

@@ -20,14 +20,15 @@ def hf_greedy(path: str, prompts: list[str], max_tokens: int) -> list[list[int]]
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Temperature, then top_k, then the smallest sorted prefix whose mass reaches top_p.
+    """Temperature, then top_k (every token at least as large as the k-th largest), then the
+    smallest sorted prefix whose mass reaches top_p.
     Written independently of ssd.engine.sampling on purpose."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     order = np.argsort(-z, kind="stable")
-    keep = np.zeros(len(z), dtype=bool)
-    keep[order[: top_k if top_k > 0 else len(z)]] = True
+    k = min(top_k, len(z)) if top_k > 0 else len(z)
+    keep = z >= z[order[k - 1]]  # ties with the k-th largest kept, as Hugging Face does
     probs = np.where(keep, probs, 0.0)
     probs /= probs.sum()
     if top_p < 1:

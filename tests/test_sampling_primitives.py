@@ -17,8 +17,9 @@ ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # larg
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Independent statement: temperature, then keep the top_k largest, then (renormalized) the
-    smallest prefix of the sorted distribution whose mass reaches top_p; greedy = one-hot argmax."""
+    """Independent statement: temperature, then keep every token at least as large as the top_k-th
+    largest (ties with it kept, as Hugging Face does), then (renormalized) the smallest prefix of
+    the sorted distribution whose mass reaches top_p; greedy = one-hot argmax."""
     logits = np.asarray(logits, dtype=np.float64)
     if temperature == 0:
         out = np.zeros_like(logits)
@@ -28,9 +29,8 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     order = np.argsort(-z, kind="stable")
-    keep = np.zeros(len(z), dtype=bool)
-    k = top_k if top_k > 0 else len(z)
-    keep[order[:k]] = True
+    k = min(top_k, len(z)) if top_k > 0 else len(z)
+    keep = z >= z[order[k - 1]]
     p = np.where(keep, probs, 0.0)
     p /= p.sum()
     if top_p < 1:
@@ -168,6 +168,22 @@ def test_process_logits_at_a_large_vocabulary_with_mixed_rows():
                 expected = reference_probs(batch[r, j].numpy(), t, k, p)
                 assert np.abs(probs[r, j].numpy() - expected).max() < 1e-5, (picked[r], j)
                 assert (probs[r, j].numpy() > 0).sum() == (expected > 0).sum()
+
+
+def test_top_k_keeps_ties_with_the_kth_and_ignores_batch_mates():
+    """A row whose k-th largest logit is tied keeps every tied token, and its distribution is the
+    same alone, beside a row with a larger top_k (the topk path ranks max(top_k) values), and
+    beside a top-p row (the sort path): before, which tied tokens survived depended on the
+    batch mates' settings, against ssd_reproducible's promise."""
+    row = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.5] + [0.0] * 26)
+    alone = process_logits(row.view(1, 1, -1), _sampling([1.0], [2], [1.0]))[0, 0]
+    assert (alone > 0).tolist()[:6] == [True, True, True, True, False, False]
+    mates = torch.stack([row, torch.randn(32)]).view(2, 1, -1)
+    for other in ((1.0, 7, 1.0), (1.0, 0, 0.8), (0.0, 0, 1.0)):
+        batched = process_logits(mates, _sampling([1.0, other[0]], [2, other[1]], [1.0, other[2]]))[0, 0]
+        assert torch.equal(batched, alone), other
+    expected = reference_probs(row.numpy(), 1.0, 2, 1.0)
+    assert np.abs(alone.numpy() - expected).max() < 1e-6
 
 
 def test_sample_from_never_returns_zero_probability_token():

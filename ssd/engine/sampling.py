@@ -54,27 +54,30 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
-        # Only the first max(top_k) ranks can survive when every filtered row has a top_k: rank
-        # those alone (topk) instead of sorting the vocabulary, which at V = 128k and a tree of
-        # N x K distributions per round was most of a drafter's time.
-        width = int(sampling.top_k[needs_filter].max()) if bool((sampling.top_k[needs_filter] > 0).all()) else vocab
-        width = min(width, vocab)
-        if width < vocab:
-            sorted_logits, order = scaled.topk(width, dim=-1)  # [b, n, width], descending
+        top_k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), torch.full_like(sampling.top_k, vocab))  # [b]
+        nucleus = needs_filter & (sampling.top_p < 1)  # [b]: rows that need the sorted prefix
+        # Top-k keeps every token at least as large as the k-th largest (ties with it included,
+        # as Hugging Face's top-k does): a rule of the row's own values, whatever its batch mates
+        # ask for and however a sort orders equal values.
+        if not bool(nucleus.any()):
+            # Top-k alone needs only the k-th largest value: topk over max(k) finds it without
+            # sorting the vocabulary, which at V = 128k was most of a drafter's time.
+            width = int(top_k[needs_filter].max())
+            values = scaled.topk(width, dim=-1).values  # [b, n, width], descending
+            kth = values.gather(-1, (top_k.clamp(max=width) - 1).view(b, 1, 1).expand(b, n, 1))  # [b, n, 1]
+            drop = scaled < kth
         else:
             sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
-        rank = torch.arange(width, device=logits.device).view(1, 1, width)
-        top_k = torch.where(sampling.top_k > 0, sampling.top_k, torch.full_like(sampling.top_k, vocab))
-        drop_sorted = (rank >= top_k.view(b, 1, 1)).expand(b, n, width).clone()
-        sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted |= mass_before >= sampling.top_p.view(b, 1, 1)
-        drop_sorted[..., 0] = False
-        # Tokens past `width` are dropped; rows that filter nothing keep every token.
-        keep = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, ~drop_sorted)
-        keep |= (~needs_filter).view(b, 1, 1)
-        scaled = scaled.masked_fill(~keep, float("-inf"))
+            kth = sorted_logits.gather(-1, (top_k - 1).view(b, 1, 1).expand(b, n, 1))  # [b, n, 1]
+            drop_sorted = sorted_logits < kth
+            sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            drop_sorted |= (mass_before >= sampling.top_p.view(b, 1, 1)) & nucleus.view(b, 1, 1)
+            drop_sorted[..., 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop &= needs_filter.view(b, 1, 1)  # rows that filter nothing keep every token
+        scaled = scaled.masked_fill(drop, float("-inf"))
     probs = scaled.softmax(-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

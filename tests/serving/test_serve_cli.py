@@ -42,7 +42,7 @@ def test_ssd_serve_starts_answers_and_stops_clean():
     http, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
     proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
-                             "--k", "4", "--default-max-tokens", "16",
+                             "--k", "4", "--default-max-tokens", "16", "--drain-timeout-s", "150",
                              "--ray-address", "local"],  # never the test session's cluster
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -59,28 +59,33 @@ def test_ssd_serve_starts_answers_and_stops_clean():
         assert requests.get(f"http://127.0.0.1:{http}/health", timeout=10).status_code == 200
         drained = drain_under_load(proc, f"http://127.0.0.1:{http}")
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None and not drained_started(proc):
             proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        proc.wait(180)
     assert proc.returncode == 0
     assert drained["refused"] and all(status == 503 for status in drained["refused"]), drained
     assert drained["health"] == 503, drained
     assert drained["streams"] == [("length", True)] * 4, drained  # each finished, [DONE] included
+    assert drained["knocked_at"] < max(drained["ended_at"]), drained  # the knocks came while they ran
     deadline = time.monotonic() + 30
     while ray_processes() - before:
         assert time.monotonic() < deadline, ray_processes() - before
         time.sleep(0.5)
 
 
+def drained_started(proc) -> bool:
+    return getattr(proc, "drain_signalled", False)
+
+
 def drain_under_load(proc, base: str) -> dict:
     """Open 4 long streams, SIGTERM the server while they run, then knock: every new request
     must get 503 while the streams still finish. -> what was seen."""
-    seen = {"streams": [], "refused": [], "health": None}
+    seen = {"streams": [], "refused": [], "health": None, "ended_at": [], "knocked_at": None}
     started = threading.Barrier(5)
 
     def stream():
-        body = {"model": "ssd-demo", "prompt": "def f(x):", "max_tokens": 400, "temperature": 0, "stream": True,
-                "speculation": {"mode": "off"}}  # plain decoding: long enough to outlast the knocking
+        body = {"model": "ssd-demo", "prompt": "def f(x):", "max_tokens": 1500, "temperature": 0, "stream": True,
+                "ignore_eos": True, "speculation": {"mode": "off"}}  # plain decoding: outlasts the knocking
         first, finish, done = True, None, False
         with requests.post(base + "/v1/completions", json=body, stream=True, timeout=120) as r:
             for line in r.iter_lines():
@@ -91,19 +96,22 @@ def drain_under_load(proc, base: str) -> dict:
                     finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
                 done = done or line == b"data: [DONE]"
         seen["streams"].append((finish, done))
+        seen["ended_at"].append(time.monotonic())
 
     threads = [threading.Thread(target=stream) for _ in range(4)]
     for t in threads:
         t.start()
     started.wait(60)
     proc.send_signal(signal.SIGTERM)
+    proc.drain_signalled = True  # one signal only: a second would skip the drain
     time.sleep(1.0)  # the drain flag reaches the ingress within two report periods
     for _ in range(3):
         r = requests.post(base + "/v1/completions", json={"model": "ssd-demo", "prompt": "x", "max_tokens": 2}, timeout=30)
         seen["refused"].append(r.status_code)
     seen["health"] = requests.get(base + "/health", timeout=30).status_code
+    seen["knocked_at"] = time.monotonic()
     for t in threads:
-        t.join(120)
+        t.join(150)
     return seen
 
 
