@@ -153,25 +153,26 @@ def _rss_mb() -> float:
 
 
 def test_packed_products_keep_memory_flat_over_many_row_counts():
-    """A packed (oneDNN) product meeting a new row count keeps state for it: a server meets one
-    every few rounds, and a draft worker grew by ~100 MB a minute under mixed load. Row counts
-    are padded to a bounded set; the products stay those of the weight."""
+    """A packed (oneDNN) product meeting a new input shape keeps state for it: a server meets a
+    new row count every few prefills, and target replicas and draft workers grew by ~100 MB a
+    minute under mixed load. Packed products now run only up to PACKED_MAX_ROWS rows, as
+    [rows, in]; the products stay those of the weights on both sides of the bound."""
     import random
 
-    from ssd.model.fast_forward import _Linear, _row_bucket, can_pack
+    from ssd.model.fast_forward import PACKED_MAX_ROWS, _Linear, can_pack
 
-    linear = torch.nn.Linear(512, 1536)
-    if not can_pack(linear.weight):
+    q, k = torch.nn.Linear(512, 1024), torch.nn.Linear(512, 512)
+    if not can_pack(q.weight):
         pytest.skip("no oneDNN packing on this CPU")
-    fused = _Linear([linear])
-    assert len({_row_bucket(m) for m in range(1, 1025)}) <= 45 and all(_row_bucket(m) >= m for m in range(1, 5000))
+    fused = _Linear([q, k])
     rng = random.Random(0)
-    for m in (1, 7, 17, 300):
-        x = torch.randn(2, m, 512)
-        assert torch.allclose(fused(x), torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-4)
-    for _ in range(100):  # warm-up: the bucketed shapes' state, the allocator's pools
-        fused(torch.randn(rng.randint(1, 600), 512))
+    for b, n in ((1, 1), (2, 7), (4, 16), (1, PACKED_MAX_ROWS + 1), (3, 300)):
+        x = torch.randn(b, n, 512)
+        expected = torch.cat([q(x), k(x)], -1)
+        assert fused(x).shape == expected.shape and torch.allclose(fused(x), expected, atol=1e-4), (b, n)
+    for _ in range(150):  # warm-up: every packed shape (rows up to the bound), the allocator's pools
+        fused(torch.randn(1, rng.randint(1, 600), 512))
     before = _rss_mb()
     for _ in range(600):
-        fused(torch.randn(rng.randint(1, 600), 512))
+        fused(torch.randn(rng.randint(1, 4), rng.randint(1, 400), 512))
     assert _rss_mb() - before < 60, (before, _rss_mb())

@@ -75,6 +75,7 @@ class _Linear:
     def __init__(self, modules) -> None:
         weight = torch.cat([m.weight.detach() for m in modules])  # [sum(out), in]
         biases = [m.bias for m in modules]
+        self.modules = list(modules)
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
@@ -85,27 +86,23 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        # oneDNN keeps state for every input shape it meets on a packed weight, and a server
-        # meets a new row count (batch x tokens) every few rounds: the process grew by ~100 MB a
-        # minute under mixed load. Padding the rows to a bounded set of counts keeps it flat.
-        features = x.shape[-1]
-        rows = x.numel() // features
-        flat = x.reshape(rows, features)
-        padded = _row_bucket(rows)
-        if padded != rows:
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, features)])
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+        # oneDNN keeps state for every input shape it meets on a packed weight, and a server meets
+        # a new row count (batch x tokens) every few prefills: target replicas and draft workers
+        # grew by ~100 MB a minute under mixed load. Packed products are what makes the few-row
+        # products of a round fast, so they run only up to PACKED_MAX_ROWS rows (a bounded set of
+        # shapes); larger ones (prefills, wide batches) run the modules' own products, which keep
+        # no per-shape state.
+        rows = x.numel() // x.shape[-1]
+        if rows <= PACKED_MAX_ROWS:  # as [rows, in]: the shape is the row count alone, not its split into b x n
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        outs = [F.linear(x, m.weight, m.bias) for m in self.modules]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def _row_bucket(rows: int) -> int:
-    """The row count a packed product runs at: exact up to 16 (decode rounds: no padding), then
-    rounded up to a multiple of 16 (to 256), 64 (to 1024) or 256: 43 counts up to 1024 and one
-    more per 256 rows beyond. Padding costs up to 15 rows of compute in a product of 17..256."""
-    if rows <= 16:
-        return rows
-    step = 16 if rows <= 256 else 64 if rows <= 1024 else 256
-    return -(-rows // step) * step
+# Row counts (batch x tokens) up to which a packed product runs: one oneDNN state per input
+# shape and module, so a bounded number. A round of 8 rows at K = 6 verifies 56 tokens.
+PACKED_MAX_ROWS = 64
 
 
 class _Layer:

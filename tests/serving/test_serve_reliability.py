@@ -248,7 +248,7 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
     with grpc.insecure_channel(served.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
         metadata = [("application", "main"), ("authorization", f"Bearer {served.api_key}")]
-        for repeat in range(6):
+        for _ in range(6):
             for body, status, _ in BAD:
                 if status == 200:
                     continue
@@ -258,7 +258,7 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
             r = requests.post(served.http + "/v1/completions", data=b"{" * (2 << 20), headers=headers, timeout=60)
             assert r.status_code == 413
             for req in bad_grpc:
-                for call in (lambda: stub.Generate(req, metadata=metadata), lambda: list(stub.GenerateStream(req, metadata=metadata))):
+                for call in (lambda r=req: stub.Generate(r, metadata=metadata), lambda r=req: list(stub.GenerateStream(r, metadata=metadata))):
                     with pytest.raises(grpc.RpcError) as info:
                         call()
                     assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
