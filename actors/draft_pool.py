@@ -20,9 +20,13 @@ deadline.
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
 from ssd.transport.leases import Lease, LeaseTable
+
+logger = logging.getLogger(__name__)
 
 POOL_NAME = "ssd-draft-pool"
 POOL_NAMESPACE = "ssd"
@@ -63,3 +67,14 @@ class DraftPoolActor:
 def get_or_create_pool(name: str = POOL_NAME, namespace: str = POOL_NAMESPACE):
     """The cluster's pool actor (created on first use; needs ray.init beforehand)."""
     return DraftPoolActor.options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached").remote()
+
+
+def call_pool(pool, method: str, *args):
+    """pool.method(*args) -> (the pool handle to use from now on, the result). A pool actor that
+    was lost is replaced by a new one (get_or_create_pool), and the call is made there."""
+    try:
+        return pool, ray.get(getattr(pool, method).remote(*args))
+    except ray.exceptions.RayActorError:
+        logger.warning("the draft pool actor is gone; moving to a new one")
+        pool = get_or_create_pool()
+        return pool, ray.get(getattr(pool, method).remote(*args))

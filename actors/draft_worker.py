@@ -50,17 +50,12 @@ class PoolMember:
         self.heartbeat.start()
 
     def _pool_call(self, method: str, *args):
-        """A pool actor method. The pool actor may have been lost since this worker got its handle
-        (a restarted actor is given the handle of its first start): then the call goes to the
-        new pool that get_or_create_pool makes."""
-        from actors.draft_pool import get_or_create_pool
+        """A pool actor method, on a new pool actor if the one this worker knew was lost (a
+        restarted actor is given the handle of its first start)."""
+        from actors.draft_pool import call_pool
 
-        try:
-            return ray.get(getattr(self.pool, method).remote(*args))
-        except ray.exceptions.RayActorError:
-            logger.warning("draft worker %s: the pool actor is gone; joining a new one", self.worker_id)
-            self.pool = get_or_create_pool()
-            return ray.get(getattr(self.pool, method).remote(*args))
+        self.pool, out = call_pool(self.pool, method, *args)
+        return out
 
     def _heartbeat(self) -> None:
         """Every heartbeat_s: register again if the pool no longer lists this worker. A target

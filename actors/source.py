@@ -21,7 +21,7 @@ import uuid
 
 import ray
 
-from actors.draft_pool import get_or_create_pool
+from actors.draft_pool import call_pool, get_or_create_pool
 from actors.draft_worker import DraftWorkerActor
 from ssd.config import EngineConfig
 from ssd.transport.channel import DrafterUnavailable
@@ -103,14 +103,10 @@ class RayLeasedWorkers:
         self._renewer.start()
 
     def _call(self, method: str, *args):
-        """A pool actor method; a pool actor that was lost is replaced by a new one (which its
-        workers join at their next heartbeat) and the call made there."""
-        try:
-            return ray.get(getattr(self.pool, method).remote(*args))
-        except ray.exceptions.RayActorError:
-            logger.warning("the draft pool actor is gone; moving to a new one")
-            self.pool = get_or_create_pool()
-            return ray.get(getattr(self.pool, method).remote(*args))
+        """A pool actor method, on a new pool actor (which the workers join at their next
+        heartbeat) if this one was lost."""
+        self.pool, out = call_pool(self.pool, method, *args)
+        return out
 
     def acquire(self) -> RemoteClient:
         end = time.monotonic() + self.acquire_timeout_s

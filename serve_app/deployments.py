@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -61,9 +62,6 @@ class DraftWorkerDeployment:
         if not self.member.alive():
             raise RuntimeError("the draft worker's session thread stopped")
         self.metrics.draft_held(self.member.held())
-
-    def held(self) -> dict:
-        return self.member.held()
 
     def __del__(self) -> None:
         member = getattr(self, "member", None)
@@ -192,8 +190,6 @@ class IngressDeployment:
         it (in its prefill), and must not take the other replicas down one after another. A
         request whose own round failed (500) is never retried, for the same reason. Nothing was
         generated before a retry, so no output changes."""
-        import ray
-
         deadline = asyncio.get_running_loop().time() + RETRY_WINDOW_S
         died_once = False
         while True:

@@ -6,8 +6,8 @@ Serve's own `serve.shutdown()` stops the proxies at once, which cuts every open 
 named actor); every ingress replica reports its in-flight count to the board a few times a
 second and learns the flag in the same call. Draining, an ingress refuses new generations (HTTP
 503 with Retry-After, gRPC UNAVAILABLE) and reports unhealthy on /health, so a load balancer
-stops sending; `ssd serve` waits until the board's in-flight total is zero, or the drain timeout
-passes, and only then shuts Serve down.
+stops sending; `ssd serve` waits until nothing is in flight (see the invariant below), or the
+drain timeout passes, and only then shuts Serve down.
 
 The board is detached (an ingress replica creates it on first report, and replicas come and
 go) and takes no CPU. Invariant: an ingress admits nothing once it has seen the flag, and every
@@ -27,8 +27,8 @@ import ray
 logger = logging.getLogger(__name__)
 
 BOARD_NAMESPACE = "ssd"
-# How often an ingress replica reports; the CLI's wait starts with two periods of grace so that
-# every replica has seen the flag (and counted what it admitted before) when the total is read.
+# How often an ingress replica reports (and so how soon it sees the flag), and how often the
+# driver's drain reads the board.
 REPORT_PERIOD_S = 0.25
 
 

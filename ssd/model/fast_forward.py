@@ -88,7 +88,7 @@ class _Linear:
             return F.linear(x, self.weight, self.bias)
         # oneDNN keeps state for every input shape it meets on a packed weight, and a server meets
         # a new row count (batch x tokens) every few prefills: target replicas and draft workers
-        # grew by ~100 MB a minute under mixed load. Packed products are what makes the few-row
+        # grew without bound under mixed load. Packed products are what makes the few-row
         # products of a round fast, so they run only up to PACKED_MAX_ROWS rows (a bounded set of
         # shapes); larger ones (prefills, wide batches) run the modules' own products, which keep
         # no per-shape state.
