@@ -7,6 +7,11 @@ import torch
 
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 from ssd.drafting.saguaro import (
+    R_PRIOR,
+    fit_miss_law,
+    hit_interval,
+    rank_interval,
+    miss_law_hit_rate,
     OnlineEstimates,
     backup_threshold,
     geometric_fanout,
@@ -160,24 +165,79 @@ def test_online_acceptance_estimate_tracks_a_change():
     assert est.a == pytest.approx(0.4, abs=0.05)
 
 
-def test_online_miss_exponent_estimate():
-    """r from simulated hits with 1 - p_hit(F) = F^(-r), fitted once on the final window."""
+def test_online_miss_law_estimate():
+    """(m, r) from simulated hits with 1 - p_hit(F) = m F^(-r), fitted once on the final window
+    (a long one here, to test the fit rather than the window's noise). F = 1 is an observation
+    like any other (it measures m); F = 0 is not recorded."""
     gen = torch.Generator().manual_seed(3)
-    estimates = {}
-    for r_true in (0.3, 1.2):
-        est = OnlineEstimates()
-        for _ in range(400):
-            fan = int(torch.randint(2, 20, (1,), generator=gen))
-            hit = float(torch.rand(1, generator=gen)) < 1 - fan ** (-r_true)
+    fits = {}
+    for m_true, r_true in ((1.0, 0.3), (0.4, 1.2), (0.15, 0.5)):
+        est = OnlineEstimates(window=2000, decay=0.9995)
+        for _ in range(2000):
+            fan = int(torch.randint(1, 7, (1,), generator=gen))
+            hit = float(torch.rand(1, generator=gen)) < 1 - m_true * fan ** (-r_true)
             est.observe_hit(fan, hit)
-        estimates[r_true] = est.fit_r()
-        assert estimates[r_true] == pytest.approx(r_true, abs=0.25), (r_true, estimates[r_true])
-    assert estimates[0.3] < estimates[1.2]
-    # fan-outs of 0 or 1 carry no information about r
+        fits[m_true, r_true] = est.fit()
+        assert est.m == pytest.approx(m_true, abs=0.07) and est.r == pytest.approx(r_true, abs=0.25), (m_true, r_true, fits)
+    assert fits[1.0, 0.3][1] < fits[0.4, 1.2][1]
     est = OnlineEstimates()
-    est.observe_hit(1, False)
     est.observe_hit(0, True)
-    assert est.fit_r() == OnlineEstimates().r
+    assert est.fit() == (OnlineEstimates().m, OnlineEstimates().r)
+
+
+def _intervals(fanout: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo_hi = [hit_interval(int(f), bool(h)) for f, h in zip(fanout, hit)]
+    return torch.tensor([x for x, _ in lo_hi]), torch.tensor([y for _, y in lo_hi])
+
+
+def _ranks(n: int, m: float, r: float, gen: torch.Generator) -> torch.Tensor:
+    """Ranks with P(rank >= F) = m F^(-r) (F >= 1), by inversion."""
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    return torch.where(u >= m, torch.zeros_like(u), (u / m).pow(-1 / r).floor()).long()
+
+
+def test_miss_law_fit_from_hits_at_small_fanouts_predicts_wider_trees():
+    """fit_miss_law on hits and misses at small fan-outs (a budget of one worker) predicts the
+    hit rate at the fan-outs of a tree 2 and 4 times wider."""
+    gen = torch.Generator().manual_seed(4)
+    m_true, r_true = 0.25, 0.7
+    fanout = torch.randint(1, 5, (4000,), generator=gen)
+    hit = torch.rand(4000, generator=gen) < miss_law_hit_rate(fanout, m_true, r_true)
+    m, r = fit_miss_law(*_intervals(fanout, hit))
+    assert m == pytest.approx(m_true, abs=0.05) and r == pytest.approx(r_true, abs=0.2), (m, r)
+    for wider in (2, 4):
+        f = fanout * wider
+        truth = float(miss_law_hit_rate(f, m_true, r_true).mean())
+        assert float(miss_law_hit_rate(f, m, r).mean()) == pytest.approx(truth, abs=0.02)
+    # Only one fan-out seen: m is measured, r stays at its prior.
+    ones = torch.ones(500, dtype=torch.long)
+    m1, r1 = fit_miss_law(*_intervals(ones, torch.rand(500, generator=gen) < 0.8))
+    assert m1 == pytest.approx(0.2, abs=0.05) and r1 == pytest.approx(R_PRIOR, abs=0.03)
+    assert float(miss_law_hit_rate(torch.tensor([0, 1]), 0.5, 1.0)[0]) == 0.0
+    # A miss at F = 0 says nothing; with no informative observation the fit is the prior law.
+    assert fit_miss_law(*_intervals(torch.tensor([0, 0]), torch.tensor([False, False]))) == (1.0, R_PRIOR)
+
+
+@pytest.mark.parametrize("m_true,r_true,cap", [(0.3, 0.8, 128), (0.1, 1.5, 128), (0.6, 0.3, 8)])
+def test_miss_law_fit_from_ranks_recovers_the_law(m_true, r_true, cap):
+    """One rank per round (the bonus token's place among the candidates, censored at the cap)
+    tells the hit at every fan-out: 2000 of them pin (m, r) down, the paper's law (m = 1) does
+    not fit them, and the fitted law predicts the hit rate at fan-outs 1..64."""
+    gen = torch.Generator().manual_seed(5)
+    ranks = _ranks(2000, m_true, r_true, gen)
+    lo_hi = [rank_interval(int(x), cap) for x in ranks]
+    lo, hi = torch.tensor([x for x, _ in lo_hi]), torch.tensor([y for _, y in lo_hi])
+    m, r = fit_miss_law(lo, hi)
+    assert m == pytest.approx(m_true, abs=0.04) and r == pytest.approx(r_true, abs=0.15), (m, r)
+    f = torch.arange(1, 65)
+    empirical = (ranks.unsqueeze(0) < f.unsqueeze(1)).double().mean(1)  # [64] hit rate at each F
+    assert (miss_law_hit_rate(f, m, r) - empirical).abs().max() < 0.04
+    _, r_paper = fit_miss_law(lo, hi, intercept=False)
+    assert (miss_law_hit_rate(f, 1.0, r_paper) - empirical).abs().max() > 0.1
+    est = OnlineEstimates(window=2000, decay=1.0)
+    for x in ranks.tolist():
+        est.observe_rank(x, cap)
+    assert est.fit() == (m, r)
 
 
 def test_ssd_speedup_theorem_7():
@@ -233,7 +293,7 @@ def wire_messages():
         ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3]),
         DraftNowMsg(19, [2, 5], [True, False]),
         SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4]),
-                         covered=torch.tensor([True, True, True])),
+                         covered=torch.tensor([True, True, True]), bonus_rank=torch.tensor([0, 128, -1])),
         SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125,
                          covered=torch.tensor([False])),
         BeginRoundMsg(21, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3],

@@ -175,7 +175,8 @@ def format_table(results: list[PayloadResult]) -> str:
     return "\n".join(lines)
 
 
-def _csv(kind):
+def csv_of(kind):
+    """An argparse type: comma-separated values of `kind`, as a tuple."""
     return lambda text: tuple(kind(x) for x in text.split(",") if x)
 
 
@@ -183,9 +184,9 @@ def parse_plan(argv: list[str] | None = None) -> tuple[PayloadPlan, str | None]:
     p = argparse.ArgumentParser(prog="python -m ssd.bench.payload", description=__doc__.split("\n\n")[0])
     d = PayloadPlan()
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size of the random pair")
-    p.add_argument("--transports", type=_csv(str), default=d.transports, help="draft_transport values, comma-separated")
-    p.add_argument("--samplings", type=_csv(str), default=d.samplings, help=f"comma-separated, of: {', '.join(SAMPLINGS)}")
-    p.add_argument("--batch-sizes", type=_csv(int), default=d.batch_sizes, help="comma-separated")
+    p.add_argument("--transports", type=csv_of(str), default=d.transports, help="draft_transport values, comma-separated")
+    p.add_argument("--samplings", type=csv_of(str), default=d.samplings, help=f"comma-separated, of: {', '.join(SAMPLINGS)}")
+    p.add_argument("--batch-sizes", type=csv_of(int), default=d.batch_sizes, help="comma-separated")
     p.add_argument("--k", type=int, default=d.k, help="speculation length K")
     p.add_argument("--budget", type=int, default=d.budget, help="branches per worker and row (ssd_budget, fixed)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="top_k of the top-k sampling")

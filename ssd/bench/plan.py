@@ -73,18 +73,24 @@ class BenchPlan:
     repeats: int = 1
 
 
-def _plan(args: argparse.Namespace) -> BenchPlan:
+def demo_pair() -> tuple[str, str]:
+    """(target, draft) directories of the bundled demo pair; a clear error if they are missing."""
     from ssd.config import DEMO_MODELS_DIR
 
+    target, draft = str(DEMO_MODELS_DIR / "target"), str(DEMO_MODELS_DIR / "draft")
+    missing = [p for p in (target, draft) if not Path(p).exists()]
+    if missing:
+        raise ValueError(f"the bundled demo pair is missing ({', '.join(missing)}): run `ssd build-demo-models` first, or pass --target/--draft")
+    return target, draft
+
+
+def _plan(args: argparse.Namespace) -> BenchPlan:
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 (the CLI may omit optional flags)
     target, draft = get("target"), get("draft")
     if target is None:
         if draft is not None:
             raise ValueError("--draft was given without --target: pass --target too (or neither for the demo pair)")
-        target, draft = str(DEMO_MODELS_DIR / "target"), str(DEMO_MODELS_DIR / "draft")
-        missing = [p for p in (target, draft) if not Path(p).exists()]
-        if missing:
-            raise ValueError(f"the bundled demo pair is missing ({', '.join(missing)}): run `ssd build-demo-models` first, or pass --target/--draft")
+        target, draft = demo_pair()
     try:
         temperatures = [float(t) for t in _split(get("temperatures", "0,1"), "temperatures")]
         batch_sizes = [int(b) for b in _split(get("batch_sizes", "1"), "batch-sizes")]

@@ -40,7 +40,7 @@ import torch
 
 from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
 from ssd.model.kv_cache import additive_mask
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
+from ssd.transport.messages import RANK_DEPTH, AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
 from ssd.model.runner import ModelRunner
 from ssd.engine.sampling import BatchSampling, sample_from
 from ssd.drafting.saguaro import row_fanout, saguaro_probs
@@ -65,6 +65,9 @@ class _Round:
     tokens: torch.Tensor  # [b, N_own, K]: this drafter's share, branch n at n // num_shards
     probs: torch.Tensor  # [b, N_own, K, V]
     fanout: list[int] = field(default_factory=list)
+    # [b, K+1, R] the candidates of each outcome in the draft's order (R = RANK_DEPTH or the
+    # vocabulary, if smaller): the bonus token's rank is its place here
+    ranked: torch.Tensor | None = None
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
     # A round begun on a prediction: how to take it back (generator states, committed columns
@@ -180,7 +183,7 @@ class Drafter:
         # A row whose speculation is shorter than K spends the budget on the outcomes it can have.
         row_fan = [row_fanout(fanout, len(spec[r]), self.jit.target_vocab) for r in range(b)]
         j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)[:, share]  # [b, N_own]
-        cand, branch_index = self._fork(glue_logits, msg.spec_tokens, spec, row_fan)
+        cand, branch_index, ranked = self._fork(glue_logits, msg.spec_tokens, spec, row_fan)
         cand = cand[:, share]
 
         # Tree decode: depth d feeds the branch tokens at depth d (the candidate at d = 0).
@@ -224,8 +227,8 @@ class Drafter:
         now = time.perf_counter()
         build = (tree_started - started) + (now - tree_started) * k / depth
         self.round = _Round(
-            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, build, depth,
-            (undo_states, pending_lens) if stale is not None else None,
+            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, ranked, build,
+            depth, (undo_states, pending_lens) if stale is not None else None,
         )
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, self.round.probs.nbytes)
         return True
@@ -265,15 +268,17 @@ class Drafter:
         """Bonus candidates: for each row r and outcome j, the top row_fan[r][j] tokens of the
         glue distribution at j (raw draft logits), never the drafted token s_T[j].
 
-        glue_logits [b, K+1, V], spec_tokens [b, K] (padded) -> cand [b, N] and, per row,
-        (j, token) -> branch n. Branches are numbered by outcome, then by rank."""
+        glue_logits [b, K+1, V], spec_tokens [b, K] (padded) -> cand [b, N], per row
+        (j, token) -> branch n, and ranked [b, K+1, R]: each outcome's first R candidates in
+        order (R = RANK_DEPTH, or V if smaller). Branches are numbered by outcome, then by rank."""
         b, k1, vocab = glue_logits.shape
         k = k1 - 1
         lens = torch.tensor([len(x) for x in spec])
         drafted = torch.zeros(b, k1, vocab, dtype=torch.bool)
         drafted[:, :k].scatter_(-1, spec_tokens[:, :k].long().unsqueeze(-1), (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1))
         widest = max(max(f) for f in row_fan)
-        top = glue_logits.masked_fill(drafted, float("-inf")).topk(widest, dim=-1).indices.tolist()  # [b][K+1][widest]
+        ranked = glue_logits.masked_fill(drafted, float("-inf")).topk(min(max(widest, RANK_DEPTH), vocab), dim=-1).indices
+        top = ranked[..., :widest].tolist()  # [b][K+1][widest]
         cand, branch_index = [], []
         for r in range(b):
             row, index = [], {}
@@ -283,7 +288,7 @@ class Drafter:
                     row.append(t)
             cand.append(row)
             branch_index.append(index)
-        return torch.tensor(cand, dtype=torch.long), branch_index
+        return torch.tensor(cand, dtype=torch.long), branch_index, ranked[..., :RANK_DEPTH]
 
     @torch.inference_mode()
     def resolve(self, msg: ResolveMsg) -> SpeculationReply:
@@ -294,6 +299,7 @@ class Drafter:
         b, k = len(seq_ids), self.k
         hit = torch.zeros(b, dtype=torch.bool)
         covered = torch.zeros(b, dtype=torch.bool)
+        rank = torch.full((b,), -1, dtype=torch.long)
         tokens = torch.zeros(b, k, dtype=torch.long)
         probs = torch.zeros(b, k, self.jit.target_vocab)
         for r, s in enumerate(seq_ids):
@@ -303,6 +309,8 @@ class Drafter:
                 self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
                 n = rnd.branch_index[i].get((acc, bonus))
                 covered[r] = n is not None
+                place = (rnd.ranked[i, acc] == bonus).nonzero()
+                rank[r] = int(place[0, 0]) if place.numel() else RANK_DEPTH
                 if n is not None and n % self.num_shards == self.shard:
                     hit[r] = True
                     tokens[r, : rnd.depth] = rnd.tokens[i, n // self.num_shards]
@@ -320,7 +328,8 @@ class Drafter:
             tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
             num_draft = torch.where(covered, num_draft, k)
         return SpeculationReply(
-            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters), covered
+            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters), covered,
+            rank,
         )
 
     @torch.inference_mode()

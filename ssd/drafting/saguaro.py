@@ -2,7 +2,10 @@
 
 Glossary:
     a        per-token acceptance rate of the draft (geometric model of accepted length)
-    r        miss exponent of the fitted miss law  1 - p_hit(F) = F^(-r)
+    m, r     intercept and exponent of the fitted miss law  1 - p_hit(F) = m F^(-r), F >= 1
+             (the paper's law is m = 1, which predicts no hit at F = 1; a draft whose top
+             candidate is often the target's bonus token needs m < 1. The fan-out that maximizes
+             the expected hit rate depends on r only: m scales every outcome's gain alike.)
     B        speculation-cache budget: branches per sequence, B = sum_k F_k
     F_k      fan-out at verification outcome k (bonus candidates cached for k accepted tokens)
     C        Saguaro sampling constant in [0, 1]; 1 = plain sampling
@@ -16,6 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+# The miss exponent before any observation, and the fit's weak prior on it.
+R_PRIOR = 0.6
 
 
 def geometric_fanout(budget: int, k: int, a: float, r: float, caps: list[int] | None = None) -> list[int]:
@@ -101,20 +107,97 @@ def saguaro_probs(probs: torch.Tensor, fanout: torch.Tensor, c: float) -> torch.
     return torch.where(total > 0, scaled / total.clamp(min=1e-30), probs)
 
 
+def miss_law_hit_rate(fanout: torch.Tensor, m: float, r: float) -> torch.Tensor:
+    """p_hit(F) = 1 - m F^(-r) for F >= 1, and 0 at F = 0 (nothing cached). fanout [n] -> [n]."""
+    f = fanout.to(torch.float64)
+    return torch.where(f >= 1, 1 - m * f.clamp(min=1).pow(-r), torch.zeros_like(f))
+
+
+def hit_interval(fanout: int, hit: bool) -> tuple[float, float]:
+    """What a hit or miss at fan-out F says of the bonus token's rank: [0, F) or [F, inf)."""
+    return (0.0, float(fanout)) if hit else (float(fanout), math.inf)
+
+
+def rank_interval(rank: int, cap: int) -> tuple[float, float]:
+    """What a rank says: exactly `rank` ([rank, rank + 1)), or at least `cap` when censored there."""
+    return (float(cap), math.inf) if rank >= cap else (float(rank), float(rank) + 1)
+
+
+def fit_miss_law(lo: torch.Tensor, hi: torch.Tensor, weight: torch.Tensor | None = None,
+                 r_prior: float = R_PRIOR, intercept: bool = True) -> tuple[float, float]:
+    """Grid maximum likelihood of (m, r) in 1 - p_hit(F) = m F^(-r), i.e. P(rank >= F) = m F^(-r)
+    for the bonus token's rank among the candidates (F >= 1): m in 0.01..1 (1 alone without
+    `intercept`: the paper's law), r in 0.025..3, with a weak Gaussian prior on r at r_prior
+    (which alone sets r when the data cannot).
+
+    Each observation is an interval [lo, hi) that holds the rank (hi may be inf): a hit at F is
+    [0, F), a miss [F, inf), a known rank j [j, j + 1), a rank censored at c [c, inf); its
+    likelihood is P(rank >= lo) - P(rank >= hi). lo [n], hi [n], weight [n] (default 1) -> (m, r).
+    Intervals that say nothing ([0, inf): a miss at F = 0) are left out. Observations are summed
+    per distinct interval first, so a fit costs the grid times the number of distinct intervals."""
+    lo, hi = lo.to(torch.float64), hi.to(torch.float64)
+    weight = torch.ones(lo.shape, dtype=torch.float64) if weight is None else weight.to(torch.float64)
+    keep = (weight > 0) & ~((lo == 0) & torch.isinf(hi))
+    if not bool(keep.any()):
+        return 1.0, r_prior
+    lo, hi, weight = lo[keep], hi[keep], weight[keep]
+    # One key per interval (ranks and fan-outs are integers below 2^20; inf as 2^20 - 1): a 1-D
+    # unique is several times faster than torch.unique(dim=0).
+    key = lo * 2**20 + hi.clamp(max=2**20 - 1)
+    _, first, index = _unique_first(key)
+    pairs = torch.stack([lo[first], hi[first]], 1)  # [U, 2]
+    w = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, index, weight)  # [U]
+    # Coarse grid, then a fine one around its best: the answer of the full fine grid
+    # (m step 0.01, r step 0.025) unless the likelihood has two far-apart peaks.
+    m, r = _best(pairs, w, _steps(0.05, 0.05, 1.0) if intercept else _ONE, _steps(0.1, 0.1, 3.0), r_prior)
+    m_fine = _steps(max(0.01, m - 0.04), 0.01, min(1.0, m + 0.04)) if intercept else _ONE
+    return _best(pairs, w, m_fine, _steps(max(0.025, r - 0.075), 0.025, min(3.0, r + 0.075)), r_prior)
+
+
+_ONE = torch.ones(1, dtype=torch.float64)
+
+
+def _unique_first(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct keys [U], an index of each one's first occurrence [U], inverse [n])."""
+    values, inverse = torch.unique(key, return_inverse=True)
+    first = torch.full((len(values),), len(key), dtype=torch.long).scatter_reduce_(
+        0, inverse, torch.arange(len(key)), "amin")
+    return values, first, inverse
+
+
+def _steps(start: float, step: float, stop: float) -> torch.Tensor:
+    return torch.arange(round(start / step), round(stop / step) + 1, dtype=torch.float64) * step
+
+
+def _best(pairs: torch.Tensor, w: torch.Tensor, m_grid: torch.Tensor, r_grid: torch.Tensor, r_prior: float) -> tuple[float, float]:
+    """The (m, r) of the grids with the largest log-likelihood plus prior. pairs [U, 2], w [U]."""
+    def survival(x: torch.Tensor) -> torch.Tensor:  # P(rank >= x), [Gm, Gr, U]
+        power = m_grid[:, None, None] * torch.exp(-r_grid[None, :, None] * x.clamp(min=1).log()[None, None, :])
+        return torch.where(x == 0, torch.ones_like(power), torch.where(torch.isinf(x), torch.zeros_like(power), power))
+
+    p = survival(pairs[:, 0]) - survival(pairs[:, 1])  # [Gm, Gr, U]
+    ll = (w * p.clamp(min=1e-12).log()).sum(-1) - 0.5 * (r_grid - r_prior) ** 2  # [Gm, Gr]
+    best = int(ll.argmax())
+    return float(m_grid[best // len(r_grid)]), float(r_grid[best % len(r_grid)])
+
+
 @dataclass
 class OnlineEstimates:
-    """Running estimates of a and r from rounds already run (exponentially weighted).
+    """Running estimates of a, m and r from rounds already run (exponentially weighted).
 
-    Feed every sequence-round with observe_round (acceptance) and observe_hit (miss law); the
-    miss exponent is refitted by fit_r, once per round (a fit costs a grid over the window)."""
+    Feed every sequence-round with observe_round (acceptance) and observe_rank (the bonus
+    token's rank among the candidates, when the drafter reports it) or observe_hit (hit or miss
+    at the fan-out); the miss law is refitted by fit, once per round (fit_miss_law over the
+    window)."""
 
     a: float = 0.7
-    r: float = 0.6
+    r: float = R_PRIOR
+    m: float = 1.0  # the paper's law until observations arrive
     decay: float = 0.995
     window: int = 256
     _accepted: float = 0.0
     _stops: float = 0.0
-    _obs: deque | None = None  # (log F, hit, observation index), the latest `window`
+    _obs: deque | None = None  # (lo, hi, observation index), the latest `window`
     _seen: int = 0
 
     def observe_round(self, accepted: int, k: int) -> None:
@@ -125,29 +208,31 @@ class OnlineEstimates:
         self.a = (self._accepted + 0.7 * 4) / (self._accepted + self._stops + 4)
 
     def observe_hit(self, fanout: int, hit: bool) -> None:
-        """The real outcome had `fanout` cached candidates at its k; it hit or missed. F = 1
-        says nothing under the law (it predicts a miss whatever r), so it is not recorded."""
-        if fanout <= 1:
-            return
+        """The real outcome had `fanout` cached candidates at its k; it hit or missed. F = 0 is
+        a certain miss whatever the law, so it is not recorded."""
+        if fanout >= 1:
+            self._observe(*hit_interval(fanout, hit))
+
+    def observe_rank(self, rank: int, cap: int) -> None:
+        """The real bonus token was the candidate of rank `rank` (0 = first) at its outcome, or
+        of rank `cap` or beyond."""
+        self._observe(*rank_interval(rank, cap))
+
+    def _observe(self, lo: float, hi: float) -> None:
         if self._obs is None:
             self._obs = deque(maxlen=self.window)
-        self._obs.append((math.log(fanout), 1.0 if hit else 0.0, self._seen))
+        self._obs.append((lo, hi, self._seen))
         self._seen += 1
 
-    def fit_r(self) -> float:
-        """Grid maximum likelihood of r (0.025..3.0) over the window, newer observations
-        weighted more (decay per observation), with a weak prior at 0.6."""
+    def fit(self) -> tuple[float, float]:
+        """(m, r) by fit_miss_law over the window, newer observations weighted more (decay per
+        observation), with the prior on r at R_PRIOR."""
         if not self._obs:
-            return self.r
-        grid = torch.arange(1, 121, dtype=torch.float64) * 0.025  # [G]
+            return self.m, self.r
         obs = torch.tensor(list(self._obs), dtype=torch.float64)  # [n, 3]
-        log_f, hit, index = obs.unbind(1)
-        weight = self.decay ** (self._seen - 1 - index)  # [n]
-        p_miss = torch.exp(-grid.unsqueeze(1) * log_f.unsqueeze(0))  # [G, n]
-        ll = -0.5 * (grid - 0.6) ** 2
-        ll = ll + (weight * ((1 - hit) * p_miss.clamp(min=1e-9).log() + hit * (1 - p_miss).clamp(min=1e-9).log())).sum(1)
-        self.r = float(grid[int(ll.argmax())])
-        return self.r
+        lo, hi, index = obs.unbind(1)
+        self.m, self.r = fit_miss_law(lo, hi, self.decay ** (self._seen - 1 - index), R_PRIOR)
+        return self.m, self.r
 
 
 def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_backup: float) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from ssd.drafting.budget import BudgetSizer
 from ssd.transport.channel import DraftClient, DrafterUnavailable
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
+from ssd.transport.messages import RANK_DEPTH, AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.drafting.ngram import NgramIndex, fast_speculation
 from ssd.drafting.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
 from ssd.engine.sampling import BatchSampling
@@ -74,6 +74,11 @@ class SSDProposer:
         self.config = config
         self.vocab = target_vocab
         self.estimates = OnlineEstimates()
+        # Every miss-law observation so far, outcome k -> {F -> [sequence-rounds, of which in
+        # the tree]}, for reports that fit the law over a whole run (ssd.bench.miss_law); never
+        # reset. And k -> {bonus token's rank (RANK_DEPTH: that or beyond) -> sequence-rounds}.
+        self.miss_law_counts: dict[int, dict[int, list[int]]] = {}
+        self.miss_law_ranks: dict[int, dict[int, int]] = {}
         self.prepared: dict[int, _Prepared] = {}
         self.order: list[int] = []
         self.backup_rng: dict[int, torch.Generator] = {}
@@ -191,6 +196,7 @@ class SSDProposer:
         # (covered), whether or not the worker holding it was alive to deliver it.
         answered = reply is not None and reply.answered
         in_grid = reply.covered.tolist() if answered and reply.covered is not None else hit
+        ranks = reply.bonus_rank.tolist() if answered and reply.bonus_rank is not None else [-1] * batch
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)
@@ -198,13 +204,23 @@ class SSDProposer:
             if source != Source.FAST:
                 self.estimates.observe_round(accepted[r], drafted[r])
             # The miss law relates this round's outcome to the fan-out the drafter cached for
-            # it; whether that outcome was cached is the reply's hit (the speculation's own
-            # source tells whether the previous round hit).
+            # it: the bonus token's rank among the candidates tells the hit at every fan-out;
+            # without it, whether the outcome was in the tree tells the hit at this one (the
+            # speculation's own source tells whether the previous round hit).
             if answered and self.fanout:
-                fanout = row_fanout(self.fanout, drafted[r], self.vocab)  # what the drafters cached for this row
-                self.estimates.observe_hit(fanout[accepted[r]], in_grid[r])
+                fanout = row_fanout(self.fanout, drafted[r], self.vocab)[accepted[r]]  # what the drafters cached
+                if ranks[r] >= 0:
+                    # Censored at the round's whole budget: no fan-out reaches past it.
+                    self.estimates.observe_rank(ranks[r], min(RANK_DEPTH, sum(self.fanout)))
+                    by_rank = self.miss_law_ranks.setdefault(accepted[r], {})
+                    by_rank[ranks[r]] = by_rank.get(ranks[r], 0) + 1
+                else:
+                    self.estimates.observe_hit(fanout, in_grid[r])
+                count = self.miss_law_counts.setdefault(accepted[r], {}).setdefault(fanout, [0, 0])
+                count[0] += 1
+                count[1] += int(in_grid[r])
         if answered and self.fanout:
-            self.estimates.fit_r()
+            self.estimates.fit()
         hits = 0
         for r, s in enumerate(seqs):
             if hit[r]:
@@ -273,6 +289,9 @@ class SSDProposer:
             "draft_workers": self.config.num_workers,
             "acceptance_estimate": round(self.estimates.a, 4),
             "miss_exponent_estimate": round(self.estimates.r, 4),
+            "miss_intercept_estimate": round(self.estimates.m, 4),
+            "miss_law_counts": {k: {f: list(n) for f, n in sorted(c.items())} for k, c in sorted(self.miss_law_counts.items())},
+            "miss_law_ranks": {k: dict(sorted(c.items())) for k, c in sorted(self.miss_law_ranks.items())},
             "backup": self.last_backup,
             "drafter_alive": not self.dead,
             "p_hit": round(self.p_hit.value, 4),

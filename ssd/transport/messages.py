@@ -112,6 +112,11 @@ COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirme
 _COUNTS = 6  # the first six are counts; the rest are high-water marks
 
 
+# Candidates ranked per outcome for the bonus token's rank: enough for fan-outs of up to 128
+# branches at one outcome (a pool of 8 workers at ssd_budget 16 puts about 40 at k = 0).
+RANK_DEPTH = 128
+
+
 @dataclass(frozen=True)
 class SpeculationReply:
     round_id: int
@@ -125,6 +130,11 @@ class SpeculationReply:
     # [b] bool: the outcome is in the round's branch grid, whichever worker's share holds it
     # (equal to hit for a single drafter). A row covered but not hit is another worker's.
     covered: torch.Tensor | None = None
+    # [b] long: the rank of the real bonus token among the round's candidates at its outcome k
+    # (0 = the draft's first choice; the outcome is in the tree exactly when rank < F_k),
+    # capped at RANK_DEPTH (= "that or beyond"); -1 where the round built no tree for the row.
+    # What the miss law is fitted on: one rank tells the hit at every fan-out.
+    bonus_rank: torch.Tensor | None = None
     # False when no drafter answered at all (every worker of a pool down): nothing to learn from.
     # Never on the wire: only the pool builds such a reply.
     answered: bool = True

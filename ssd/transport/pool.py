@@ -323,8 +323,11 @@ class DraftPool:
         tokens, probs = torch.zeros_like(any_rep.tokens), torch.zeros_like(any_rep.probs)
         num_draft = torch.zeros(b, dtype=torch.long)
         hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+        rank = torch.full((b,), -1, dtype=torch.long)  # every worker ranks the same whole grid
         for rep in replies.values():  # the holders
             covered |= rep.covered if rep.covered is not None else rep.hit
+            if rep.bonus_rank is not None:
+                rank = torch.maximum(rank, rep.bonus_rank)
             rows = rep.hit & ~hit
             tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
             hit |= rows
@@ -332,7 +335,8 @@ class DraftPool:
             rows = ~hit & (num_draft == 0) & (rep.num_draft > 0) & ~rep.hit
             tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
         build = max(rep.build_seconds for rep in replies.values())
-        return SpeculationReply(msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, self.counters(), covered)
+        return SpeculationReply(msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, self.counters(), covered,
+                                rank)
 
     def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
         """After an all-hit round, tell each slot that did not hold every hit which round comes

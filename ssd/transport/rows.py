@@ -43,11 +43,14 @@ def assemble(round_id: int, seq_ids: list[int], parts: list[tuple[list[int], Spe
     hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
     tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, vocab)
     num_draft = torch.zeros(b, dtype=torch.long)
+    rank = torch.full((b,), -1, dtype=torch.long)
     build = 0.0
     for rows, rep in parts:
         index = torch.tensor(rows, dtype=torch.long)
         hit[index], tokens[index], probs[index], num_draft[index] = rep.hit, rep.tokens, rep.probs, rep.num_draft
         covered[index] = rep.covered if rep.covered is not None else rep.hit
+        if rep.bonus_rank is not None:
+            rank[index] = rep.bonus_rank
         build = max(build, rep.build_seconds)
-    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered,
+    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank,
                             answered=bool(parts))

@@ -18,7 +18,7 @@ import torch
 
 from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 
-MAGIC = 0x55D0_0002  # 2: replies carry the drafter's two high-water marks (DrafterCounters)
+MAGIC = 0x55D0_0003  # 3: replies carry the bonus token's rank per row (2: the drafter's high-water marks)
 HEADER = 8
 
 
@@ -138,7 +138,8 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         b, k = msg.tokens.shape
         covered = msg.hit if msg.covered is None else msg.covered
         layout, values = pack_probs(msg.probs)
-        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), msg.num_draft, msg.tokens,
+        rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
+        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
                   msg.counters.as_list(), layout)
         floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
         return MsgType.REPLY, msg.round_id, ints, floats
@@ -229,9 +230,11 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])
     if kind in (MsgType.REPLY, MsgType.DRAFT_REPLY):
         b, k, v = r.one(), r.one(), r.one()
-        seq_ids, hit, covered, num_draft = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool(), r.take(b).clone()
+        seq_ids, hit, covered = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool()
+        rank, num_draft = r.take(b).clone(), r.take(b).clone()
         tokens = r.take(b * k).view(b, k).clone()
         counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
         probs = unpack_probs(r, floats[1:], b, k, v)
-        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered)
+        rank = None if bool((rank < 0).all()) else rank  # -1: unknown, as None is
+        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank)
     raise ValueError(f"unexpected message type {kind!r}")
