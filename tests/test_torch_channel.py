@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import struct
 import threading
 import time
 
@@ -279,3 +280,35 @@ def test_nothing_listening_is_reported_at_once():
     with pytest.raises(ChannelClosed, match=f"torch://127.0.0.1:{port}"):
         connect_torch(f"torch://127.0.0.1:{port}", FP, 10 * S)
     assert time.monotonic() - started < 3
+
+
+def test_a_worker_whose_port_accepts_then_resets_is_given_up_in_seconds():
+    """A worker being killed still accepts connections for a moment and resets them; the store
+    client retries such connections until its timeout. A target that leased it must give up in
+    seconds, not after the 180 s connect timeout (its refill thread was stuck there while the
+    pool had live workers again)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def reset_every_connection():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            conn.close()
+
+    thread = threading.Thread(target=reset_every_connection, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ChannelTimeout, match=f"torch://127.0.0.1:{port}"):
+            connect_torch(f"torch://127.0.0.1:{port}", FP, datetime.timedelta(seconds=180))
+        assert time.monotonic() - started < 20  # the store's 5 s, retried at most once more
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -51,6 +51,11 @@ logger = logging.getLogger(__name__)
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 # How long the worker gives a target that claimed it to join the pair group.
 HANDSHAKE_TIMEOUT = datetime.timedelta(seconds=60)
+# How long a target's store client may take to reach a worker whose port accepted a plain
+# connection: a live listener answers at once, one whose process is going away resets every
+# connection, and the store client retries those until its timeout (a lease of a worker that
+# was just killed held a target's refill for minutes under the connect timeout of 180 s).
+STORE_CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 _TAG = 0  # every frame
 _ABORT_TAG = 1  # never sent on: a receive on it can only time out (see _abort)
 _ABORT_WAIT = datetime.timedelta(milliseconds=1)
@@ -313,7 +318,7 @@ def connect_torch(address: str, fp: int, timeout: datetime.timedelta, device: to
     except OSError as err:
         raise ChannelClosed(f"no draft worker listens at {address}: {err}") from err
     try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=left())
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=min(left(), STORE_CONNECT_TIMEOUT))
         theirs = store.get(_BACKEND).decode()
     except RuntimeError as err:
         raise ChannelTimeout(f"draft worker at {address} did not answer within {timeout.total_seconds():g} s: {err}") from err
