@@ -279,6 +279,12 @@ def test_listener_and_connect_time_out():
         # The worker never accepts: the target gives up, and its pending session is dropped.
         with pytest.raises(ChannelTimeout, match=f"{listener.address} did not accept"):
             connect_grpc(listener.address, FP, datetime.timedelta(seconds=1))
+        # The drop reaches the server a moment later (an accept() before it would take the dead
+        # session: under load in CI the accept below did, and the next target waited in vain).
+        deadline = time.monotonic() + 10
+        while listener.pending:
+            assert time.monotonic() < deadline, "the abandoned session was not dropped within 10 s"
+            time.sleep(0.01)
         accepted: list = []
         thread = threading.Thread(target=lambda: accepted.append(listener.accept(FP, 30 * S)))
         thread.start()

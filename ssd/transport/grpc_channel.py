@@ -268,6 +268,14 @@ class GrpcListener:
                 return channel
         raise ChannelClosed(f"listener {self.address} is closed")
 
+    @property
+    def pending(self) -> bool:
+        """A target's session waits for accept(). A target that gave up is dropped once its RPC's
+        end reaches the server, a moment after it gave up: until then accept() may still hand
+        that session out (its first receive then raises ChannelClosed)."""
+        current = self._current
+        return current is not None and not current.over and not current.accepted.is_set()
+
     def close(self) -> None:
         """Ends the open session, if any, refuses new ones and stops the server."""
         self._closed = True
