@@ -141,11 +141,11 @@ def fit_miss_law(lo: torch.Tensor, hi: torch.Tensor, weight: torch.Tensor | None
     if not bool(keep.any()):
         return 1.0, r_prior
     lo, hi, weight = lo[keep], hi[keep], weight[keep]
-    # One key per interval (ranks and fan-outs are integers below 2^20; inf as 2^20 - 1): a 1-D
-    # unique is several times faster than torch.unique(dim=0).
-    key = lo * 2**20 + hi.clamp(max=2**20 - 1)
-    _, first, index = _unique_first(key)
-    pairs = torch.stack([lo[first], hi[first]], 1)  # [U, 2]
+    # One key per interval (ranks and fan-outs are integers below 2^20 - 1; inf as 2^20 - 1): a
+    # 1-D unique is several times faster than torch.unique(dim=0).
+    keys, index = torch.unique(lo * 2**20 + hi.clamp(max=2**20 - 1), return_inverse=True)  # [U], [n]
+    ends = keys.remainder(2**20)
+    pairs = torch.stack([keys.div(2**20, rounding_mode="floor"), torch.where(ends == 2**20 - 1, math.inf, ends)], 1)  # [U, 2]
     w = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, index, weight)  # [U]
     # Coarse grid, then a fine one around its best: the answer of the full fine grid
     # (m step 0.01, r step 0.025) unless the likelihood has two far-apart peaks.
@@ -155,14 +155,6 @@ def fit_miss_law(lo: torch.Tensor, hi: torch.Tensor, weight: torch.Tensor | None
 
 
 _ONE = torch.ones(1, dtype=torch.float64)
-
-
-def _unique_first(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(distinct keys [U], an index of each one's first occurrence [U], inverse [n])."""
-    values, inverse = torch.unique(key, return_inverse=True)
-    first = torch.full((len(values),), len(key), dtype=torch.long).scatter_reduce_(
-        0, inverse, torch.arange(len(key)), "amin")
-    return values, first, inverse
 
 
 def _steps(start: float, step: float, stop: float) -> torch.Tensor:

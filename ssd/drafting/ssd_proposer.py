@@ -197,6 +197,7 @@ class SSDProposer:
         answered = reply is not None and reply.answered
         in_grid = reply.covered.tolist() if answered and reply.covered is not None else hit
         ranks = reply.bonus_rank.tolist() if answered and reply.bonus_rank is not None else [-1] * batch
+        cap = min(RANK_DEPTH, sum(self.fanout))  # no fan-out of this round reaches past its whole budget
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
             {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)
@@ -209,16 +210,7 @@ class SSDProposer:
             # speculation's own source tells whether the previous round hit).
             if answered and self.fanout:
                 fanout = row_fanout(self.fanout, drafted[r], self.vocab)[accepted[r]]  # what the drafters cached
-                if ranks[r] >= 0:
-                    # Censored at the round's whole budget: no fan-out reaches past it.
-                    self.estimates.observe_rank(ranks[r], min(RANK_DEPTH, sum(self.fanout)))
-                    by_rank = self.miss_law_ranks.setdefault(accepted[r], {})
-                    by_rank[ranks[r]] = by_rank.get(ranks[r], 0) + 1
-                else:
-                    self.estimates.observe_hit(fanout, in_grid[r])
-                count = self.miss_law_counts.setdefault(accepted[r], {}).setdefault(fanout, [0, 0])
-                count[0] += 1
-                count[1] += int(in_grid[r])
+                self._observe_miss_law(accepted[r], fanout, ranks[r], cap, in_grid[r])
         if answered and self.fanout:
             self.estimates.fit()
         hits = 0
@@ -244,6 +236,19 @@ class SSDProposer:
                 self.prepared[s.seq_id] = self._fast(s)
         if self.last_backup == "fast" and len(seqs) > hits:
             self.t_fast.update((time.perf_counter() - t1) / verify_s)
+
+    def _observe_miss_law(self, k: int, fanout: int, rank: int, cap: int, in_tree: bool) -> None:
+        """One sequence-round's outcome k, the fan-out cached there, the bonus token's rank (-1:
+        unknown, then whether the outcome was in the tree tells the law what it can)."""
+        if rank >= 0:
+            self.estimates.observe_rank(rank, cap)
+            by_rank = self.miss_law_ranks.setdefault(k, {})
+            by_rank[rank] = by_rank.get(rank, 0) + 1
+        else:
+            self.estimates.observe_hit(fanout, in_tree)
+        count = self.miss_law_counts.setdefault(k, {}).setdefault(fanout, [0, 0])
+        count[0] += 1
+        count[1] += int(in_tree)
 
     def _fast(self, seq: Sequence) -> _Prepared:
         index = self.ngram[seq.seq_id]
