@@ -282,33 +282,52 @@ def test_nothing_listening_is_reported_at_once():
     assert time.monotonic() - started < 3
 
 
-def test_a_worker_whose_port_accepts_then_resets_is_given_up_in_seconds():
-    """A worker being killed still accepts connections for a moment and resets them; the store
-    client retries such connections until its timeout. A target that leased it must give up in
-    seconds, not after the 180 s connect timeout (its refill thread was stuck there while the
-    pool had live workers again)."""
+def _resetting_server(hold_first: bool):
+    """A port whose connections are accepted and then reset (a worker being killed). With
+    hold_first, the first connection (connect_torch's probe) is held open and only the later
+    ones (the store client's) are reset. -> (port, stop)"""
     server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
     stop = threading.Event()
+    held = []
 
-    def reset_every_connection():
+    def serve():
         server.settimeout(0.1)
         while not stop.is_set():
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
+            if hold_first and not held:
+                held.append(conn)
+                continue
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
             conn.close()
+        for conn in held:
+            conn.close()
+        server.close()
 
-    thread = threading.Thread(target=reset_every_connection, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
+
+    def close():
+        stop.set()
+        thread.join(5)
+
+    return server.getsockname()[1], close
+
+
+@pytest.mark.parametrize("hold_first", [False, True], ids=["probe-reset", "store-reset"])
+def test_a_worker_whose_port_accepts_then_resets_is_given_up_in_seconds(hold_first):
+    """A worker being killed still accepts connections for a moment and resets them; the store
+    client retries such connections until its timeout. A target that leased it must give up in
+    seconds with ChannelClosed, not after the 180 s connect timeout (its refill thread was stuck
+    there while the pool had live workers again), and never with a raw OSError: the reset can
+    hit the probe connection (ConnectionResetError, which once escaped as such) or the store's."""
+    port, close = _resetting_server(hold_first)
     started = time.monotonic()
     try:
-        with pytest.raises(ChannelTimeout, match=f"torch://127.0.0.1:{port}"):
+        with pytest.raises(ChannelClosed, match=f"torch://127.0.0.1:{port}"):
             connect_torch(f"torch://127.0.0.1:{port}", FP, datetime.timedelta(seconds=180))
         assert time.monotonic() - started < 20  # the store's 5 s, retried at most once more
     finally:
-        stop.set()
-        thread.join(5)
-        server.close()
+        close()

@@ -310,6 +310,8 @@ def connect_torch(address: str, fp: int, timeout: datetime.timedelta, device: to
 
     # A plain connection first: fails fast when nothing listens (the store client would retry
     # for up to twice its timeout), and names the local address that routes to the worker.
+    # A worker that is going away accepts and then resets connections: that is ChannelClosed, at
+    # the probe (ConnectionResetError, an OSError) as at the store ("Connection reset by peer").
     try:
         with socket.create_connection((host, port), timeout=timeout.total_seconds()) as probe:
             local = probe.getsockname()[0]
@@ -320,7 +322,9 @@ def connect_torch(address: str, fp: int, timeout: datetime.timedelta, device: to
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=min(left(), STORE_CONNECT_TIMEOUT))
         theirs = store.get(_BACKEND).decode()
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:
+        if isinstance(err, OSError) or "reset by peer" in str(err):
+            raise ChannelClosed(f"the draft worker at {address} reset the connection (it is going away): {err}") from err
         raise ChannelTimeout(f"draft worker at {address} did not answer within {timeout.total_seconds():g} s: {err}") from err
     if theirs != mine:
         raise RuntimeError(f"draft worker at {address} uses {theirs}; this target's device {device} needs {mine}")
