@@ -15,7 +15,7 @@ PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(PROTO_PKG)=protos --python_out=
 SERVE_PROTO_PKG := serve_app/_proto
 SERVE_PROTOC := $(BIN)/python -m grpc_tools.protoc -I$(SERVE_PROTO_PKG)=protos --python_out=. --grpc_python_out=.
 
-.PHONY: install protos serve test bench loadtest demo-models clean
+.PHONY: install protos serve test lint format bench loadtest demo-models clean
 
 install: $(STAMP) $(PROTO_PKG)/ssd_draft_pb2_grpc.py $(SERVE_PROTO_PKG)/ssd_serve_pb2_grpc.py
 
@@ -43,6 +43,15 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The linter and the formatter's check, as CI runs them before the tests; `make format` rewrites.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 bench: install
 	$(BIN)/ssd bench

@@ -40,8 +40,12 @@ class PoolMember:
         self.drafter = drafter  # read by held(); driven by the session thread only
         self.stop = threading.Event()
         self.fp = config_fingerprint(cfg, vocab)
-        self.thread = threading.Thread(target=serve_sessions, args=(drafter, self.listener, self.fp, not cfg.ssd_reproducible, self.stop),
-                                       name="ssd-draft-sessions", daemon=True)
+        self.thread = threading.Thread(
+            target=serve_sessions,
+            args=(drafter, self.listener, self.fp, not cfg.ssd_reproducible, self.stop),
+            name="ssd-draft-sessions",
+            daemon=True,
+        )
         self.thread.start()
         # Registered only once it serves: a target that leases it can connect at once.
         self._pool_call("register", self.worker_id, self.listener.address, self.fp)
@@ -96,7 +100,9 @@ class DraftWorkerActor:
 
     def __init__(self, spec: dict) -> None:
         # The actor id is stable across restarts: a restarted worker replaces its former self.
-        self.member = PoolMember(EngineConfig(**spec["config"]), spec["vocab"], spec["pool"], ray.get_runtime_context().get_actor_id())
+        self.member = PoolMember(
+            EngineConfig(**spec["config"]), spec["vocab"], spec["pool"], ray.get_runtime_context().get_actor_id()
+        )
 
     def address(self) -> str:
         return self.member.listener.address

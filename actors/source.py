@@ -49,8 +49,9 @@ def _with_options(options: dict):
         raise ValueError(f"draft_worker_resources {options} refused by Ray {ray.__version__}: {err}") from err
 
 
-def start_draft_workers(config: EngineConfig, vocab: int, n: int, pool=None, resources: dict | None = None,
-                        timeout_s: float = 300.0) -> list:
+def start_draft_workers(
+    config: EngineConfig, vocab: int, n: int, pool=None, resources: dict | None = None, timeout_s: float = 300.0
+) -> list:
     """Start n draft worker actors and wait until each has registered with the pool. A worker
     that fails to start (its draft does not load, say) raises DrafterUnavailable with its error;
     then none of the n is kept."""
@@ -62,8 +63,10 @@ def start_draft_workers(config: EngineConfig, vocab: int, n: int, pool=None, res
         # ping returns once __init__ did, and __init__ registers last.
         ready, pending = ray.wait([a.ping.remote() for a in actors], num_returns=n, timeout=timeout_s)
         if pending:
-            raise DrafterUnavailable(f"{len(pending)} of {n} draft worker actors did not start within {timeout_s:.0f} s "
-                                     "(not enough free resources? see draft_worker_resources)")
+            raise DrafterUnavailable(
+                f"{len(pending)} of {n} draft worker actors did not start within {timeout_s:.0f} s "
+                "(not enough free resources? see draft_worker_resources)"
+            )
         ray.get(ready)
     except ray.exceptions.RayError as err:  # an exception in __init__ ends the actor: Ray does not restart it
         _kill(actors)
@@ -84,10 +87,21 @@ class RayLeasedWorkers:
     per source unless given). Starts `start_workers` worker actors itself (placed with
     `resources`) when the pool has fewer free ones, and stops those on close()."""
 
-    def __init__(self, config: EngineConfig, vocab: int, pool=None, holder: str | None = None, lease_ttl_s: float = 30.0,
-                 start_workers: int = 0, resources: dict | None = None, acquire_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab: int,
+        pool=None,
+        holder: str | None = None,
+        lease_ttl_s: float = 30.0,
+        start_workers: int = 0,
+        resources: dict | None = None,
+        acquire_timeout_s: float = 120.0,
+    ) -> None:
         if config.draft_transport not in ("torch", "grpc"):
-            raise ValueError(f"Ray draft workers are reached over draft_transport 'torch' or 'grpc', not {config.draft_transport!r}")
+            raise ValueError(
+                f"Ray draft workers are reached over draft_transport 'torch' or 'grpc', not {config.draft_transport!r}"
+            )
         self.config, self.vocab, self.ttl_s, self.acquire_timeout_s = config, vocab, lease_ttl_s, acquire_timeout_s
         self.pool = pool or get_or_create_pool()
         self.holder = holder or f"target-{uuid.uuid4().hex[:12]}"
@@ -96,7 +110,9 @@ class RayLeasedWorkers:
         self.actors: list = []  # workers this source started (killed on close)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        free = sum(w["holder"] is None and w["fingerprint"] in (None, self.fp) for w in ray.get(self.pool.snapshot.remote()))
+        free = sum(
+            w["holder"] is None and w["fingerprint"] in (None, self.fp) for w in ray.get(self.pool.snapshot.remote())
+        )
         if start_workers > free:
             self.actors = start_draft_workers(config, vocab, start_workers - free, self.pool, resources)
         self._renewer = threading.Thread(target=self._renew_loop, name="ssd-lease-renewer", daemon=True)
@@ -118,8 +134,13 @@ class RayLeasedWorkers:
             if leases:
                 lease = leases[0]
                 try:
-                    link = RemoteClient.connect(lease.address, self.fp, self.config.draft_deadline_s,
-                                                f"ray worker {lease.worker_id[:8]} at {lease.address}", self.config.draft_device)
+                    link = RemoteClient.connect(
+                        lease.address,
+                        self.fp,
+                        self.config.draft_deadline_s,
+                        f"ray worker {lease.worker_id[:8]} at {lease.address}",
+                        self.config.draft_device,
+                    )
                 except DrafterUnavailable:
                     self.pool.report_failed.remote(self.holder, lease.worker_id, lease.address)  # no wait: best effort
                     raise

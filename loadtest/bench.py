@@ -26,9 +26,33 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 def run_cell(host: str, mode: str, users: int, duration: int, model: str, api_key: str, workdir: Path) -> dict:
     prefix = workdir / f"{mode}_{users}"
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host, "--headless", "-u", str(users),
-           "-r", str(users), "-t", f"{duration}s", "--stop-timeout", "60", "--csv", str(prefix), "--only-summary",
-           "--spec-modes", mode, "--model", model, "--api-key", api_key]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--host",
+        host,
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{duration}s",
+        "--stop-timeout",
+        "60",
+        "--csv",
+        str(prefix),
+        "--only-summary",
+        "--spec-modes",
+        mode,
+        "--model",
+        model,
+        "--api-key",
+        api_key,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=duration + 300)
     with open(f"{prefix}_stats.csv") as f:
         rows = list(csv.DictReader(f))
@@ -45,10 +69,16 @@ def run_cell(host: str, mode: str, users: int, duration: int, model: str, api_ke
     tokens = sum(float(r["Average Response Time"]) * int(r["Request Count"]) for r in typed("TOKENS"))
     requests = sum(int(r["Request Count"]) for r in posts)
     return {
-        "mode": mode, "users": users, "requests": requests, "failures": failures,
-        "tok_per_s": tokens / duration, "req_per_s": requests / duration,
-        "e2e_p50_ms": percentile("E2E", "50%"), "e2e_p99_ms": percentile("E2E", "99%"),
-        "ttft_p50_ms": percentile("TTFT", "50%"), "ttft_p99_ms": percentile("TTFT", "99%"),
+        "mode": mode,
+        "users": users,
+        "requests": requests,
+        "failures": failures,
+        "tok_per_s": tokens / duration,
+        "req_per_s": requests / duration,
+        "e2e_p50_ms": percentile("E2E", "50%"),
+        "e2e_p99_ms": percentile("E2E", "99%"),
+        "ttft_p50_ms": percentile("TTFT", "50%"),
+        "ttft_p99_ms": percentile("TTFT", "99%"),
     }
 
 
@@ -68,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             for mode in args.modes.split(","):
                 cell = run_cell(args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp))
                 cells.append(cell)
-                sys.stdout.write(f"{mode:4s} users {users:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s  "
-                                 f"E2E p50/p99 {cell['e2e_p50_ms']:6.0f}/{cell['e2e_p99_ms']:6.0f} ms  "
-                                 f"TTFT p50/p99 {cell['ttft_p50_ms']:5.0f}/{cell['ttft_p99_ms']:5.0f} ms  failures {cell['failures']}\n")
+                sys.stdout.write(
+                    f"{mode:4s} users {users:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s  "
+                    f"E2E p50/p99 {cell['e2e_p50_ms']:6.0f}/{cell['e2e_p99_ms']:6.0f} ms  "
+                    f"TTFT p50/p99 {cell['ttft_p50_ms']:5.0f}/{cell['ttft_p99_ms']:5.0f} ms  failures "
+                    f"{cell['failures']}\n"
+                )
                 sys.stdout.flush()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

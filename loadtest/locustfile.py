@@ -34,10 +34,16 @@ DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 @events.init_command_line_parser.add_listener
 def _arguments(parser) -> None:
     parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), help="JSONL prompt mix.")
-    parser.add_argument("--spec-modes", default="ssd", help="Comma-separated speculation modes to draw from (ssd, sd, off; 'default' = none sent).")
+    parser.add_argument(
+        "--spec-modes",
+        default="ssd",
+        help="Comma-separated speculation modes to draw from (ssd, sd, off; 'default' = none sent).",
+    )
     parser.add_argument("--model", default="ssd-demo", help="The model id the server serves.")
     parser.add_argument("--stream-fraction", type=float, default=0.75, help="Share of requests sent with stream: true.")
-    parser.add_argument("--api-key", default=os.environ.get("SSD_API_KEY", ""), help="Bearer key (default: $SSD_API_KEY).")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SSD_API_KEY", ""), help="Bearer key (default: $SSD_API_KEY)."
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature of every request.")
 
 
@@ -59,7 +65,9 @@ class OpenAIUser(HttpUser):
 
     def _report(self, kind: str, name: str, value: float) -> None:
         mode = name.split(" ")[1]
-        events.request.fire(request_type=kind, name=mode, response_time=value, response_length=0, exception=None, context={})
+        events.request.fire(
+            request_type=kind, name=mode, response_time=value, response_length=0, exception=None, context={}
+        )
 
     @task
     def generate(self) -> None:
@@ -68,7 +76,12 @@ class OpenAIUser(HttpUser):
         mode = random.choice(self.modes)
         stream = random.random() < options.stream_fraction
         chat = item.get("kind") == "chat"
-        body = {"model": options.model, "max_tokens": item.get("max_tokens", 64), "temperature": options.temperature, "stream": stream}
+        body = {
+            "model": options.model,
+            "max_tokens": item.get("max_tokens", 64),
+            "temperature": options.temperature,
+            "stream": stream,
+        }
         body.update({"messages": [{"role": "user", "content": item["prompt"]}]} if chat else {"prompt": item["prompt"]})
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -77,7 +90,9 @@ class OpenAIUser(HttpUser):
         path = "/v1/chat/completions" if chat else "/v1/completions"
         name = f"{'chat' if chat else 'completion'} {mode} {'stream' if stream else 'whole'}"
         sent = time.perf_counter()
-        with self.client.post(path, json=body, headers=self.headers, stream=stream, catch_response=True, name=name) as response:
+        with self.client.post(
+            path, json=body, headers=self.headers, stream=stream, catch_response=True, name=name
+        ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
                 return

@@ -48,8 +48,24 @@ def free_port() -> int:
 
 def start_server(http: int, grpc: int, metrics: int, extra: list[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "ssd.cli", "serve", "--port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--ray-address", "local", "--extra-modes", "sd", "off", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssd.cli",
+        "serve",
+        "--port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--metrics-port",
+        str(metrics),
+        "--ray-address",
+        "local",
+        "--extra-modes",
+        "sd",
+        "off",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 300
     while True:
@@ -96,9 +112,31 @@ def run(args: argparse.Namespace) -> dict:
         seconds = int(args.minutes * 60)
         with tempfile.TemporaryDirectory() as tmp:
             prefix = Path(tmp) / "soak"
-            cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", f"http://127.0.0.1:{http}", "--headless",
-                   "-u", str(args.users), "-r", str(args.users), "-t", f"{seconds}s", "--stop-timeout", "60", "--csv", str(prefix),
-                   "--only-summary", "--spec-modes", "ssd,sd,off", "--model", "ssd-demo"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(LOCUSTFILE),
+                "--host",
+                f"http://127.0.0.1:{http}",
+                "--headless",
+                "-u",
+                str(args.users),
+                "-r",
+                str(args.users),
+                "-t",
+                f"{seconds}s",
+                "--stop-timeout",
+                "60",
+                "--csv",
+                str(prefix),
+                "--only-summary",
+                "--spec-modes",
+                "ssd,sd,off",
+                "--model",
+                "ssd-demo",
+            ]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=seconds + 600)
             with open(f"{prefix}_stats.csv") as f:
                 posts = [r for r in csv.DictReader(f) if r["Type"] == "POST"]
@@ -114,14 +152,29 @@ def run(args: argparse.Namespace) -> dict:
     processes = []
     for key, series in sorted(samples.items()):
         after = [(t, m) for t, m in series if t >= warm_from]
-        processes.append({"process": key, "samples": len(series), "rss_first_mb": series[0][1], "rss_last_mb": series[-1][1],
-                          "slope_mb_per_min": slope_mb_per_min(after), "series": [[round(t, 1), round(m, 1)] for t, m in series]})
+        processes.append(
+            {
+                "process": key,
+                "samples": len(series),
+                "rss_first_mb": series[0][1],
+                "rss_last_mb": series[-1][1],
+                "slope_mb_per_min": slope_mb_per_min(after),
+                "series": [[round(t, 1), round(m, 1)] for t, m in series],
+            }
+        )
     result = {
-        "args": vars(args), "requests": sum(int(r["Request Count"]) for r in posts),
-        "failures": sum(int(r["Failure Count"]) for r in posts), "leak_gauges": leaks, "processes": processes,
+        "args": vars(args),
+        "requests": sum(int(r["Request Count"]) for r in posts),
+        "failures": sum(int(r["Failure Count"]) for r in posts),
+        "leak_gauges": leaks,
+        "processes": processes,
     }
-    result["passed"] = (result["failures"] == 0 and set(leaks) == set(LEAK_GAUGES) and not any(leaks.values())
-                        and all(abs(p["slope_mb_per_min"]) < args.max_slope_mb_per_min for p in processes if p["samples"] >= 3))
+    result["passed"] = (
+        result["failures"] == 0
+        and set(leaks) == set(LEAK_GAUGES)
+        and not any(leaks.values())
+        and all(abs(p["slope_mb_per_min"]) < args.max_slope_mb_per_min for p in processes if p["samples"] >= 3)
+    )
     return result
 
 
@@ -132,18 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=15.0, help="Seconds between RSS samples.")
     parser.add_argument("--warmup-fraction", type=float, default=0.2, help="Share of the run left out of the slopes.")
     parser.add_argument("--settle-s", type=float, default=15.0, help="Idle seconds before the leak gauges are read.")
-    parser.add_argument("--max-slope-mb-per-min", type=float, default=2.0,
-                        help="Pass bar per process. A target replica's samples wander by tens of MiB around a flat "
-                             "line under mixed load; the oneDNN leak this run found grew a draft worker by 3.6 MiB/min.")
+    parser.add_argument(
+        "--max-slope-mb-per-min",
+        type=float,
+        default=2.0,
+        help="Pass bar per process. A target replica's samples wander by tens of MiB around a flat "
+        "line under mixed load; the oneDNN leak this run found grew a draft worker by 3.6 MiB/min.",
+    )
     parser.add_argument("--server-args", default="", help="Extra `ssd serve` flags, e.g. '--draft-pool-size 2'.")
     parser.add_argument("--out", default="bench_results/soak.json")
     args = parser.parse_args(argv)
     result = run(args)
     for p in result["processes"]:
-        sys.stdout.write(f"{p['process']:48s} RSS {p['rss_first_mb']:7.1f} -> {p['rss_last_mb']:7.1f} MiB  "
-                         f"slope after warm-up {p['slope_mb_per_min']:+.3f} MiB/min ({p['samples']} samples)\n")
-    sys.stdout.write(f"requests {result['requests']}, failures {result['failures']}, leak gauges after traffic {result['leak_gauges']}\n"
-                     f"{'PASS' if result['passed'] else 'FAIL'}\n")
+        sys.stdout.write(
+            f"{p['process']:48s} RSS {p['rss_first_mb']:7.1f} -> {p['rss_last_mb']:7.1f} MiB  "
+            f"slope after warm-up {p['slope_mb_per_min']:+.3f} MiB/min ({p['samples']} samples)\n"
+        )
+    sys.stdout.write(
+        f"requests {result['requests']}, failures {result['failures']}, leak gauges after traffic "
+        f"{result['leak_gauges']}\n"
+        f"{'PASS' if result['passed'] else 'FAIL'}\n"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -38,7 +38,9 @@ def parse_config(args: dict | AppConfig | None) -> AppConfig:
     try:
         return AppConfig.model_validate(args or {})
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors(include_url=False))
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors(include_url=False)
+        )
         raise ValueError(f"invalid ssd-serve application config: {problems}") from None
 
 
@@ -48,7 +50,9 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     pool = None
     if "ssd" in settings.engine_modes:
         resources = dict(config.engine.draft_worker_resources or {"num_cpus": 1})
-        pool = DraftWorkerDeployment.options(num_replicas=config.draft_pool_size, ray_actor_options=resources).bind(settings)
+        pool = DraftWorkerDeployment.options(num_replicas=config.draft_pool_size, ray_actor_options=resources).bind(
+            settings
+        )
     target = TargetDeployment.options(
         num_replicas=config.target_replicas,
         ray_actor_options={"num_cpus": config.target_num_cpus, "num_gpus": config.target_num_gpus},

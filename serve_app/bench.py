@@ -50,18 +50,31 @@ def offline(engine: dict, prompts: list[str], max_tokens: int) -> dict:
             ttft.append(first - sent)
         elapsed = time.perf_counter() - started
         verify_ms = llm.metrics()["verify_ms_per_round"]
-    return {"tok_per_s": tokens / elapsed, "ttft_ms_p50": 1000 * statistics.median(ttft), "tokens": tokens, "verify_ms_per_round": verify_ms}
+    return {
+        "tok_per_s": tokens / elapsed,
+        "ttft_ms_p50": 1000 * statistics.median(ttft),
+        "tokens": tokens,
+        "verify_ms_per_round": verify_ms,
+    }
 
 
 def http(url: str, model: str, prompts: list[str], max_tokens: int, api_key: str | None) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     session = requests.Session()
 
     def one(prompt: str) -> tuple[float, int]:
         sent, first, tokens = time.perf_counter(), None, 0
-        with session.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, headers=headers, stream=True, timeout=600) as r:
+        with session.post(
+            f"{url}/v1/completions", json={**body, "prompt": prompt}, headers=headers, stream=True, timeout=600
+        ) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -87,10 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="ssd,sd", help="Comma-separated engine modes to measure (ar, sd, ssd).")
     parser.add_argument("--k", type=int, default=6)
-    parser.add_argument("--num-threads", type=int, default=1,
-                        help="torch threads of the target in both runs (a Serve replica gets OMP_NUM_THREADS = its num_cpus from Ray, 1 by default; "
-                             "the offline engine would take every core).")
-    parser.add_argument("--stream-interval-ms", type=float, default=None, help="The app's stream_interval_ms (default: AppConfig's).")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads of the target in both runs (a Serve replica gets OMP_NUM_THREADS = its num_cpus from Ray, "
+        "1 by default; "
+        "the offline engine would take every core).",
+    )
+    parser.add_argument(
+        "--stream-interval-ms", type=float, default=None, help="The app's stream_interval_ms (default: AppConfig's)."
+    )
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--target", default=None, help="Target model (default: the demo pair).")
@@ -101,17 +121,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = heldout_prompts(args.requests, prompt_bytes=96)
     results = {}
     for mode in args.modes.split(","):
-        engine = {"target": args.target, "draft": args.draft, "mode": mode, "k": args.k, "max_num_seqs": 1, "num_threads": args.num_threads}
+        engine = {
+            "target": args.target,
+            "draft": args.draft,
+            "mode": mode,
+            "k": args.k,
+            "max_num_seqs": 1,
+            "num_threads": args.num_threads,
+        }
         if mode == "ssd":
             engine["draft_transport"] = "torch"
         row = {"offline": offline(engine, prompts, args.max_tokens)}
         row["http"] = _served(engine, prompts, args.max_tokens, args.stream_interval_ms)
         row["http_over_offline"] = row["http"]["tok_per_s"] / row["offline"]["tok_per_s"]
         results[mode] = row
-        sys.stdout.write(f"{mode:4s} offline {row['offline']['tok_per_s']:7.1f} tok/s (TTFT {row['offline']['ttft_ms_p50']:6.1f} ms)   "
-                         f"HTTP {row['http']['tok_per_s']:7.1f} tok/s (TTFT {row['http']['ttft_ms_p50']:6.1f} ms)   "
-                         f"HTTP/offline {row['http_over_offline']:.3f}   verify ms/round offline {row['offline']['verify_ms_per_round']:.2f} "
-                         f"HTTP {row['http']['verify_ms_per_round']:.2f}\n")
+        sys.stdout.write(
+            f"{mode:4s} offline {row['offline']['tok_per_s']:7.1f} tok/s (TTFT "
+            f"{row['offline']['ttft_ms_p50']:6.1f} ms)   "
+            f"HTTP {row['http']['tok_per_s']:7.1f} tok/s (TTFT {row['http']['ttft_ms_p50']:6.1f} ms)   "
+            f"HTTP/offline {row['http_over_offline']:.3f}   verify ms/round offline "
+            f"{row['offline']['verify_ms_per_round']:.2f} "
+            f"HTTP {row['http']['verify_ms_per_round']:.2f}\n"
+        )
         sys.stdout.flush()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +161,11 @@ def _served(engine: dict, prompts: list[str], max_tokens: int, stream_interval_m
     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-        config = {"engine": {k: v for k, v in engine.items() if v is not None}, "extra_modes": [], "model_name": "bench"}
+        config = {
+            "engine": {k: v for k, v in engine.items() if v is not None},
+            "extra_modes": [],
+            "model_name": "bench",
+        }
         if stream_interval_ms is not None:
             config["stream_interval_ms"] = stream_interval_ms
         serve.run(build_app(config), name="bench", route_prefix="/")

@@ -29,14 +29,27 @@ _APP_DEST = "app_"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file: an AppConfig, or a Serve config file (its first application's args). Flags override it.")
+    parser.add_argument(
+        "--config",
+        help="YAML file: an AppConfig, or a Serve config file (its first application's args). Flags override it.",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on every interface).")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port.")
     parser.add_argument("--grpc-port", type=int, default=9000, help="gRPC port.")
-    parser.add_argument("--ray-address", default="auto",
-                        help="auto: attach to the Ray cluster of RAY_ADDRESS or one running on this machine (`ray start --head`), else start one; "
-                             "local: always start a cluster of its own (stopped on exit); or a cluster address to attach to.")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Port of Ray's Prometheus metrics endpoint when this command starts the Ray cluster (default: Ray picks one).")
+    parser.add_argument(
+        "--ray-address",
+        default="auto",
+        help="auto: attach to the Ray cluster of RAY_ADDRESS or one running on this machine (`ray start --head`), "
+        "else start one; "
+        "local: always start a cluster of its own (stopped on exit); or a cluster address to attach to.",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Port of Ray's Prometheus metrics endpoint when this command starts the Ray cluster (default: Ray picks "
+        "one).",
+    )
     for name, field in AppConfig.model_fields.items():
         if name == "engine":
             continue
@@ -44,9 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         options["dest"] = _APP_DEST + name
         parser.add_argument(f"--{name.replace('_', '-')}", **options)
     _engine_arguments(parser)
-    parser.add_argument("--budget", dest=_ENGINE_DEST + "ssd_budget", type=int, default=argparse.SUPPRESS, help="Short for --ssd-budget.")
-    parser.add_argument("--transport", dest=_ENGINE_DEST + "draft_transport", choices=["torch", "grpc"], default=argparse.SUPPRESS,
-                        help="Short for --draft-transport: the data plane between target replicas and draft workers.")
+    parser.add_argument(
+        "--budget",
+        dest=_ENGINE_DEST + "ssd_budget",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="Short for --ssd-budget.",
+    )
+    parser.add_argument(
+        "--transport",
+        dest=_ENGINE_DEST + "draft_transport",
+        choices=["torch", "grpc"],
+        default=argparse.SUPPRESS,
+        help="Short for --draft-transport: the data plane between target replicas and draft workers.",
+    )
 
 
 def _file_args(path: str) -> dict:
@@ -68,7 +92,9 @@ def app_config_from(args: argparse.Namespace) -> AppConfig:
     base = _file_args(args.config) if args.config else {}
     app = {name: getattr(args, _APP_DEST + name) for name in AppConfig.model_fields if hasattr(args, _APP_DEST + name)}
     engine = dict(base.pop("engine", None) or {})
-    engine.update({name[len(_ENGINE_DEST):]: value for name, value in vars(args).items() if name.startswith(_ENGINE_DEST)})
+    engine.update(
+        {name[len(_ENGINE_DEST) :]: value for name, value in vars(args).items() if name.startswith(_ENGINE_DEST)}
+    )
     return parse_config({**base, **app, **({"engine": engine} if engine else {})})
 
 
@@ -79,7 +105,10 @@ def _start_ray(address: str, metrics_port: int | None) -> bool:
 
     if address != "local":
         try:
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto") if address == "auto" else address, logging_level=logging.WARNING)
+            ray.init(
+                address=os.environ.get("RAY_ADDRESS", "auto") if address == "auto" else address,
+                logging_level=logging.WARNING,
+            )
             logger.info("attached to the running Ray cluster")
             return False
         except ConnectionError:
@@ -121,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
 
     try:
-        serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
-                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+        serve.start(
+            http_options=HTTPOptions(host=args.host, port=args.port),
+            grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
+        )
         reset_board(APP_NAME)  # a drain of an earlier run that was killed must not carry over
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         name = model_name(settings)
@@ -134,13 +165,15 @@ def run(args: argparse.Namespace) -> int:
             f"  HTTP (OpenAI): http://{host}:{args.port}/v1   health: http://{host}:{args.port}/health\n"
             f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
             f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
-            f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64, \"temperature\": 0}}'\n"
+            f'-d \'{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}}\'\n'
             "Ctrl-C stops it (in-flight requests finish first, up to --drain-timeout-s).\n"
         )
         sys.stdout.flush()
         while not stop.wait(0.5):
             pass
-        sys.stdout.write(f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n")
+        sys.stdout.write(
+            f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n"
+        )
         sys.stdout.flush()
         draining.set()
         try:

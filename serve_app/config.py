@@ -33,31 +33,94 @@ class AppConfig(BaseModel):
 
     engine: EngineArgs = Field(
         default_factory=lambda: EngineArgs(**SERVE_ENGINE_DEFAULTS),
-        description="Engine options (see EngineArgs; here mode defaults to ssd and draft_transport to torch): target, draft, mode, k, ssd_budget, saguaro_c, draft_transport, "
-                    "draft_workers (D leased per target replica), draft_worker_resources, max_num_seqs (the maximum batch), ...",
+        description="Engine options (see EngineArgs; here mode defaults to ssd and draft_transport "
+        "to torch): target, draft, "
+        "mode, k, ssd_budget, saguaro_c, draft_transport, "
+        "draft_workers (D leased per target replica), draft_worker_resources, max_num_seqs (the maximum batch), ...",
     )
-    model_name: str | None = Field(None, description="The model id clients send and /v1/models lists; None = the target's directory name (or 'ssd-demo' for the demo pair).")
+    model_name: str | None = Field(
+        None,
+        description="The model id clients send and /v1/models lists; None = the target's directory "
+        "name (or 'ssd-demo' for "
+        "the demo pair).",
+    )
     extra_modes: list[Literal["ssd", "sd", "off"]] = Field(
         default_factory=lambda: ["off"],
-        description="Per-request speculation modes served besides engine.mode (each is one more engine on the same loaded "
-                    "weights in every target replica; 'off' = plain decoding of the target). A request asking for a mode "
-                    "not served gets 400.",
+        description="Per-request speculation modes served besides engine.mode (each is one more "
+        "engine on the same loaded "
+        "weights in every target replica; 'off' = plain decoding of the target). A request asking for a mode "
+        "not served gets 400.",
     )
-    target_replicas: int = Field(1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests).")
+    target_replicas: int = Field(
+        1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests)."
+    )
     target_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for each target replica.")
-    target_num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for each target replica (set engine.device='cuda' too).")
-    draft_pool_size: int = Field(1, ge=0, le=4096, description="Draft deployment replicas: the shared pool of draft workers that target replicas lease from (mode ssd). Each target replica leases engine.draft_workers of them, so size the pool to target_replicas x draft_workers.")
-    max_queue: int = Field(64, ge=0, description="Requests a target replica holds waiting beyond its running batch (engine.max_num_seqs); one more is refused at once.")
-    overload_status: Literal[503, 429] = Field(503, description="HTTP status for a request refused because every target replica is full: 503, or 429 with a Retry-After header.")
+    target_num_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved for each target replica (set engine.device='cuda' too)."
+    )
+    draft_pool_size: int = Field(
+        1,
+        ge=0,
+        le=4096,
+        description="Draft deployment replicas: the shared pool of draft workers that target "
+        "replicas lease from (mode ssd). "
+        "Each target replica leases engine.draft_workers of them, so size the pool to target_replicas x "
+        "draft_workers.",
+    )
+    max_queue: int = Field(
+        64,
+        ge=0,
+        description="Requests a target replica holds waiting beyond its running batch "
+        "(engine.max_num_seqs); one more is "
+        "refused at once.",
+    )
+    overload_status: Literal[503, 429] = Field(
+        503,
+        description="HTTP status for a request refused because every target replica is full: 503, or "
+        "429 with a Retry-After "
+        "header.",
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429.")
-    stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="Least time between two streamed chunks of one request (the first goes out at once): rounds that finish within it go out as one chunk. Each chunk costs the target replica CPU time that its rounds then lack (the README's serving-overhead figures show how much), so 20 ms (50 updates a second) is the default. 0 = a chunk per round, or per whatever arrived while the previous one was in flight.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="`ssd serve` on SIGTERM or Ctrl-C: how long generations in flight may take to finish while new ones get 503, before Serve shuts down (a RayService does not run `ssd serve`: there the Target deployment's graceful shutdown applies).")
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="Least time between two streamed chunks of one request (the first goes out at "
+        "once): rounds that finish "
+        "within it go out as one chunk. Each chunk costs the target replica CPU time that its rounds then lack "
+        "(the README's serving-overhead figures show how much), so 20 ms (50 updates a second) is the default. 0 "
+        "= a chunk per round, or per whatever arrived while the previous one was in flight.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="`ssd serve` on SIGTERM or Ctrl-C: how long generations in flight may take to "
+        "finish while new ones get "
+        "503, before Serve shuts down (a RayService does not run `ssd serve`: there the Target deployment's "
+        "graceful shutdown applies).",
+    )
     max_n: int = Field(4, ge=1, le=64, description="Largest `n` (completions per request) accepted.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest HTTP request body accepted; larger gets 413.")
-    max_grpc_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC proxy's maximum message size in bytes (Ray's default is 2 GiB). Applied by `ssd serve` to the cluster it starts; elsewhere Serve's proxy reads the environment variable RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of its node (set it in the node's environment, as the KubeRay manifests do).")
-    api_key: str | None = Field(None, description=f"Bearer token every route but /health requires; None = read from the {API_KEY_ENV} environment variable, unset = no authentication.")
+    max_grpc_message_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="gRPC proxy's maximum message size in bytes (Ray's default is 2 GiB). Applied by "
+        "`ssd serve` to the "
+        "cluster it starts; elsewhere Serve's proxy reads the environment variable "
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of its node (set it in the node's environment, as the KubeRay manifests "
+        "do).",
+    )
+    api_key: str | None = Field(
+        None,
+        description=f"Bearer token every route but /health requires; None = read from the {API_KEY_ENV} environment "
+        "variable, unset = no authentication.",
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none.")
-    chat_template: str | None = Field(None, description="Jinja chat template for /v1/chat/completions; None = the tokenizer's, or a plain 'role: content' template when it has none.")
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template for /v1/chat/completions; None = the tokenizer's, or a plain 'role: content' "
+        "template when it has none.",
+    )
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -71,12 +134,16 @@ class AppConfig(BaseModel):
         needed = self.target_replicas * self.engine.draft_workers
         if ssd and self.draft_pool_size < needed:
             # A replica that finds no free worker waits for one and then fails to start.
-            raise ValueError(f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers "
-                             f"({self.target_replicas} x {self.engine.draft_workers} = {needed}): each target replica leases "
-                             "engine.draft_workers workers of its own; raise draft_pool_size")
+            raise ValueError(
+                f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers "
+                f"({self.target_replicas} x {self.engine.draft_workers} = {needed}): each target replica leases "
+                "engine.draft_workers workers of its own; raise draft_pool_size"
+            )
         if ssd and self.engine.draft_transport not in ("torch", "grpc"):
-            raise ValueError(f"engine.draft_transport={self.engine.draft_transport!r}: served draft workers are other Ray actors, "
-                             "reached over 'torch' or 'grpc'")
+            raise ValueError(
+                f"engine.draft_transport={self.engine.draft_transport!r}: served draft workers are other Ray actors, "
+                "reached over 'torch' or 'grpc'"
+            )
         return self
 
     def to_settings(self) -> "ServeSettings":
@@ -85,11 +152,21 @@ class AppConfig(BaseModel):
         served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
         return ServeSettings(
-            engine=self.engine, engine_modes=engine_modes, request_modes=served, model_name=self.model_name,
-            capacity=self.engine.max_num_seqs + self.max_queue, max_batch=self.engine.max_num_seqs,
-            overload_status=self.overload_status, retry_after_s=self.retry_after_s, max_n=self.max_n, stream_interval_ms=self.stream_interval_ms,
-            max_body_bytes=self.max_body_bytes, api_key=key, default_max_tokens=self.default_max_tokens,
-            chat_template=self.chat_template, max_grpc_message_bytes=self.max_grpc_message_bytes,
+            engine=self.engine,
+            engine_modes=engine_modes,
+            request_modes=served,
+            model_name=self.model_name,
+            capacity=self.engine.max_num_seqs + self.max_queue,
+            max_batch=self.engine.max_num_seqs,
+            overload_status=self.overload_status,
+            retry_after_s=self.retry_after_s,
+            max_n=self.max_n,
+            stream_interval_ms=self.stream_interval_ms,
+            max_body_bytes=self.max_body_bytes,
+            api_key=key,
+            default_max_tokens=self.default_max_tokens,
+            chat_template=self.chat_template,
+            max_grpc_message_bytes=self.max_grpc_message_bytes,
         )
 
 

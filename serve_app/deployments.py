@@ -76,8 +76,13 @@ class TargetDeployment:
     def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
         # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
         engine = settings.engine.model_copy(update={"draft_start_workers": False})
-        self.loop = EngineLoop(build_engines(engine, settings.engine_modes), settings.capacity, settings.overload_status,
-                               settings.retry_after_s, settings.stream_interval_ms / 1000)
+        self.loop = EngineLoop(
+            build_engines(engine, settings.engine_modes),
+            settings.capacity,
+            settings.overload_status,
+            settings.retry_after_s,
+            settings.stream_interval_ms / 1000,
+        )
         self.metrics = ServeMetrics("target")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -98,7 +103,9 @@ class TargetDeployment:
         if not self.loop.healthy():
             raise RuntimeError(f"engine loop failed: {self.loop.failure}")
         stats = self.loop.stats()
-        self.metrics.target_sequences.set(sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines))
+        self.metrics.target_sequences.set(
+            sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines)
+        )
         if "ssd" in self.loop.engines:  # also when idle: a lost worker shows without traffic
             try:
                 self.metrics.engine(self.loop.engine_metrics("ssd"))
@@ -122,12 +129,17 @@ def _http_app() -> FastAPI:
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         logger.exception("%s %s failed", request.method, request.url.path, exc_info=err)
-        return JSONResponse(APIError(500, "internal error; retry the request", None, "internal").body(), status_code=500)
+        return JSONResponse(
+            APIError(500, "internal error; retry the request", None, "internal").body(), status_code=500
+        )
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         status = err.status_code if err.status_code in (404, 405) else 400
-        return JSONResponse(APIError(status, "no such route" if status == 404 else "method not allowed", None, "not_found").body(), status_code=status)
+        return JSONResponse(
+            APIError(status, "no such route" if status == 404 else "method not allowed", None, "not_found").body(),
+            status_code=status,
+        )
 
     return api
 
@@ -159,8 +171,13 @@ class IngressDeployment:
 
         await self.drain.ensure_started()
         if self.drain.draining:
-            raise APIError(503, "the server is shutting down; retry on another instance", None, "shutting_down",
-                           self.settings.retry_after_s)
+            raise APIError(
+                503,
+                "the server is shutting down; retry on another instance",
+                None,
+                "shutting_down",
+                self.settings.retry_after_s,
+            )
         done, response, timer = False, None, None
         self.drain.inflight += 1  # no await since the check: a drain that starts now waits for it
         try:
@@ -202,8 +219,13 @@ class IngressDeployment:
                 reason = "its engine failed"
             except ray.exceptions.RayActorError as err:
                 if died_once or asyncio.get_running_loop().time() > deadline:
-                    raise APIError(503, "no target replica is serving; retry later", None, "engine_failed",
-                                   self.settings.retry_after_s) from err
+                    raise APIError(
+                        503,
+                        "no target replica is serving; retry later",
+                        None,
+                        "engine_failed",
+                        self.settings.retry_after_s,
+                    ) from err
                 died_once, reason = True, "its process died"
             except BaseException:  # the caller left (cancelled) or anything unexpected: stop the generation
                 response.cancel()

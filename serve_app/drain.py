@@ -70,8 +70,9 @@ class DrainBoard:
 
 
 def get_board(app_name: str):
-    return DrainBoard.options(name=board_name(app_name), namespace=BOARD_NAMESPACE, get_if_exists=True,
-                              lifetime="detached").remote()
+    return DrainBoard.options(
+        name=board_name(app_name), namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()
 
 
 class DrainReporter:

@@ -68,8 +68,11 @@ def build_engines(engine: EngineArgs, modes: tuple[str, ...]) -> dict[str, LLMEn
 
 def merge(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
     """Two consecutive chunks of one request as one."""
-    return dataclasses.replace(then, delta_text=first.delta_text + then.delta_text,
-                               delta_token_ids=first.delta_token_ids + then.delta_token_ids)
+    return dataclasses.replace(
+        then,
+        delta_text=first.delta_text + then.delta_text,
+        delta_token_ids=first.delta_token_ids + then.delta_token_ids,
+    )
 
 
 def request_error(err: ValueError) -> APIError:
@@ -84,8 +87,14 @@ def request_error(err: ValueError) -> APIError:
 class EngineLoop:
     """engines: mode -> LLMEngine (the first is the default); capacity: requests held at once."""
 
-    def __init__(self, engines: dict[str, LLMEngine], capacity: int, overload_status: int = 503, retry_after_s: int = 1,
-                 stream_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engines: dict[str, LLMEngine],
+        capacity: int,
+        overload_status: int = 503,
+        retry_after_s: int = 1,
+        stream_interval_s: float = 0.0,
+    ) -> None:
         self.engines = engines
         self.default_mode = next(iter(engines))
         self.capacity, self.overload_status, self.retry_after_s = capacity, overload_status, retry_after_s
@@ -120,7 +129,12 @@ class EngineLoop:
         engine_mode = REQUEST_MODES.get(mode)
         if engine_mode not in self.engines:
             served = sorted(name for name, m in REQUEST_MODES.items() if m in self.engines)
-            raise APIError(400, f"speculation.mode {mode!r} is not served here; served: {served}", "speculation.mode", "invalid_value")
+            raise APIError(
+                400,
+                f"speculation.mode {mode!r} is not served here; served: {served}",
+                "speculation.mode",
+                "invalid_value",
+            )
         return engine_mode
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -145,7 +159,9 @@ class EngineLoop:
                 self._inbox.append((request, mode))
             self._wake.set()
             if self.failure is not None:  # failed after the check above: the loop takes no more
-                raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
+                raise APIError(
+                    503, "this target replica is not serving (its engine failed); retry", None, "engine_failed"
+                )
             last_yield = 0.0
             while True:
                 item = await caller.queue.get()
@@ -238,7 +254,9 @@ class EngineLoop:
             self._fail(mode, err)
 
     def _fail(self, mode: str, err: Exception) -> None:
-        logger.exception("the %s engine failed; failing its requests and reporting the replica unhealthy", mode, exc_info=err)
+        logger.exception(
+            "the %s engine failed; failing its requests and reporting the replica unhealthy", mode, exc_info=err
+        )
         error = APIError(500, "the target replica failed while generating; retry the request", None, "engine_failed")
         # Every caller, not only the engines' running and waiting rows: a round can fail with a
         # row in neither (admission takes rows out of `waiting` before their prefill runs).
@@ -252,7 +270,12 @@ class EngineLoop:
     @staticmethod
     def _chunk(out: CompletionOutput, mode: str) -> GenerateChunk:
         return GenerateChunk(
-            request_id=out.request_id, delta_text=out.delta_text, delta_token_ids=list(out.delta_token_ids),
-            finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-            mode=mode, speculation=out.metrics if out.finished else {},
+            request_id=out.request_id,
+            delta_text=out.delta_text,
+            delta_token_ids=list(out.delta_token_ids),
+            finish_reason=out.finish_reason,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids),
+            mode=mode,
+            speculation=out.metrics if out.finished else {},
         )

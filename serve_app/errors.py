@@ -25,12 +25,24 @@ _KINDS = {
 class APIError(Exception):
     """An error with the status the client gets. Picklable (crosses Serve handles)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[: MAX_MESSAGE_CHARS - 3] + "..."
         super().__init__(status, message, param, code, retry_after_s)
-        self.status, self.message, self.param, self.code, self.retry_after_s = status, message, param, code, retry_after_s
+        self.status, self.message, self.param, self.code, self.retry_after_s = (
+            status,
+            message,
+            param,
+            code,
+            retry_after_s,
+        )
 
     def __str__(self) -> str:
         return self.message
@@ -52,8 +64,13 @@ class APIError(Exception):
 
 def overloaded(status: int, retry_after_s: int) -> APIError:
     """503, or 429 with a Retry-After header."""
-    return APIError(status, "the server is at its request bound; retry later", None, "overloaded",
-                    retry_after_s if status == 429 else None)
+    return APIError(
+        status,
+        "the server is at its request bound; retry later",
+        None,
+        "overloaded",
+        retry_after_s if status == 429 else None,
+    )
 
 
 def from_validation(err: Exception, prefix: str = "") -> APIError:

@@ -36,13 +36,21 @@ def _pb():
     try:
         from serve_app._proto import ssd_serve_pb2
     except ImportError as err:
-        raise ImportError("the gRPC stubs of protos/ssd_serve.proto are missing: run `make protos` (make install does)") from err
+        raise ImportError(
+            "the gRPC stubs of protos/ssd_serve.proto are missing: run `make protos` (make install does)"
+        ) from err
     return ssd_serve_pb2
 
 
 class GrpcFrontend:
-    def __init__(self, settings: ServeSettings, model_name: str, generate: Generate,
-                 authorized: Callable[[str | None], bool], health: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        model_name: str,
+        generate: Generate,
+        authorized: Callable[[str | None], bool],
+        health: Callable[[], Awaitable[bool]],
+    ) -> None:
         self.settings, self.model_name, self._generate = settings, model_name, generate
         self.authorized, self.health = authorized, health
         self.pb = _pb()
@@ -52,9 +60,16 @@ class GrpcFrontend:
     def _check(self, request, context) -> list[GenerateRequest]:
         metadata = dict(context.invocation_metadata())
         if not self.authorized(metadata.get("authorization")):
-            raise APIError(401, "missing or invalid API key: send metadata authorization: Bearer <key>", None, "invalid_api_key")
+            raise APIError(
+                401, "missing or invalid API key: send metadata authorization: Bearer <key>", None, "invalid_api_key"
+            )
         if request.model != self.model_name:
-            raise APIError(404, f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         if request.prompt and request.prompt_token_ids:
             raise APIError(400, "prompt: give prompt or prompt_token_ids, not both", "prompt", "invalid_value")
         prompt = request.prompt or list(request.prompt_token_ids)
@@ -68,8 +83,10 @@ class GrpcFrontend:
             "temperature": request.temperature if request.HasField("temperature") else 1.0,
             "top_p": request.top_p if request.HasField("top_p") else 1.0,
             "top_k": request.top_k if request.HasField("top_k") else 0,
-            "stop": list(request.stop), "stop_token_ids": list(request.stop_token_ids),
-            "seed": request.seed if request.HasField("seed") else None, "ignore_eos": request.ignore_eos,
+            "stop": list(request.stop),
+            "stop_token_ids": list(request.stop_token_ids),
+            "seed": request.seed if request.HasField("seed") else None,
+            "ignore_eos": request.ignore_eos,
         }
         try:
             params = SamplingParams(**fields)
@@ -84,16 +101,24 @@ class GrpcFrontend:
             raise APIError(400, "speculation.k must be at most 32", "speculation.k", "invalid_value")
         out = []
         for i in range(n):
-            seeded = params if params.seed is None or i == 0 else params.model_copy(update={"seed": (params.seed + i) % 2**64})
+            seeded = (
+                params
+                if params.seed is None or i == 0
+                else params.model_copy(update={"seed": (params.seed + i) % 2**64})
+            )
             out.append(GenerateRequest(f"{uuid.uuid4().hex}-{i}", prompt, seeded, mode, k))
         return out
 
     def _stats(self, chunk: GenerateChunk):
         s = chunk.speculation
         return self.pb.SpeculationStats(
-            mode=chunk.mode, rounds=s.get("rounds", 0), mean_accepted_per_round=s.get("mean_accepted_per_round", 0.0),
-            acceptance_rate=s.get("acceptance_rate", 0.0), tokens_per_round=s.get("tokens_per_round", 0.0),
-            cache_hits=s.get("cache_hits", 0), cache_hit_rate=s.get("cache_hit_rate", 0.0),
+            mode=chunk.mode,
+            rounds=s.get("rounds", 0),
+            mean_accepted_per_round=s.get("mean_accepted_per_round", 0.0),
+            acceptance_rate=s.get("acceptance_rate", 0.0),
+            tokens_per_round=s.get("tokens_per_round", 0.0),
+            cache_hits=s.get("cache_hits", 0),
+            cache_hit_rate=s.get("cache_hit_rate", 0.0),
         )
 
     @staticmethod
@@ -125,13 +150,23 @@ class GrpcFrontend:
             last = chunks[-1]
             prompt_tokens = last.prompt_tokens
             completion_tokens += last.completion_tokens
-            choices.append(self.pb.Choice(
-                index=index, text="".join(c.delta_text for c in chunks),
-                token_ids=[t for c in chunks for t in c.delta_token_ids], finish_reason=last.finish_reason or "",
-                speculation=self._stats(last),
-            ))
-        usage = self.pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
-        return self.pb.GenerateResponse(id=f"gen-{uuid.uuid4().hex}", model=self.model_name, choices=choices, usage=usage)
+            choices.append(
+                self.pb.Choice(
+                    index=index,
+                    text="".join(c.delta_text for c in chunks),
+                    token_ids=[t for c in chunks for t in c.delta_token_ids],
+                    finish_reason=last.finish_reason or "",
+                    speculation=self._stats(last),
+                )
+            )
+        usage = self.pb.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return self.pb.GenerateResponse(
+            id=f"gen-{uuid.uuid4().hex}", model=self.model_name, choices=choices, usage=usage
+        )
 
     async def _drain(self, gen: GenerateRequest) -> list[GenerateChunk]:
         return [chunk async for chunk in self._generate(gen)]
@@ -149,13 +184,20 @@ class GrpcFrontend:
         try:
             async with contextlib.aclosing(interleave(streams)) as merged:
                 async for index, item in merged:
-                    choice = self.pb.Choice(index=index, text=item.delta_text, token_ids=item.delta_token_ids,
-                                            finish_reason=item.finish_reason or "")
+                    choice = self.pb.Choice(
+                        index=index,
+                        text=item.delta_text,
+                        token_ids=item.delta_token_ids,
+                        finish_reason=item.finish_reason or "",
+                    )
                     usage = None
                     if item.finish_reason:  # set before the reply copies the choice in
                         choice.speculation.CopyFrom(self._stats(item))
-                        usage = self.pb.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
-                                              total_tokens=item.prompt_tokens + item.completion_tokens)
+                        usage = self.pb.Usage(
+                            prompt_tokens=item.prompt_tokens,
+                            completion_tokens=item.completion_tokens,
+                            total_tokens=item.prompt_tokens + item.completion_tokens,
+                        )
                     yield self.pb.GenerateResponse(id=rid, model=self.model_name, choices=[choice], usage=usage)
         except APIError as err:  # see above: raised, so the call ends with this code
             self._fail(context, err)
@@ -171,5 +213,9 @@ class GrpcFrontend:
         """grpc.health.v1.Health/Check (no auth, like GET /health)."""
         from grpc_health.v1 import health_pb2
 
-        status = health_pb2.HealthCheckResponse.SERVING if await self.health() else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if await self.health()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         return health_pb2.HealthCheckResponse(status=status)

@@ -33,11 +33,22 @@ from serve_app.types import GenerateChunk
 
 # Every metric this module defines, as Prometheus shows it (Ray adds the ray_ prefix).
 PROMETHEUS_NAMES = (
-    "ray_ssd_requests_total", "ray_ssd_prompt_tokens_total", "ray_ssd_generation_tokens_total",
-    "ray_ssd_time_to_first_token_seconds", "ray_ssd_inter_token_latency_seconds", "ray_ssd_accepted_tokens_per_round",
-    "ray_ssd_cache_hits_total", "ray_ssd_cache_misses_total", "ray_ssd_backup_rounds_total", "ray_ssd_rounds_total",
-    "ray_ssd_draft_workers_live", "ray_ssd_data_plane_wait_ms", "ray_ssd_target_retries_total",
-    "ray_ssd_target_sequences", "ray_ssd_draft_sequences", "ray_ssd_draft_cache_rows",
+    "ray_ssd_requests_total",
+    "ray_ssd_prompt_tokens_total",
+    "ray_ssd_generation_tokens_total",
+    "ray_ssd_time_to_first_token_seconds",
+    "ray_ssd_inter_token_latency_seconds",
+    "ray_ssd_accepted_tokens_per_round",
+    "ray_ssd_cache_hits_total",
+    "ray_ssd_cache_misses_total",
+    "ray_ssd_backup_rounds_total",
+    "ray_ssd_rounds_total",
+    "ray_ssd_draft_workers_live",
+    "ray_ssd_data_plane_wait_ms",
+    "ray_ssd_target_retries_total",
+    "ray_ssd_target_sequences",
+    "ray_ssd_draft_sequences",
+    "ray_ssd_draft_cache_rows",
 )
 
 _SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -77,20 +88,40 @@ class ServeMetrics:
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self.requests = metrics.Counter("ssd_requests_total", "Generations finished at the ingress, by status.", tag_keys=("status",))
+        self.requests = metrics.Counter(
+            "ssd_requests_total", "Generations finished at the ingress, by status.", tag_keys=("status",)
+        )
         self.prompt_tokens = metrics.Counter("ssd_prompt_tokens_total", "Prompt tokens of finished generations.")
         self.generation_tokens = metrics.Counter("ssd_generation_tokens_total", "Generated tokens.")
-        self.ttft = metrics.Histogram("ssd_time_to_first_token_seconds", "Seconds from request to first generated token.", boundaries=_SECONDS)
-        self.itl = metrics.Histogram("ssd_inter_token_latency_seconds", "Mean seconds between generated tokens of a generation.", boundaries=_ITL)
-        self.accepted = metrics.Histogram("ssd_accepted_tokens_per_round", "Mean accepted draft tokens per round of a generation.", boundaries=_ACCEPTED)
+        self.ttft = metrics.Histogram(
+            "ssd_time_to_first_token_seconds", "Seconds from request to first generated token.", boundaries=_SECONDS
+        )
+        self.itl = metrics.Histogram(
+            "ssd_inter_token_latency_seconds", "Mean seconds between generated tokens of a generation.", boundaries=_ITL
+        )
+        self.accepted = metrics.Histogram(
+            "ssd_accepted_tokens_per_round",
+            "Mean accepted draft tokens per round of a generation.",
+            boundaries=_ACCEPTED,
+        )
         self.hits = metrics.Counter("ssd_cache_hits_total", "SSD rounds served from the speculation cache.")
         self.misses = metrics.Counter("ssd_cache_misses_total", "SSD rounds not served from the speculation cache.")
-        self.backups = metrics.Counter("ssd_backup_rounds_total", "SSD miss rounds by backup speculator.", tag_keys=("kind",))
-        self.rounds = metrics.Counter("ssd_rounds_total", "Verification rounds of generations, by engine mode.", tag_keys=("mode",))
+        self.backups = metrics.Counter(
+            "ssd_backup_rounds_total", "SSD miss rounds by backup speculator.", tag_keys=("kind",)
+        )
+        self.rounds = metrics.Counter(
+            "ssd_rounds_total", "Verification rounds of generations, by engine mode.", tag_keys=("mode",)
+        )
         self.live = metrics.Gauge("ssd_draft_workers_live", "Draft workers a target replica holds leases on.")
-        self.wait_ms = metrics.Gauge("ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers.")
-        self.retries = metrics.Counter("ssd_target_retries_total", "Generations sent again because their target replica was down.")
-        self.target_sequences = metrics.Gauge("ssd_target_sequences", "Sequences a target replica holds (running + waiting).")
+        self.wait_ms = metrics.Gauge(
+            "ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers."
+        )
+        self.retries = metrics.Counter(
+            "ssd_target_retries_total", "Generations sent again because their target replica was down."
+        )
+        self.target_sequences = metrics.Gauge(
+            "ssd_target_sequences", "Sequences a target replica holds (running + waiting)."
+        )
         self.draft_sequences = metrics.Gauge("ssd_draft_sequences", "Sequences a draft worker holds draft state for.")
         self.draft_cache_rows = metrics.Gauge("ssd_draft_cache_rows", "Rows of a draft worker's draft KV cache.")
 
@@ -114,10 +145,12 @@ class ServeMetrics:
         self.rounds.inc(rounds, tags={"mode": chunk.mode})
         if chunk.mode != "ar":
             self.accepted.observe(s.get("mean_accepted_per_round", 0.0))
-        counts = [(self.hits, s.get("cache_hits", 0), None),
-                  (self.backups, s.get("backup_neural_rounds", 0), {"kind": "neural"}),
-                  (self.backups, s.get("backup_fast_rounds", 0), {"kind": "fast"}),
-                  (self.misses, s.get("backup_neural_rounds", 0) + s.get("backup_fast_rounds", 0), None)]
+        counts = [
+            (self.hits, s.get("cache_hits", 0), None),
+            (self.backups, s.get("backup_neural_rounds", 0), {"kind": "neural"}),
+            (self.backups, s.get("backup_fast_rounds", 0), {"kind": "fast"}),
+            (self.misses, s.get("backup_neural_rounds", 0) + s.get("backup_fast_rounds", 0), None),
+        ]
         for metric, value, tags in counts:
             if value:
                 metric.inc(value, tags=tags)

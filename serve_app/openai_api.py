@@ -34,13 +34,20 @@ def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the body is not valid JSON: {err.__class__.__name__} at position {getattr(err, 'pos', 0)}", None, "invalid_json") from None
+        raise APIError(
+            400,
+            f"the body is not valid JSON: {err.__class__.__name__} at position {getattr(err, 'pos', 0)}",
+            None,
+            "invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
     return body
 
 
-async def interleave(streams: list[AsyncIterator[GenerateChunk]], firsts: list | None = None) -> AsyncIterator[tuple[int, GenerateChunk]]:
+async def interleave(
+    streams: list[AsyncIterator[GenerateChunk]], firsts: list | None = None
+) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """The chunks of several generations (the choices of one request) as they arrive, each with
     its stream's index; firsts[i], when given and not None, is stream i's chunk already read. A
     stream that fails ends the whole with its APIError (500 for anything else); closing this
@@ -65,7 +72,11 @@ async def interleave(streams: list[AsyncIterator[GenerateChunk]], firsts: list |
             if item is None:
                 running -= 1
             elif isinstance(item, Exception):
-                raise item if isinstance(item, APIError) else APIError(500, "generation failed; retry the request", None, "engine_failed")
+                raise (
+                    item
+                    if isinstance(item, APIError)
+                    else APIError(500, "generation failed; retry the request", None, "engine_failed")
+                )
             else:
                 yield index, item
     finally:
@@ -82,10 +93,15 @@ def sse(data: dict | str) -> bytes:
 class OpenAIFrontend:
     def __init__(self, settings: ServeSettings, model_name: str, tokenizer, generate: Generate) -> None:
         self.settings, self.model_name, self.tokenizer, self.generate = settings, model_name, tokenizer, generate
-        self.chat_template = settings.chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.chat_template = (
+            settings.chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        )
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}],
+        }
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -95,7 +111,12 @@ class OpenAIFrontend:
         except ValidationError as err:
             raise from_validation(err) from None
         if request.model != self.model_name:
-            raise APIError(404, f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         if request.n > self.settings.max_n:
             raise APIError(400, f"n must be at most {self.settings.max_n}", "n", "invalid_value")
         if request.stream_options is not None and not request.stream:
@@ -112,18 +133,38 @@ class OpenAIFrontend:
         for p_index, prompt in enumerate(prompts):
             for i in range(request.n):
                 # n choices of one prompt must differ: a seeded request gives each its own seed.
-                seeded = params if params.seed is None or i == 0 else params.model_copy(update={"seed": (params.seed + i) % 2**64})
-                out.append(GenerateRequest(f"{uuid.uuid4().hex}-{p_index}-{i}", prompt, seeded,
-                                           spec.mode if spec else None, spec.k if spec else None))
+                seeded = (
+                    params
+                    if params.seed is None or i == 0
+                    else params.model_copy(update={"seed": (params.seed + i) % 2**64})
+                )
+                out.append(
+                    GenerateRequest(
+                        f"{uuid.uuid4().hex}-{p_index}-{i}",
+                        prompt,
+                        seeded,
+                        spec.mode if spec else None,
+                        spec.k if spec else None,
+                    )
+                )
         return out
 
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=request.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+            )
         except Exception as err:  # noqa: BLE001 - a template error is the request's (or config's), never a 500
-            raise APIError(400, f"messages could not be rendered with the chat template: {type(err).__name__}", "messages", "invalid_value") from None
+            raise APIError(
+                400,
+                f"messages could not be rendered with the chat template: {type(err).__name__}",
+                "messages",
+                "invalid_value",
+            ) from None
 
     async def completions(self, body: dict) -> dict | AsyncIterator[bytes]:
         request, params = self._validate(CompletionRequest, body)
@@ -175,18 +216,33 @@ class OpenAIFrontend:
                 body["token_ids"] = [t for c in chunks for t in c.delta_token_ids]
             choices.append({"index": index, **body, "finish_reason": last.finish_reason})
         return {
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
             "speculation": spec,
         }
 
     def _stream(self, rid: str, request, streams, firsts, chat: bool) -> AsyncIterator[bytes]:
         created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+
         def event(index: int, delta: dict | str, finish: str | None, extra: dict | None = None) -> bytes:
             choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta, "logprobs": None}
-            return sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
-                        "choices": [{**choice, "finish_reason": finish, **(extra or {})}]})
+            return sse(
+                {
+                    "id": rid,
+                    "object": kind,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [{**choice, "finish_reason": finish, **(extra or {})}],
+                }
+            )
 
         async def events() -> AsyncIterator[bytes]:
             usage = {"prompt_tokens": 0, "completion_tokens": 0}
@@ -211,7 +267,16 @@ class OpenAIFrontend:
                 return
             if request.stream_options is not None and request.stream_options.include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                yield sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
             yield sse("[DONE]")
 
         return events()

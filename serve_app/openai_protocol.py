@@ -24,8 +24,15 @@ class Speculation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["ssd", "sd", "off"] | None = Field(None, description="ssd, sd or off (plain decoding); None = the server's default.")
-    k: int | None = Field(None, ge=0, le=32, description="Most draft tokens verified per round for this request (at most the server's K; 0 = none).")
+    mode: Literal["ssd", "sd", "off"] | None = Field(
+        None, description="ssd, sd or off (plain decoding); None = the server's default."
+    )
+    k: int | None = Field(
+        None,
+        ge=0,
+        le=32,
+        description="Most draft tokens verified per round for this request (at most the server's K; 0 = none).",
+    )
 
 
 class StreamOptions(BaseModel):

@@ -50,7 +50,9 @@ def _flag_options(name: str, field: FieldInfo) -> dict:
         options["type"] = _json_object
         options["metavar"] = "JSON"
     else:
-        raise TypeError(f"config field {name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it")
+        raise TypeError(
+            f"config field {name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it"
+        )
     return options
 
 
@@ -79,7 +81,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """The EngineArgs of the engine flags given on the command line (validated: a bad value
     raises pydantic's ValidationError, a ValueError)."""
-    given = {name: getattr(args, _ENGINE_DEST + name) for name in EngineArgs.model_fields if hasattr(args, _ENGINE_DEST + name)}
+    given = {
+        name: getattr(args, _ENGINE_DEST + name)
+        for name in EngineArgs.model_fields
+        if hasattr(args, _ENGINE_DEST + name)
+    }
     return EngineArgs(**given)
 
 
@@ -89,8 +95,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # Validate everything the user typed before loading any model.
     engine_args = engine_args_from(args)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_tokens, stop=args.stop or [], seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=args.stop or [],
+        seed=args.seed,
     )
     llm = LLM(**engine_args.model_dump(exclude_unset=True))
     prompts = args.prompt or ["def fibonacci(n):\n"]
@@ -131,7 +141,9 @@ def _serve_cli():
     try:
         return importlib.import_module("serve_app.cli")
     except ImportError as err:
-        raise SystemExit(f"`ssd serve` needs the serve_app package of ssd-serve and Ray Serve installed: {err}") from err
+        raise SystemExit(
+            f"`ssd serve` needs the serve_app package of ssd-serve and Ray Serve installed: {err}"
+        ) from err
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -139,18 +151,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssd", description="Speculative Speculative Decoding: generate, benchmark, build the demo models.")
+    parser = argparse.ArgumentParser(
+        prog="ssd", description="Speculative Speculative Decoding: generate, benchmark, build the demo models."
+    )
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG, INFO, WARNING, ...).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on this machine).")
+    serve = sub.add_parser(
+        "serve",
+        help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on "
+        "this machine).",
+    )
     _serve_cli().add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    gen = sub.add_parser("generate", help="Generate text offline with the engine and print it with speculation metrics.")
-    gen.add_argument("--prompt", action="append", help="A prompt; repeat for several (batched). Default: a Python function header.")
+    gen = sub.add_parser(
+        "generate", help="Generate text offline with the engine and print it with speculation metrics."
+    )
+    gen.add_argument(
+        "--prompt", action="append", help="A prompt; repeat for several (batched). Default: a Python function header."
+    )
     gen.add_argument("--max-tokens", type=int, default=128, help="Tokens to generate per prompt (>= 1).")
-    gen.add_argument("--temperature", type=float, default=0.0, help=SamplingParams.model_fields["temperature"].description)
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help=SamplingParams.model_fields["temperature"].description
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
     gen.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens; 0 = off.")
     gen.add_argument("--stop", action="append", help="A stop string; repeat for several.")
@@ -159,15 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_arguments(gen)  # after the request flags: a name both use stays the request's
     gen.set_defaults(func=_cmd_generate)
 
-    demo = sub.add_parser("build-demo-models", help="Train the demo target/draft pair from the Python standard library (CPU ok).")
+    demo = sub.add_parser(
+        "build-demo-models", help="Train the demo target/draft pair from the Python standard library (CPU ok)."
+    )
     from ssd.model.demo_models import DemoTrainingConfig
 
     defaults = DemoTrainingConfig()
-    demo.add_argument("--out", default=str(DEMO_MODELS_DIR), help="Output directory (gets target/, draft/, training_report.json).")
+    demo.add_argument(
+        "--out", default=str(DEMO_MODELS_DIR), help="Output directory (gets target/, draft/, training_report.json)."
+    )
     demo.add_argument("--target-steps", type=int, default=defaults.target_steps, help="Optimizer steps for the target.")
     demo.add_argument("--draft-steps", type=int, default=defaults.draft_steps, help="Distillation steps for the draft.")
     demo.add_argument("--threads", type=int, default=defaults.threads, help="torch threads used for training.")
-    demo.add_argument("--draft-only", action="store_true", help="Keep the target in --out and distil only a new draft from it.")
+    demo.add_argument(
+        "--draft-only", action="store_true", help="Keep the target in --out and distil only a new draft from it."
+    )
     demo.add_argument("--no-progress", action="store_true", help="Hide progress bars.")
     demo.set_defaults(func=_cmd_build_demo_models)
 

@@ -22,34 +22,140 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: str | None = Field(None, description="Target model: local directory or hub id. None = bundled demo target.")
-    draft: str | None = Field(None, description="Draft model (same vocabulary). None = bundled demo draft (when the target is the demo too).")
-    mode: Literal["ar", "sd", "ssd"] = Field("sd", description="ar: target only; sd: ordinary speculative decoding; ssd: speculative speculative decoding (Saguaro).")
+    draft: str | None = Field(
+        None, description="Draft model (same vocabulary). None = bundled demo draft (when the target is the demo too)."
+    )
+    mode: Literal["ar", "sd", "ssd"] = Field(
+        "sd",
+        description="ar: target only; sd: ordinary speculative decoding; ssd: speculative "
+        "speculative decoding (Saguaro).",
+    )
     k: int = Field(6, ge=1, le=32, description="Speculation length K: draft tokens verified per round.")
     max_num_seqs: int = Field(16, ge=1, description="Most sequences decoded together (continuous batching).")
-    max_model_len: int | None = Field(None, ge=2, description="Context length cap; None = the smaller of the two models' limits.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", description="Weights/activations dtype; auto = the checkpoint's.")
-    draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the draft alone; None = the same as dtype. The draft's precision never changes the output's distribution (verification uses the draft's probabilities as computed), only how often its guesses are accepted; bfloat16 drafts faster on CPUs with AVX512-BF16 or AMX.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context length cap; None = the smaller of the two models' limits."
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "float32", description="Weights/activations dtype; auto = the checkpoint's."
+    )
+    draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
+        None,
+        description="dtype of the draft alone; None = the same as dtype. The draft's precision never "
+        "changes the output's "
+        "distribution (verification uses the draft's probabilities as computed), only how often its guesses are "
+        "accepted; bfloat16 drafts faster on CPUs with AVX512-BF16 or AMX.",
+    )
     device: str = Field("cpu", description="torch device for both models, e.g. cpu, cuda, cuda:1.")
     draft_device: str | None = Field(None, description="torch device for the draft; None = same as device.")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process; None = torch's default.")
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed in [0, 2**64 - 1] from which requests that carry no seed of their own draw theirs.")
-    ssd_budget: int = Field(16, ge=1, le=4096, description="SSD: speculation-cache budget B (branches per sequence per round).")
-    ssd_autobudget: bool = Field(True, description="SSD: lower B below ssd_budget while the drafter cannot build the cache within one verification.")
-    ssd_fanout: Literal["geometric", "uniform"] = Field("geometric", description="SSD: fan-out over outcomes k (Saguaro's geometric, or uniform).")
-    saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling.")
-    ssd_backup: Literal["auto", "neural", "fast"] = Field("auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*).")
-    ssd_reproducible: bool = Field(False, description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent estimates instead of learned ones. Slower; the output's distribution is exact either way.")
-    draft_transport: Literal["shm", "gloo", "torch", "grpc", "inprocess"] = Field("shm", description="SSD: how the target reaches its draft workers. shm (default): worker processes on this host, started by the engine, over shared-memory mailboxes polled by both sides (a message in microseconds). gloo: the same processes over a torch.distributed gloo pair group on a private FileStore. torch: workers that listen on a port of their own (a TCPStore rendezvous, then a pair group: gloo on CPU, NCCL on GPUs), on this host or, as Ray actors, anywhere. grpc: the same over a gRPC bidirectional stream. inprocess: the drafter in the engine's own thread (no overlap with verification; tests and debugging).")
-    draft_split: Literal["outcomes", "sequences"] = Field("outcomes", description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every sequence and builds its share of each round's tree (the tree covers draft_workers x ssd_budget branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, where one worker cannot build every sequence's tree within a verification.")
-    draft_launcher: Literal["auto", "process", "ray"] = Field("auto", description="SSD: who starts the draft workers. process: this process starts them as child processes on this host (restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and the transport is torch or grpc, else process.")
-    draft_worker_resources: dict | None = Field(None, description="SSD with Ray: the resources of each draft worker actor, e.g. {\"num_cpus\": 1, \"num_gpus\": 0, \"resources\": {\"draft_node\": 1}, \"label_selector\": {...}}, so drafts land on other nodes than targets. Default: one CPU each.")
-    draft_start_workers: bool = Field(True, description="SSD with Ray: start the draft worker actors this engine needs when the shared pool has fewer free ones (and stop them on close). False = only lease workers someone else started, waiting for them (the Serve app, whose draft deployment is the pool).")
-    draft_workers: int = Field(1, ge=1, le=64, description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. Not with draft_transport='inprocess'.")
-    draft_spin_ms: float = Field(50.0, ge=0.0, le=10_000.0, description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for the next message before it blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the worker's core and costs a wake-up.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads for this process; None = torch's default."
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed in [0, 2**64 - 1] from which requests that carry no seed of their own draw theirs.",
+    )
+    ssd_budget: int = Field(
+        16, ge=1, le=4096, description="SSD: speculation-cache budget B (branches per sequence per round)."
+    )
+    ssd_autobudget: bool = Field(
+        True,
+        description="SSD: lower B below ssd_budget while the drafter cannot build the cache within one verification.",
+    )
+    ssd_fanout: Literal["geometric", "uniform"] = Field(
+        "geometric", description="SSD: fan-out over outcomes k (Saguaro's geometric, or uniform)."
+    )
+    saguaro_c: float = Field(
+        1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling."
+    )
+    ssd_backup: Literal["auto", "neural", "fast"] = Field(
+        "auto", description="SSD: backup speculator on a miss; auto picks by batch size (threshold b*)."
+    )
+    ssd_reproducible: bool = Field(
+        False,
+        description="SSD: a seeded request's output depends only on its prompt, sampling parameters and seed, never on "
+        "timing, batch mates or earlier requests. Trees are always built to depth K (the target waits for the "
+        "whole build instead of cutting it short), the budget stays at ssd_budget (no autobudget), the backup "
+        "stays fixed (auto becomes neural) and the geometric fan-out uses the prior acceptance and miss-exponent "
+        "estimates instead of learned ones. Slower; the output's distribution is exact either way.",
+    )
+    draft_transport: Literal["shm", "gloo", "torch", "grpc", "inprocess"] = Field(
+        "shm",
+        description="SSD: how the target reaches its draft workers. shm (default): worker processes "
+        "on this host, started by "
+        "the engine, over shared-memory mailboxes polled by both sides (a message in microseconds). gloo: the "
+        "same processes over a torch.distributed gloo pair group on a private FileStore. torch: workers that "
+        "listen on a port of their own (a TCPStore rendezvous, then a pair group: gloo on CPU, NCCL on GPUs), on "
+        "this host or, as Ray actors, anywhere. grpc: the same over a gRPC bidirectional stream. inprocess: the "
+        "drafter in the engine's own thread (no overlap with verification; tests and debugging).",
+    )
+    draft_split: Literal["outcomes", "sequences"] = Field(
+        "outcomes",
+        description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every "
+        "sequence and builds its share of each round's tree (the tree covers draft_workers x ssd_budget "
+        "branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of "
+        "ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, "
+        "where one worker cannot build every sequence's tree within a verification.",
+    )
+    draft_launcher: Literal["auto", "process", "ray"] = Field(
+        "auto",
+        description="SSD: who starts the draft workers. process: this process starts them as child "
+        "processes on this host "
+        "(restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's "
+        "scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and "
+        "the transport is torch or grpc, else process.",
+    )
+    draft_worker_resources: dict | None = Field(
+        None,
+        description='SSD with Ray: the resources of each draft worker actor, e.g. {"num_cpus": 1, "num_gpus": 0, '
+        '"resources": {"draft_node": 1}, "label_selector": {...}}, so drafts land on other nodes than targets. '
+        "Default: one CPU each.",
+    )
+    draft_start_workers: bool = Field(
+        True,
+        description="SSD with Ray: start the draft worker actors this engine needs when the shared "
+        "pool has fewer free ones "
+        "(and stop them on close). False = only lease workers someone else started, waiting for them (the Serve "
+        "app, whose draft deployment is the pool).",
+    )
+    draft_workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times "
+        "ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and "
+        "the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. "
+        "Not with draft_transport='inprocess'.",
+    )
+    draft_spin_ms: float = Field(
+        50.0,
+        ge=0.0,
+        le=10_000.0,
+        description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for "
+        "the next message before it "
+        "blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the "
+        "worker's core and costs a wake-up.",
+    )
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
-    draft_deadline_s: float = Field(30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it.")
-    lean_forward: bool = Field(True, description="Run Llama-architecture models (llama, qwen2, mistral without sliding window) through the built-in lean forward: the same math as Hugging Face's, with less Python per call (the draft also fuses its projections into fewer, prepacked products). False = always the Hugging Face forward.")
-    pack_target_weights: bool = Field(True, description="With the lean forward on CPU: run the target's projections as fused products on weights prepacked for oneDNN (about 2x faster verification of a few tokens; one extra copy of the projection weights; logits differ from Hugging Face's in the last bits, as with any optimized kernel). False = Hugging Face's products, bit-identical to Hugging Face. No effect off CPU.")
+    draft_deadline_s: float = Field(
+        30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it."
+    )
+    lean_forward: bool = Field(
+        True,
+        description="Run Llama-architecture models (llama, qwen2, mistral without sliding window) "
+        "through the built-in lean "
+        "forward: the same math as Hugging Face's, with less Python per call (the draft also fuses its "
+        "projections into fewer, prepacked products). False = always the Hugging Face forward.",
+    )
+    pack_target_weights: bool = Field(
+        True,
+        description="With the lean forward on CPU: run the target's projections as fused products on "
+        "weights prepacked for "
+        "oneDNN (about 2x faster verification of a few tokens; one extra copy of the projection weights; logits "
+        "differ from Hugging Face's in the last bits, as with any optimized kernel). False = Hugging Face's "
+        "products, bit-identical to Hugging Face. No effect off CPU.",
+    )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
 
     def to_config(self) -> "EngineConfig":
@@ -61,9 +167,15 @@ class EngineArgs(BaseModel):
         if self.mode != "ar" and draft is None:
             raise ValueError(f"mode={self.mode!r} needs a draft model: pass draft=... or use mode='ar'")
         if self.draft_launcher == "ray" and self.draft_transport not in ("torch", "grpc"):
-            raise ValueError(f"draft_launcher='ray' places workers on any node: use draft_transport='torch' or 'grpc', not {self.draft_transport!r}")
+            raise ValueError(
+                "draft_launcher='ray' places workers on any node: use draft_transport='torch' or 'grpc', not "
+                f"{self.draft_transport!r}"
+            )
         if self.draft_workers > 1 and self.draft_transport == "inprocess":
-            raise ValueError(f"draft_workers={self.draft_workers} needs workers of their own: use the default draft_transport, not 'inprocess'")
+            raise ValueError(
+                f"draft_workers={self.draft_workers} needs workers of their own: use the default "
+                "draft_transport, not 'inprocess'"
+            )
         return EngineConfig(
             target=target,
             draft=draft if self.mode != "ar" else None,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
 import torch
 
 from ssd.config import EngineArgs
 from ssd.engine.llm_engine import LLMEngine
+from ssd.engine.sequence import CompletionOutput
 from ssd.model.loader import load_pair
 from ssd.sampling_params import SamplingParams
-from ssd.engine.sequence import CompletionOutput
 
 Prompt = str | list[int]
 
@@ -38,14 +39,19 @@ class LLM:
             params = SamplingParams()
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(param_list) != len(prompts):
-            raise ValueError(f"got {len(param_list)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
+            raise ValueError(
+                f"got {len(param_list)} sampling_params for {len(prompts)} prompts: pass one or one per prompt"
+            )
         # Validate everything before queueing anything, so a bad request leaves the engine clean.
         for prompt, sp in zip(prompts, param_list):
             self.engine.check_request(prompt, sp)
         return [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list)]
 
     def generate(
-        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         ids = self._submit(prompts, sampling_params)

@@ -28,14 +28,33 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(1.0, description=f"Softmax temperature, >= 0; 0 means greedy (argmax), and so does any temperature below {GREEDY_BELOW_TEMPERATURE:g} (it is stored as 0).")
+    temperature: float = Field(
+        1.0,
+        description="Softmax temperature, >= 0; 0 means greedy (argmax), and so does any temperature below "
+        f"{GREEDY_BELOW_TEMPERATURE:g} (it is stored as 0).",
+    )
     top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
     top_k: int = Field(0, description="Keep only the k most likely tokens, >= 0; 0 disables it.")
     max_tokens: int = Field(64, description="Maximum number of generated tokens, >= 1.")
-    stop: list[str] = Field(default_factory=list, description=f"Strings that end generation; not included in the output. At most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (kept in the output); each >= 0 and below the model's vocabulary size (checked when the request is added).")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Strings that end generation; not included in the output. At most "
+        f"{MAX_STOP_STRINGS} strings of 1 to "
+        f"{MAX_STOP_STRING_CHARS} characters.",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Token ids that end generation (kept in the output); each >= 0 and below the "
+        "model's vocabulary size "
+        "(checked when the request is added).",
+    )
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
-    seed: int | None = Field(None, description="Per-request random seed in [0, 2**64 - 1]; the same seed reproduces the same output. None = drawn from the engine's seed.")
+    seed: int | None = Field(
+        None,
+        description="Per-request random seed in [0, 2**64 - 1]; the same seed reproduces the same "
+        "output. None = drawn from "
+        "the engine's seed.",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -78,7 +97,9 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(v)}")
         longest = max((len(s) for s in v), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}")
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}"
+            )
         return v
 
     @field_validator("stop_token_ids")

@@ -18,10 +18,18 @@ def save_tiny_pair(root: Path, seed: int = 0, noise: float = 0.03) -> tuple[str,
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.3,
-        eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
     )
     model = LlamaForCausalLM(config)
     paths = []
@@ -73,4 +81,3 @@ def peaked_target(peaked_pair):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(peaked_pair[0], local_files_only=True, dtype=torch.float32).eval()
-

@@ -15,13 +15,31 @@ from dataclasses import dataclass
 
 API_KEY = "test-key-0123456789"
 MAIN = {
-    "engine": {"mode": "ssd", "k": 4, "ssd_budget": 12, "ssd_autobudget": False, "draft_transport": "torch", "max_num_seqs": 8},
-    "extra_modes": ["sd", "off"], "max_queue": 64, "api_key": API_KEY, "max_n": 3, "max_body_bytes": 65536,
-    "model_name": "tiny", "draft_pool_size": 1, "target_num_cpus": 1,
+    "engine": {
+        "mode": "ssd",
+        "k": 4,
+        "ssd_budget": 12,
+        "ssd_autobudget": False,
+        "draft_transport": "torch",
+        "max_num_seqs": 8,
+    },
+    "extra_modes": ["sd", "off"],
+    "max_queue": 64,
+    "api_key": API_KEY,
+    "max_n": 3,
+    "max_body_bytes": 65536,
+    "model_name": "tiny",
+    "draft_pool_size": 1,
+    "target_num_cpus": 1,
 }
 SMALL = {
-    "engine": {"mode": "sd", "k": 4, "max_num_seqs": 1}, "extra_modes": [], "max_queue": 1,
-    "overload_status": 429, "retry_after_s": 2, "model_name": "tiny-small", "target_num_cpus": 1,
+    "engine": {"mode": "sd", "k": 4, "max_num_seqs": 1},
+    "extra_modes": [],
+    "max_queue": 1,
+    "overload_status": 429,
+    "retry_after_s": 2,
+    "model_name": "tiny-small",
+    "target_num_cpus": 1,
 }
 
 
@@ -53,15 +71,24 @@ def start(tiny_pair, main: dict | None = None, small: dict | None = None):
     os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(4 << 20)
     # Logical CPUs: ingress (0), targets and draft workers (1 each) of up to four applications
     # (test_serve_reliability.py and test_serve_sampling.py add some); the machine has 2 cores.
-    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+    ray.init(
+        num_cpus=10,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
+    )
     models = {"target": target, "draft": draft}
     for name, cfg, prefix in (("main", main or MAIN, "/"), ("small", small or SMALL, "/small")):
         cfg = {**cfg, "engine": {**models, **cfg["engine"]}}
         serve.run(build_app(cfg), name=name, route_prefix=prefix)
-    return Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY, f"http://127.0.0.1:{metrics_port}/metrics")
+    return Served(
+        f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY, f"http://127.0.0.1:{metrics_port}/metrics"
+    )
 
 
 def stop() -> None:

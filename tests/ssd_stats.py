@@ -13,12 +13,12 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import torch
+from refimpl import chi_square_bins, reference_probs
 from scipy.stats import chi2
+from tiny_models import noisy_copy, peaked_model, save_models
 
 from ssd import LLM, SamplingParams
-from refimpl import chi_square_bins, reference_probs
 from ssd.model.demo_models import ModelShape
-from tiny_models import noisy_copy, peaked_model, save_models
 
 N_SAMPLES = 3000
 STAT_K = 2
@@ -55,11 +55,20 @@ def chi_square_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 
-def sample_with_sources(llm: LLM, prompt_ids: list[int], params: SamplingParams, seed_base: int, n: int = N_SAMPLES,
-                        max_tokens: int = STAT_MAX_TOKENS):
+def sample_with_sources(
+    llm: LLM,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    seed_base: int,
+    n: int = N_SAMPLES,
+    max_tokens: int = STAT_MAX_TOKENS,
+):
     """Stream n seeded samples; return, per request, (token, source of the round that emitted it,
     round number). The source comes from the per-round change of the request's own counters."""
-    plist = [params.model_copy(update={"seed": seed_base + i, "max_tokens": max_tokens, "ignore_eos": True}) for i in range(n)]
+    plist = [
+        params.model_copy(update={"seed": seed_base + i, "max_tokens": max_tokens, "ignore_eos": True})
+        for i in range(n)
+    ]
     tokens: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
     last: dict[str, tuple[int, int, int]] = {}
     for out in llm.generate_stream([prompt_ids] * n, plist):

@@ -3,12 +3,11 @@ argument checks and output helpers."""
 
 from __future__ import annotations
 
-import logging
-import os
-
 import argparse
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -55,10 +54,29 @@ def bench_run(pair, tmp_path_factory) -> tuple[dict, Path]:
     out_dir = tmp_path_factory.mktemp("bench_out")
     args = parse(
         [
-            "--target", target, "--draft", draft, "--k", str(K),
-            "--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS),
-            "--temperatures", "0,1", "--settings", "paper,machine", "--modes", ",".join(MODES),
-            "--batch-sizes", "1,2", "--pair-reps", "10", "--out-dir", str(out_dir), "--no-progress",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "--k",
+            str(K),
+            "--num-prompts",
+            str(NUM_PROMPTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--temperatures",
+            "0,1",
+            "--settings",
+            "paper,machine",
+            "--modes",
+            ",".join(MODES),
+            "--batch-sizes",
+            "1,2",
+            "--pair-reps",
+            "10",
+            "--out-dir",
+            str(out_dir),
+            "--no-progress",
         ]
     )
     return bench.run(args), out_dir
@@ -68,13 +86,37 @@ def test_every_flag_has_help():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
-    for required in ["target", "draft", "k", "num_prompts", "max_tokens", "temperatures", "settings", "modes",
-                     "batch_sizes", "out_dir", "pair_stats_only", "no_progress", "seed"]:
+    for required in [
+        "target",
+        "draft",
+        "k",
+        "num_prompts",
+        "max_tokens",
+        "temperatures",
+        "settings",
+        "modes",
+        "batch_sizes",
+        "out_dir",
+        "pair_stats_only",
+        "no_progress",
+        "seed",
+    ]:
         assert required in flags, required
     assert all(a.help for a in flags.values())
     defaults = parse([])
-    assert (defaults.target, defaults.draft, defaults.k, defaults.num_prompts, defaults.max_tokens) == (None, None, 6, 8, 128)
-    assert (defaults.temperatures, defaults.settings, defaults.modes, defaults.batch_sizes) == ("0,1", "paper,machine", "ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default", "1")
+    assert (defaults.target, defaults.draft, defaults.k, defaults.num_prompts, defaults.max_tokens) == (
+        None,
+        None,
+        6,
+        8,
+        128,
+    )
+    assert (defaults.temperatures, defaults.settings, defaults.modes, defaults.batch_sizes) == (
+        "0,1",
+        "paper,machine",
+        "ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default",
+        "1",
+    )
     assert defaults.out_dir == "bench_results"
 
 
@@ -112,7 +154,9 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
             r = runs[(setting, temperature, 1, "ssd")]
             if r["counters"]["hit_steps"]:
                 assert r["upper_bound_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
-                assert math.isclose(r["fraction_of_bound"], r["decode_tokens_per_s"] / r["upper_bound_tokens_per_s"], rel_tol=1e-2)
+                assert math.isclose(
+                    r["fraction_of_bound"], r["decode_tokens_per_s"] / r["upper_bound_tokens_per_s"], rel_tol=1e-2
+                )
                 assert r["decode_tokens_per_s"] >= r["tokens_per_s"] * 0.99  # prefill excluded
             else:  # no all-hit step, no bound: never a figure made up from nothing
                 assert r["upper_bound_tokens_per_s"] is None and r["fraction_of_bound"] is None
@@ -137,7 +181,9 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
     # teacher-forced simulation along that path predicts (up to argmax near-ties).
     for setting in SETTINGS:
         sd_greedy = runs[(setting, 0.0, 1, "sd")]
-        assert math.isclose(sd_greedy["mean_accepted_per_round"], pair["greedy_sd_mean_accepted_per_round"], abs_tol=0.2)
+        assert math.isclose(
+            sd_greedy["mean_accepted_per_round"], pair["greedy_sd_mean_accepted_per_round"], abs_tol=0.2
+        )
         assert math.isclose(sd_greedy["tokens_per_round"], pair["greedy_sd_tokens_per_round"], abs_tol=0.2)
 
 
@@ -145,11 +191,39 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
     """--repeats runs every mode that many times, interleaved; --saguaro-c and --ssd-budget give
     SSD one row per (C, B); each figure is the median over repeats, with its range."""
     target, draft = pair
-    results = bench.run(parse([
-        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "2", "--max-tokens", "6",
-        "--temperatures", "1", "--settings", "paper", "--modes", "ar,sd,ssd", "--saguaro-c", "1,0.5",
-        "--ssd-budget", "4", "--repeats", "3", "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
-    ]))
+    results = bench.run(
+        parse(
+            [
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--k",
+                str(K),
+                "--num-prompts",
+                "2",
+                "--max-tokens",
+                "6",
+                "--temperatures",
+                "1",
+                "--settings",
+                "paper",
+                "--modes",
+                "ar,sd,ssd",
+                "--saguaro-c",
+                "1,0.5",
+                "--ssd-budget",
+                "4",
+                "--repeats",
+                "3",
+                "--pair-reps",
+                "2",
+                "--out-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+    )
     runs = {r["mode"]: r for r in results["runs"]}
     assert list(runs) == ["ar", "sd", "ssd C=1 B=4", "ssd C=0.5 B=4"]
     assert results["config"]["repeats"] == 3 and results["config"]["saguaro_c"] == [1.0, 0.5]
@@ -174,11 +248,37 @@ def test_draft_workers_rows(pair, tmp_path, caplog):
     covers D times as many); more workers than cores is said."""
     target, draft = pair
     caplog.set_level(logging.WARNING)
-    results = bench.run(parse([
-        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "2", "--max-tokens", "6",
-        "--temperatures", "0", "--settings", "paper", "--modes", "sd,ssd", "--draft-workers", "1,2",
-        "--ssd-budget", "4", "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
-    ]))
+    results = bench.run(
+        parse(
+            [
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--k",
+                str(K),
+                "--num-prompts",
+                "2",
+                "--max-tokens",
+                "6",
+                "--temperatures",
+                "0",
+                "--settings",
+                "paper",
+                "--modes",
+                "sd,ssd",
+                "--draft-workers",
+                "1,2",
+                "--ssd-budget",
+                "4",
+                "--pair-reps",
+                "2",
+                "--out-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+    )
     runs = {r["mode"]: r for r in results["runs"]}
     assert list(runs) == ["sd", "ssd B=4 D=1", "ssd B=4 D=2"]
     two = runs["ssd B=4 D=2"]
@@ -190,15 +290,41 @@ def test_draft_workers_rows(pair, tmp_path, caplog):
 
 def test_draft_transport_rows(pair, tmp_path):
     target, draft = pair
-    results = bench.run(parse([
-        "--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6",
-        "--temperatures", "0", "--settings", "paper", "--modes", "ssd", "--draft-transports", "shm,grpc",
-        "--pair-reps", "2", "--out-dir", str(tmp_path), "--no-progress",
-    ]))
+    results = bench.run(
+        parse(
+            [
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--k",
+                str(K),
+                "--num-prompts",
+                "1",
+                "--max-tokens",
+                "6",
+                "--temperatures",
+                "0",
+                "--settings",
+                "paper",
+                "--modes",
+                "ssd",
+                "--draft-transports",
+                "shm,grpc",
+                "--pair-reps",
+                "2",
+                "--out-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+    )
     runs = {r["mode"]: r for r in results["runs"]}
     assert list(runs) == ["ssd tr=shm", "ssd tr=grpc"] and runs["ssd tr=grpc"]["draft_transport"] == "grpc"
     with pytest.raises(ValueError, match="--draft-transports: unknown"):
-        bench.run(parse(["--target", target, "--draft", draft, "--draft-transports", "pigeon", "--out-dir", str(tmp_path)]))
+        bench.run(
+            parse(["--target", target, "--draft", draft, "--draft-transports", "pigeon", "--out-dir", str(tmp_path)])
+        )
 
 
 def test_table_lists_every_run(bench_run):
@@ -213,8 +339,24 @@ def test_table_lists_every_run(bench_run):
 def test_pair_stats_only(pair, tmp_path, capsys):
     target, draft = pair
     results = bench.run(
-        parse(["--target", target, "--draft", draft, "--pair-stats-only", "--num-prompts", "1", "--max-tokens", "4",
-               "--pair-reps", "5", "--out-dir", str(tmp_path), "--no-progress"])
+        parse(
+            [
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--pair-stats-only",
+                "--num-prompts",
+                "1",
+                "--max-tokens",
+                "4",
+                "--pair-reps",
+                "5",
+                "--out-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
     )
     assert results["runs"] == [] and results["pair_stats"]["acceptance_positions"] == 4
     assert json.loads((tmp_path / "bench.json").read_text())["pair_stats"] == results["pair_stats"]

@@ -18,7 +18,9 @@ from ssd.config import EngineArgs
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ssd.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ssd.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.mark.parametrize("command", ["generate", "bench", "build-demo-models"])
@@ -36,7 +38,19 @@ def test_help_runs():
 
 
 def test_generate_prints_text_and_metrics(tiny_pair):
-    out = _run("generate", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--prompt", "def f():", "--max-tokens", "12", "--k", "3")
+    out = _run(
+        "generate",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--prompt",
+        "def f():",
+        "--max-tokens",
+        "12",
+        "--k",
+        "3",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def f():")
     metrics = json.loads(out.stdout[out.stdout.index("{") :])["engine"]
@@ -61,7 +75,9 @@ def test_every_engine_option_is_a_generate_flag():
         # A name a request flag holds (--seed) moves to --engine-<name>.
         candidates = [flags[f] for f in (flag, "--engine-" + flag[2:]) if f in flags]
         action = next((a for a in candidates if a.help == field.description), None)
-        assert action is not None, f"EngineArgs.{name}: no generate flag {flag} (or --engine-{flag[2:]}) with its description as help"
+        assert action is not None, (
+            f"EngineArgs.{name}: no generate flag {flag} (or --engine-{flag[2:]}) with its description as help"
+        )
         assert action.default is argparse.SUPPRESS, f"{flag}: defaults must come from EngineArgs"
         annotation = field.annotation
         if annotation is bool:
@@ -73,10 +89,27 @@ def test_every_engine_option_is_a_generate_flag():
 
 def test_engine_flags_reach_engine_args():
     args = _generate_parser().parse_args(
-        ["--ssd-budget", "3", "--no-lean-forward", "--saguaro-c", "0.5", "--draft-transport", "inprocess", "--seed", "7", "--engine-seed", "9"]
+        [
+            "--ssd-budget",
+            "3",
+            "--no-lean-forward",
+            "--saguaro-c",
+            "0.5",
+            "--draft-transport",
+            "inprocess",
+            "--seed",
+            "7",
+            "--engine-seed",
+            "9",
+        ]
     )
     engine = engine_args_from(args)
-    assert (engine.ssd_budget, engine.lean_forward, engine.saguaro_c, engine.draft_transport) == (3, False, 0.5, "inprocess")
+    assert (engine.ssd_budget, engine.lean_forward, engine.saguaro_c, engine.draft_transport) == (
+        3,
+        False,
+        0.5,
+        "inprocess",
+    )
     assert engine.seed == 9 and args.seed == 7  # --seed is the request's, --engine-seed the engine's
     # Only the flags given are set; everything else is EngineArgs' own default.
     assert engine.model_fields_set == {"ssd_budget", "lean_forward", "saguaro_c", "draft_transport", "seed"}

@@ -11,7 +11,20 @@ from pathlib import Path
 from serve_app.metrics import PROMETHEUS_NAMES
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "grafana-ssd-serve.json"
-PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "avg", "le", "application", "status", "kind", "mode", "replica", "label_values"}
+PROMQL_WORDS = {
+    "sum",
+    "by",
+    "rate",
+    "histogram_quantile",
+    "avg",
+    "le",
+    "application",
+    "status",
+    "kind",
+    "mode",
+    "replica",
+    "label_values",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -38,4 +51,6 @@ def test_every_query_names_an_exported_metric_and_every_metric_has_a_panel():
 
 
 def test_the_check_catches_a_misspelt_metric():
-    assert {base(n) for n in metric_names('sum(rate(ray_ssd_request_total{application=~"$application"}[1m]))')} - set(PROMETHEUS_NAMES)
+    assert {base(n) for n in metric_names('sum(rate(ray_ssd_request_total{application=~"$application"}[1m]))')} - set(
+        PROMETHEUS_NAMES
+    )

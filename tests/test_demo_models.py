@@ -36,8 +36,13 @@ def test_heldout_prompts_are_deterministic_and_heldout():
 
 def test_build_demo_models_small_run(tmp_path):
     cfg = DemoTrainingConfig(
-        target=ModelShape(32, 1, 2, 64), draft=ModelShape(16, 1, 2, 32),
-        seq_len=32, batch_size=2, target_steps=3, draft_steps=2, warmup_steps=1,
+        target=ModelShape(32, 1, 2, 64),
+        draft=ModelShape(16, 1, 2, 32),
+        seq_len=32,
+        batch_size=2,
+        target_steps=3,
+        draft_steps=2,
+        warmup_steps=1,
     )
     report = build_demo_models(tmp_path, cfg, progress=False)
     assert json.loads((tmp_path / "training_report.json").read_text())["target_params"] == report["target_params"]

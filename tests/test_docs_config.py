@@ -40,7 +40,8 @@ def test_every_config_field_has_exactly_one_row(model, title):
     doubled = sorted({r for r in rows if rows.count(r) > 1})
     assert not (missing or stale or doubled), (
         f"{DOC.name}, {title} table: add rows (type, default, description) for {missing}; "
-        f"remove the rows of fields that no longer exist {stale}; rows listed twice {doubled}")
+        f"remove the rows of fields that no longer exist {stale}; rows listed twice {doubled}"
+    )
 
 
 def test_every_metric_has_a_row():
@@ -49,4 +50,5 @@ def test_every_metric_has_a_row():
     rows = table_names(section("4. Metrics reference"))
     assert sorted(rows) == sorted(PROMETHEUS_NAMES), (
         f"{DOC.name} metrics table: missing {sorted(set(PROMETHEUS_NAMES) - set(rows))}, "
-        f"stale {sorted(set(rows) - set(PROMETHEUS_NAMES))}")
+        f"stale {sorted(set(rows) - set(PROMETHEUS_NAMES))}"
+    )

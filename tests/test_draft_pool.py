@@ -12,15 +12,23 @@ import time
 
 import pytest
 import torch
-
-from ssd.transport.wire import MsgType, encode
+from refimpl import hf_greedy
 from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
-    check_greedy, finish, generate_until_replaced, greedy, metric, no_leaked_workers, prompts, ssd_llm, tiny_reference, worker_process,
+    check_greedy,
+    finish,
+    generate_until_replaced,
+    greedy,
+    metric,
+    no_leaked_workers,
+    prompts,
+    ssd_llm,
+    tiny_reference,
+    worker_process,
 )
 from workers import live_draft_workers
 
-from refimpl import hf_greedy
 from ssd.model.demo_models import heldout_prompts
+from ssd.transport.wire import MsgType, encode
 
 
 def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, tiny_reference):
@@ -82,6 +90,7 @@ def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_refer
 
 
 # ---- messages that must not count ----------------------------------------------------------------
+
 
 def duplicate_in_both_directions(llm) -> None:
     """A duplicating network on every link: each BEGIN_ROUND and RESOLVE the target sends goes
@@ -148,7 +157,16 @@ def test_a_worker_out_of_sync_is_replaced(tiny_pair, prompts, tiny_reference):
 
         def skewed(msg, begin=begin):
             link.begin_round = begin  # once
-            begin(type(msg)(msg.round_id, msg.seq_ids, msg.spec_tokens, msg.num_draft, msg.fanout, [c + 1 for c in msg.committed]))
+            begin(
+                type(msg)(
+                    msg.round_id,
+                    msg.seq_ids,
+                    msg.spec_tokens,
+                    msg.num_draft,
+                    msg.fanout,
+                    [c + 1 for c in msg.committed],
+                )
+            )
 
         llm.generate(prompts[:1], greedy(4))
         link.begin_round = skewed
@@ -166,7 +184,9 @@ def test_listening_transports_greedy_matches_hf(tiny_pair, prompts, tiny_referen
     """Workers started as plain processes that listen on a port they chose and print it (the
     shape of a worker on another host); the target connects over that transport."""
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2) as llm:
+    with ssd_llm(
+        target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2
+    ) as llm:
         assert len(live_draft_workers()) == workers
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from ssd import LLM, SamplingParams
 from refimpl import hf_greedy
 from workers import live_draft_workers
+
+from ssd import LLM, SamplingParams
 
 PROMPTS = ["def f(x):", "import os\n"]
 
@@ -28,8 +28,9 @@ def test_an_interrupt_between_outcome_and_reply_leaves_no_stale_reply(tiny_pair,
             raise KeyboardInterrupt
         return original(self, seq, tokens)
 
-    with LLM(*tiny_pair, mode="ssd", k=3, ssd_budget=6, ssd_autobudget=False, ssd_backup="neural",
-             draft_transport=channel) as llm:
+    with LLM(
+        *tiny_pair, mode="ssd", k=3, ssd_budget=6, ssd_autobudget=False, ssd_backup="neural", draft_transport=channel
+    ) as llm:
         monkeypatch.setattr(StopChecker, "append", interrupted_append)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))

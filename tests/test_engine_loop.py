@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from refimpl import hf_greedy
+
 from serve_app.engine_loop import EngineLoop, build_engines
 from serve_app.errors import APIError
 from serve_app.types import GenerateRequest
@@ -22,7 +22,9 @@ MAX_TOKENS = 16
 
 @pytest.fixture
 def loop(tiny_pair):
-    engines = build_engines(EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="sd", k=4, max_num_seqs=2), ("sd", "ar"))
+    engines = build_engines(
+        EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="sd", k=4, max_num_seqs=2), ("sd", "ar")
+    )
     loop = EngineLoop(engines, capacity=3, overload_status=429, retry_after_s=3)
     yield loop
     loop.close()
@@ -108,7 +110,9 @@ def test_a_prefill_that_raises_fails_its_request_instead_of_hanging(loop):
 
     async def run():
         with pytest.raises(APIError) as failed:
-            await asyncio.wait_for(collect(loop, GenerateRequest("p", [1, 7, 2], SamplingParams(temperature=0, max_tokens=4), "off")), 30)
+            await asyncio.wait_for(
+                collect(loop, GenerateRequest("p", [1, 7, 2], SamplingParams(temperature=0, max_tokens=4), "off")), 30
+            )
         assert failed.value.status == 500 and not loop.healthy() and loop.num_requests == 0
 
     asyncio.run(run())

@@ -19,8 +19,14 @@ ATOL = 2e-5
 def _tiny(kind: str):
     torch.manual_seed(1)
     common = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
     )
     if kind == "qwen2":  # q/k/v biases and grouped-query attention
         return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False)).eval()
@@ -41,7 +47,11 @@ def _script(runner: ModelRunner, cache) -> list[torch.Tensor]:
     history = torch.ones(2, 4, cache.num_columns, dtype=torch.bool)
     history[:, 2:, -1] = False  # branches 2 and 3 do not see the newest column
     positions = cache.lengths().view(2, 1) + torch.tensor([0, 0, -1, -1])
-    out.append(runner.forward(cache, torch.randint(0, 250, (2, 4), generator=gen), positions=positions, within=eye, history=history))
+    out.append(
+        runner.forward(
+            cache, torch.randint(0, 250, (2, 4), generator=gen), positions=positions, within=eye, history=history
+        )
+    )
     return out
 
 
@@ -139,8 +149,16 @@ def test_paths_share_one_cache(demo_pair):
 
 def test_unsupported_models_fall_back():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, hidden_act="gelu")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            hidden_act="gelu",
+        )
+    ).eval()
     assert "hidden_act" in unsupported_reason(model)
     assert ModelRunner(model, torch.device("cpu")).lean is None
     with pytest.raises(ValueError, match="does not support"):

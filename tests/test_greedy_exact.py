@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from refimpl import hf_greedy
 
 from ssd import LLM, SamplingParams
-from refimpl import hf_greedy
 from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 48

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ssd.model.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
-from ssd.engine.llm_engine import LLMEngine
 from ssd.drafting.ngram import NgramIndex
-from ssd.sampling_params import SamplingParams
-from ssd.engine.sequence import Sequence
 from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
+from ssd.engine.llm_engine import LLMEngine
+from ssd.engine.sequence import Sequence
 from ssd.engine.stopping import StopChecker
+from ssd.model.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
+from ssd.sampling_params import SamplingParams
 
 K = 6
 
@@ -35,7 +35,9 @@ def ref_ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1, 
     return []
 
 
-def ref_fast_speculation(tokens: list[int], k: int, vocab: int, generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+def ref_fast_speculation(
+    tokens: list[int], k: int, vocab: int, generator: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
     found = ref_ngram_lookup(tokens, k)
     if len(found) < k:
         found = found + torch.randint(vocab, (k - len(found),), generator=generator).tolist()
@@ -66,7 +68,13 @@ def test_ngram_index_matches_the_scan_on_random_sequences():
 
 
 def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", prompt, params or SamplingParams(ignore_eos=True, max_tokens=10**6), torch.Generator().manual_seed(seq_id))
+    return Sequence(
+        seq_id,
+        f"r{seq_id}",
+        prompt,
+        params or SamplingParams(ignore_eos=True, max_tokens=10**6),
+        torch.Generator().manual_seed(seq_id),
+    )
 
 
 def _proposer() -> SSDProposer:
@@ -169,4 +177,6 @@ def _text_cost(history: int) -> float:
 @pytest.mark.parametrize("cost", [_ngram_cost, _text_cost], ids=["ngram", "text"])
 def test_per_token_cost_stays_flat_as_the_sequence_grows(cost):
     short, long = cost(SHORT), cost(LONG)
-    assert long < MAX_GROWTH * short, f"{cost.__name__}: {1e6 * short:.1f} us/token at {SHORT}, {1e6 * long:.1f} at {LONG}"
+    assert long < MAX_GROWTH * short, (
+        f"{cost.__name__}: {1e6 * short:.1f} us/token at {SHORT}, {1e6 * long:.1f} at {LONG}"
+    )

@@ -26,8 +26,19 @@ def _stubs_ready() -> bool:
         return True
     if importlib.util.find_spec("grpc_tools") is None:
         return False
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Issd/transport/_proto=protos", "--python_out=.",
-                    "--grpc_python_out=.", "protos/ssd_draft.proto"], cwd=ROOT, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Issd/transport/_proto=protos",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            "protos/ssd_draft.proto",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     return True
 
 
@@ -35,10 +46,18 @@ if not _stubs_ready():
     pytest.skip("gRPC stubs not generated and grpcio-tools not installed (run `make protos`)", allow_module_level=True)
 
 from workers import Proc
+
 from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
 from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
-from ssd.transport.messages import (AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg,  # noqa: E402
-                                    ResolveMsg, SpeculationReply)
+from ssd.transport.messages import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ReleaseMsg,  # noqa: E402
+    ResolveMsg,
+    SpeculationReply,
+)
 from ssd.transport.wire import ForeignMessage, MsgType  # noqa: E402
 
 FP = 4242
@@ -100,10 +119,28 @@ def _messages():
         BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
         ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
         DraftNowMsg(4, [1, 2], [True, False]),
-        SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                         torch.rand(2, 3, 50), torch.tensor([3, 0]), 0.25, counters, torch.tensor([True, True])),
-        SpeculationReply(5, [1, 2], torch.tensor([True, True]), torch.tensor([[4, 9, 1], [0, 0, 0]]),
-                         one_hot, torch.tensor([3, 0]), 0.5, counters, None),
+        SpeculationReply(
+            3,
+            [1, 2],
+            torch.tensor([True, False]),
+            torch.tensor([[1, 2, 3], [4, 5, 6]]),
+            torch.rand(2, 3, 50),
+            torch.tensor([3, 0]),
+            0.25,
+            counters,
+            torch.tensor([True, True]),
+        ),
+        SpeculationReply(
+            5,
+            [1, 2],
+            torch.tensor([True, True]),
+            torch.tensor([[4, 9, 1], [0, 0, 0]]),
+            one_hot,
+            torch.tensor([3, 0]),
+            0.5,
+            counters,
+            None,
+        ),
     ]
 
 
@@ -147,8 +184,17 @@ def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
         kind, back, ints = channel.recv(10 * S)
         assert kind == MsgType.READY and back is None and ints.tolist() == [1, 2, 3]
         # A dense reply at a 128k vocabulary and batch 8 (~33 MB) fits the default message size.
-        big = SpeculationReply(6, list(range(8)), torch.ones(8, dtype=torch.bool), torch.zeros(8, 8, dtype=torch.long),
-                               torch.rand(8, 8, 128256) + 0.01, torch.full((8,), 8), 0.0, DrafterCounters(), None)
+        big = SpeculationReply(
+            6,
+            list(range(8)),
+            torch.ones(8, dtype=torch.bool),
+            torch.zeros(8, 8, dtype=torch.long),
+            torch.rand(8, 8, 128256) + 0.01,
+            torch.full((8,), 8),
+            0.0,
+            DrafterCounters(),
+            None,
+        )
         channel.send(big, 30 * S)
         assert _same(big, channel.recv(30 * S)[1])
     finally:
@@ -337,8 +383,19 @@ def test_a_frame_over_the_message_size_limit_ends_the_session_clearly():
         listener.close()
 
 
-@pytest.mark.parametrize("address", ["grpc://127.0.0.1", "torch://127.0.0.1:5", "127.0.0.1:5", "grpc://:5",
-                                     "grpc://h:port", "grpc://h:5/x", "grpc://h:99999", "grpc://h:5?x=1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "grpc://127.0.0.1",
+        "torch://127.0.0.1:5",
+        "127.0.0.1:5",
+        "grpc://:5",
+        "grpc://h:port",
+        "grpc://h:5/x",
+        "grpc://h:99999",
+        "grpc://h:5?x=1",
+    ],
+)
 def test_a_malformed_address_is_refused(address):
     with pytest.raises(ValueError, match="grpc://HOST:PORT"):
         connect_grpc(address, FP, S)

@@ -35,6 +35,7 @@ class ManifestError(AssertionError):
 
 # ---- rendering: the subset of kustomize the manifests use, and nothing else -------------------
 
+
 def render(kdir: Path) -> list[dict]:
     spec = yaml.safe_load((kdir / "kustomization.yaml").read_text())
     # A field this renderer ignores would make its output differ from kustomize's unseen.
@@ -85,13 +86,17 @@ def rayservice(docs) -> dict:
 
 # ---- KubeRay CRD schemas ----------------------------------------------------------------------
 
+
 def _closed(schema):
     """Unknown fields fail, as with kubectl's strict field validation (its default since
     Kubernetes 1.27); without it the API server silently drops a misspelt field."""
     if isinstance(schema, dict):
         schema = {k: _closed(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema \
-                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     return [_closed(v) for v in schema] if isinstance(schema, list) else schema
@@ -105,9 +110,14 @@ def crd_schema(name: str) -> dict:
 
 
 def crd_problems(rs: dict) -> list[str]:
-    checks = [(rs, crd_schema("ray.io_rayservices.yaml"), "RayService"),
-              (rs["spec"].get("rayClusterConfig", {}),
-               crd_schema("ray.io_rayclusters.yaml")["properties"]["spec"], "RayCluster spec")]
+    checks = [
+        (rs, crd_schema("ray.io_rayservices.yaml"), "RayService"),
+        (
+            rs["spec"].get("rayClusterConfig", {}),
+            crd_schema("ray.io_rayclusters.yaml")["properties"]["spec"],
+            "RayCluster spec",
+        ),
+    ]
     out = []
     for obj, schema, what in checks:
         for err in jsonschema.Draft7Validator(schema).iter_errors(obj):
@@ -116,6 +126,7 @@ def crd_problems(rs: dict) -> list[str]:
 
 
 # ---- serveConfigV2: Ray Serve's schema, then the application itself ----------------------------
+
 
 def _models(annotation):
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -194,14 +205,21 @@ def serve_checks(rs: dict):
 
 # ---- the cluster: ports, env, probes, and whether every replica fits ---------------------------
 
+
 def _node_resources(group) -> dict:
     """What Ray sees on one pod of the group (KubeRay derives num-cpus/num-gpus from the limits,
     rounding CPUs up)."""
     params, limits = group.get("rayStartParams", {}), group["template"]["spec"]["containers"][0]["resources"]["limits"]
     cpu = str(limits.get("cpu", 0))
     cpu = math.ceil(float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
-    have = {"CPU": float(params.get("num-cpus", cpu)), "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
-    return {**have, **(yaml.safe_load(yaml.safe_load(params["resources"])) if "resources" in params else {})}  # '"{...}"'
+    have = {
+        "CPU": float(params.get("num-cpus", cpu)),
+        "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))),
+    }
+    return {
+        **have,
+        **(yaml.safe_load(yaml.safe_load(params["resources"])) if "resources" in params else {}),
+    }  # '"{...}"'
 
 
 def _demand(options: dict) -> dict:
@@ -222,7 +240,9 @@ def cluster_problems(rs: dict, cfg: dict, config, placement: dict) -> list[str]:
     if f"ARG RAY_VERSION={rc.get('rayVersion')}\n" not in (REPO / "Dockerfile").read_text():
         out.append(f"rayVersion {rc.get('rayVersion')} differs from the Dockerfile's RAY_VERSION")
     want_ports = {"serve": cfg["http_options"]["port"], "grpc": cfg["grpc_options"]["port"], "metrics": 8080}
-    groups = [("head", rc["headGroupSpec"], 1)] + [(g["groupName"], g, g["replicas"]) for g in rc.get("workerGroupSpecs", [])]
+    groups = [("head", rc["headGroupSpec"], 1)] + [
+        (g["groupName"], g, g["replicas"]) for g in rc.get("workerGroupSpecs", [])
+    ]
     for name, group, replicas in groups:
         c = group["template"]["spec"]["containers"][0]
         ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
@@ -232,7 +252,10 @@ def cluster_problems(rs: dict, cfg: dict, config, placement: dict) -> list[str]:
             out.append(f"{name}: rayStartParams.metrics-export-port must be '8080'")
         env = {e["name"]: e for e in c.get("env", [])}
         if env.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", {}).get("value") != str(config.max_grpc_message_bytes):
-            out.append(f"{name}: env RAY_SERVE_GRPC_MAX_MESSAGE_SIZE must be {config.max_grpc_message_bytes} (= max_grpc_message_bytes)")
+            out.append(
+                f"{name}: env RAY_SERVE_GRPC_MAX_MESSAGE_SIZE must be {config.max_grpc_message_bytes} (= "
+                "max_grpc_message_bytes)"
+            )
         key = env.get("SSD_API_KEY", {})
         if "value" in key or not key.get("valueFrom", {}).get("secretKeyRef", {}).get("optional"):
             out.append(f"{name}: env SSD_API_KEY must come from a secretKeyRef with optional: true")
@@ -277,6 +300,7 @@ def validate(docs, crds: bool) -> None:
 
 # ---- the manifests as written -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_serve_config_and_layout(target):
     validate(rendered(target), crds=False)
@@ -291,7 +315,9 @@ def test_kuberay_crd_schemas(target):
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) not installed")
 @pytest.mark.parametrize("target", TARGETS)
 def test_renderer_matches_kustomize(target):
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / target)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / target)], capture_output=True, text=True, timeout=60, check=True
+    )
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(yaml.safe_load_all(out.stdout), key=key) == sorted(copy.deepcopy(rendered(target)), key=key)
 
@@ -299,7 +325,10 @@ def test_renderer_matches_kustomize(target):
 def test_overlays_are_what_they_claim():
     base, gpu = rayservice(rendered("base")), rayservice(rendered("overlays/gpu-70b"))
     demo = yaml.safe_load(rayservice(rendered("overlays/cpu-demo"))["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert "target" not in demo["engine"] and (demo["engine"]["mode"], demo["engine"]["draft_transport"]) == ("ssd", "torch")
+    assert "target" not in demo["engine"] and (demo["engine"]["mode"], demo["engine"]["draft_transport"]) == (
+        "ssd",
+        "torch",
+    )
     args = yaml.safe_load(gpu["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert "70B" in args["engine"]["target"] and args["engine"]["device"] == args["engine"]["draft_device"] == "cuda"
     assert args["engine"]["draft_worker_resources"]["num_gpus"] == 1 and args["target_num_gpus"] == 4
@@ -310,17 +339,22 @@ def test_overlays_are_what_they_claim():
     assert {c["image"] for c in _containers(gpu)} == {"ssd-serve:cuda"}
     assert {c["image"] for c in _containers(base)} == {"ssd-serve:latest"}
     svc = next(d for d in rendered("base") if d["kind"] == "Service")  # gRPC: the Ingress's pods
-    assert svc["spec"]["selector"].items() <= base["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].items()
+    assert (
+        svc["spec"]["selector"].items()
+        <= base["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].items()
+    )
     assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(9000, "grpc")]
 
 
 # ---- broken copies: each validator catches its own kind of mistake -------------------------------
+
 
 def _serve(fn):
     def mutate(rs):
         cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
         fn(cfg, cfg["applications"][0])
         rs["spec"]["serveConfigV2"] = yaml.safe_dump(cfg)
+
     return mutate
 
 
@@ -336,28 +370,84 @@ def _ray(group):
 BROKEN = {  # name: (mutation of the base RayService, what the error names, needs the CRDs)
     "import path typo": (_serve(lambda c, a: a.update(import_path="serve_app.app:build_ap")), "import_path", False),
     "unknown args key": (_serve(lambda c, a: a["args"].update(draft_pool=2)), "draft_pool", False),
-    "args value of the wrong type": (_serve(lambda c, a: a["args"].update(target_replicas="two")), "target_replicas", False),
+    "args value of the wrong type": (
+        _serve(lambda c, a: a["args"].update(target_replicas="two")),
+        "target_replicas",
+        False,
+    ),
     "unknown engine key": (_serve(lambda c, a: a["args"]["engine"].update(drafts=2)), "engine.drafts", False),
     "api key in the manifest": (_serve(lambda c, a: a["args"].update(api_key="sk-123")), "api_key", False),
-    "servicer function typo": (_serve(lambda c, a: c["grpc_options"]["grpc_servicer_functions"].append("serve_app._proto.nope")), "grpc_servicer_functions", False),
+    "servicer function typo": (
+        _serve(lambda c, a: c["grpc_options"]["grpc_servicer_functions"].append("serve_app._proto.nope")),
+        "grpc_servicer_functions",
+        False,
+    ),
     "grpc port not an int": (_serve(lambda c, a: c["grpc_options"].update(port="grpc")), "ServeDeploySchema", False),
     "serve key Serve would ignore": (_serve(lambda c, a: a.update(deployment=[])), "deployment", False),
-    "override of a missing deployment": (_serve(lambda c, a: a["deployments"][0].update(name="Targets")), "Targets", False),
-    "override disagrees with args": (_serve(lambda c, a: a["deployments"][0]["ray_actor_options"].update(num_cpus=3)), "target_num_cpus", False),
-    "actor option typo": (_serve(lambda c, a: a["args"]["engine"]["draft_worker_resources"].update(num_gpu=1)), "num_gpu", False),
-    "pool larger than the draft pods": (_serve(lambda c, a: a["args"].update(draft_pool_size=3)), "DraftWorker replica 3/3", False),
+    "override of a missing deployment": (
+        _serve(lambda c, a: a["deployments"][0].update(name="Targets")),
+        "Targets",
+        False,
+    ),
+    "override disagrees with args": (
+        _serve(lambda c, a: a["deployments"][0]["ray_actor_options"].update(num_cpus=3)),
+        "target_num_cpus",
+        False,
+    ),
+    "actor option typo": (
+        _serve(lambda c, a: a["args"]["engine"]["draft_worker_resources"].update(num_gpu=1)),
+        "num_gpu",
+        False,
+    ),
+    "pool larger than the draft pods": (
+        _serve(lambda c, a: a["args"].update(draft_pool_size=3)),
+        "DraftWorker replica 3/3",
+        False,
+    ),
     "http host loopback": (_serve(lambda c, a: c["http_options"].update(host="127.0.0.1")), "http_options.host", False),
     "head may run replicas": (_group(None, lambda g: g["rayStartParams"].update({"num-cpus": "8"})), "num-cpus", False),
     "metrics port missing": (_group(None, lambda g: _ray(g)["ports"].pop()), "8080", False),
-    "grpc size env differs": (_group(0, lambda g: _ray(g)["env"][0].update(value="1024")), "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", False),
-    "no /health where the Ingress runs": (_group(0, lambda g: _ray(g).pop("readinessProbe")), "target: the Ingress runs here", False),
-    "probe on the draft pods": (_group(1, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": "serve"}})), "draft: a readinessProbe", False),
-    "probe on the head": (_group(None, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": 8000}})), "head: no readinessProbe", False),
-    "replicas of the wrong type": (_group(0, lambda g: g.update(replicas="two")), "replicas: 'two' is not of type 'integer'", True),
-    "rayStartParams value unquoted": (_group(None, lambda g: g["rayStartParams"].update({"num-cpus": 0})), "num-cpus: 0 is not of type 'string'", True),
+    "grpc size env differs": (
+        _group(0, lambda g: _ray(g)["env"][0].update(value="1024")),
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE",
+        False,
+    ),
+    "no /health where the Ingress runs": (
+        _group(0, lambda g: _ray(g).pop("readinessProbe")),
+        "target: the Ingress runs here",
+        False,
+    ),
+    "probe on the draft pods": (
+        _group(1, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": "serve"}})),
+        "draft: a readinessProbe",
+        False,
+    ),
+    "probe on the head": (
+        _group(None, lambda g: _ray(g).update(readinessProbe={"httpGet": {"path": "/health", "port": 8000}})),
+        "head: no readinessProbe",
+        False,
+    ),
+    "replicas of the wrong type": (
+        _group(0, lambda g: g.update(replicas="two")),
+        "replicas: 'two' is not of type 'integer'",
+        True,
+    ),
+    "rayStartParams value unquoted": (
+        _group(None, lambda g: g["rayStartParams"].update({"num-cpus": 0})),
+        "num-cpus: 0 is not of type 'string'",
+        True,
+    ),
     "misspelt pod field": (_group(1, lambda g: _ray(g).update(imagePullPolicyy="Always")), "imagePullPolicyy", True),
-    "bad memory quantity": (_group(1, lambda g: _ray(g)["resources"]["limits"].update(memory="4GB")), "does not match", True),
-    "serveConfigV2 not a string": (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "serveConfigV2", True),
+    "bad memory quantity": (
+        _group(1, lambda g: _ray(g)["resources"]["limits"].update(memory="4GB")),
+        "does not match",
+        True,
+    ),
+    "serveConfigV2 not a string": (
+        lambda rs: rs["spec"].update(serveConfigV2={"applications": []}),
+        "serveConfigV2",
+        True,
+    ),
 }
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from refimpl import hf_greedy
 
 PROMPT = "def add(a, b):"
@@ -73,8 +72,14 @@ def expected(tiny_pair) -> list[int]:
 
 def run_python(args: list[str], stdin: str | None = None, cwd: str | None = None, timeout: float = 240) -> dict:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, *args], input=stdin, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, (out.stdout[-2000:], out.stderr[-3000:])

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from ssd.bench.miss_law import DRun, TOLERANCE, analyse, main, predicted_rate
+from ssd.bench.miss_law import TOLERANCE, DRun, analyse, main, predicted_rate
 
 
 def _ranks(n: int, m: float, r: float, gen: torch.Generator) -> list[int]:
@@ -47,8 +47,24 @@ def test_the_law_fitted_on_one_workers_ranks_predicts_wider_trees():
 
 def test_the_check_end_to_end_on_the_demo_pair(tmp_path, capsys):
     out = tmp_path / "miss_law.json"
-    main(["--workers", "1,2", "--temperatures", "0", "--num-prompts", "2", "--batch", "2", "--max-tokens", "24",
-          "--budget", "8", "--out", str(out)])
+    main(
+        [
+            "--workers",
+            "1,2",
+            "--temperatures",
+            "0",
+            "--num-prompts",
+            "2",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "24",
+            "--budget",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     one, two = doc["runs"]
     assert (one["workers"], two["workers"]) == (1, 2)

@@ -25,8 +25,9 @@ def _frame_bytes(msg) -> int:
 def test_a_channel_counts_the_bytes_of_every_frame_by_type_on_both_ends():
     a, b = _pair()
     dense = torch.rand(2, 6, 1000) + 0.01  # [b, K, V]
-    reply = SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.zeros(2, 6, dtype=torch.long), dense,
-                             torch.full((2,), 6))
+    reply = SpeculationReply(
+        3, [1, 2], torch.tensor([True, False]), torch.zeros(2, 6, dtype=torch.long), dense, torch.full((2,), 6)
+    )
     outcome = ResolveMsg(3, [1, 2], torch.tensor([1, 0]), torch.tensor([5, 6]), True)
     a.send(outcome)
     assert b.recv()[0] == MsgType.RESOLVE
@@ -40,8 +41,16 @@ def test_a_channel_counts_the_bytes_of_every_frame_by_type_on_both_ends():
 
 
 def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole():
-    plan = PayloadPlan(vocab=4096, transports=("shm",), samplings=("greedy", "dense"), batch_sizes=(2,), k=4, budget=4,
-                       max_tokens=6, prompt_tokens=6)
+    plan = PayloadPlan(
+        vocab=4096,
+        transports=("shm",),
+        samplings=("greedy", "dense"),
+        batch_sizes=(2,),
+        k=4,
+        budget=4,
+        max_tokens=6,
+        prompt_tokens=6,
+    )
     greedy, dense = measure(plan)
     print(format_table([greedy, dense]))
     for r in (greedy, dense):

@@ -17,9 +17,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ssd import EngineArgs, LLM  # noqa: E402
 from test_ssd import check_greedy, finish, generate_until_replaced, greedy, metric, prompts, ssd_llm, tiny_reference  # noqa: E402, F401
 
+from ssd import LLM, EngineArgs  # noqa: E402
 from ssd.model.demo_models import VOCAB_SIZE  # noqa: E402
 
 
@@ -39,7 +39,9 @@ def pool_snapshot() -> list[dict]:
 @pytest.mark.parametrize("transport,workers", [("torch", 2), ("grpc", 1)])
 def test_ray_workers_greedy_matches_hf(cluster, tiny_pair, prompts, tiny_reference, transport, workers):
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2) as llm:
+    with ssd_llm(
+        target, draft, draft_transport=transport, draft_workers=workers, ssd_backup="neural", max_num_seqs=2
+    ) as llm:
         source = llm.engine.proposer.client.source
         assert type(source).__name__ == "RayLeasedWorkers" and len(source.actors) == workers  # auto: Ray is running
         held = [w for w in pool_snapshot() if w["holder"] == source.holder]
@@ -96,9 +98,8 @@ def test_a_lost_pool_actor_is_replaced_and_the_workers_rejoin(cluster, tiny_pair
 def test_a_live_worker_dropped_from_the_pool_registers_again(cluster, tiny_pair):
     """A target's failure report drops a worker that is in fact alive (it stalled past the
     deadline once, say): its heartbeat (5 s) puts it back. Before, it stayed out for good."""
-    from actors.source import start_draft_workers
-
     from actors.draft_pool import get_or_create_pool
+    from actors.source import start_draft_workers
 
     config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
     pool = get_or_create_pool()
@@ -107,7 +108,9 @@ def test_a_live_worker_dropped_from_the_pool_registers_again(cluster, tiny_pair)
         address = ray.get(actors[0].address.remote())
         (worker,) = [w for w in ray.get(pool.snapshot.remote()) if w["address"] == address]
         ray.get(pool.report_failed.remote("a-target", worker["worker_id"], address))
-        assert not ray.get(pool.has.remote(worker["worker_id"], address))  # out (a heartbeat landing in between: 1 in ~2000)
+        assert not ray.get(
+            pool.has.remote(worker["worker_id"], address)
+        )  # out (a heartbeat landing in between: 1 in ~2000)
         deadline = time.monotonic() + 12
         while not ray.get(pool.has.remote(worker["worker_id"], address)):
             assert time.monotonic() < deadline, ray.get(pool.snapshot.remote())
@@ -119,9 +122,8 @@ def test_a_live_worker_dropped_from_the_pool_registers_again(cluster, tiny_pair)
 
 
 def test_a_lease_not_renewed_expires_and_another_target_gets_the_worker(cluster, tiny_pair):
-    from actors.source import start_draft_workers
-
     from actors.draft_pool import get_or_create_pool
+    from actors.source import start_draft_workers
 
     config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()
     pool = get_or_create_pool()
@@ -150,7 +152,6 @@ def process_titles() -> list[str]:
 
 def test_a_source_renews_its_leases_and_close_gives_them_back(cluster, tiny_pair):
     from actors.source import RayLeasedWorkers
-
     from ssd.transport.channel import DrafterUnavailable
 
     config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="grpc").to_config()
@@ -178,7 +179,6 @@ def test_a_source_renews_its_leases_and_close_gives_them_back(cluster, tiny_pair
 
 def test_a_worker_that_cannot_start_says_why(cluster, tiny_pair, tmp_path):
     from actors.source import start_draft_workers
-
     from ssd.transport.channel import DrafterUnavailable
 
     config = EngineArgs(target=tiny_pair[0], draft=tiny_pair[1], mode="ssd", k=4, draft_transport="torch").to_config()

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd.transport.messages import SpeculationReply
-from ssd.engine.sampling import BatchSampling
-from ssd.sampling_params import SamplingParams
 from ssd.drafting.saguaro import row_fanout
-from ssd.engine.sequence import Sequence
 from ssd.drafting.speculation import RoundOutcome, Source
 from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
+from ssd.engine.sampling import BatchSampling
+from ssd.engine.sequence import Sequence
+from ssd.sampling_params import SamplingParams
+from ssd.transport.messages import SpeculationReply
 
 K, VOCAB, BATCH = 4, 64, 8
 BUDGET = 10  # fan-outs of 1 to 3 branches: F = 1 measures m, F = 2 and 3 then measure r
@@ -76,9 +76,13 @@ class ScriptedDrafter:
 def run_rounds(backup: str, a_true: float, m_true: float, r_true: float, a_fast: float, rounds: int, seed: int):
     """-> (a estimates, (m, r) estimates) after every round, and the sources seen."""
     gen = torch.Generator().manual_seed(seed)
-    proposer = SSDProposer(ScriptedDrafter(m_true, r_true, seed + 1),
-                           SSDConfig(k=K, budget=BUDGET, autobudget=False, fanout="geometric", saguaro_c=1.0, backup=backup,
-                                     deadline_s=1.0), VOCAB)
+    proposer = SSDProposer(
+        ScriptedDrafter(m_true, r_true, seed + 1),
+        SSDConfig(
+            k=K, budget=BUDGET, autobudget=False, fanout="geometric", saguaro_c=1.0, backup=backup, deadline_s=1.0
+        ),
+        VOCAB,
+    )
     params = SamplingParams(temperature=1.0)
     next_id = 0
 
@@ -128,7 +132,9 @@ def run_rounds(backup: str, a_true: float, m_true: float, r_true: float, a_fast:
     return a_seen, r_seen, sources
 
 
-@pytest.mark.parametrize("backup,a_true,m_true,r_true", [("fast", 0.8, 1.0, 0.6), ("fast", 0.55, 0.4, 1.1), ("neural", 0.7, 0.2, 0.35)])
+@pytest.mark.parametrize(
+    "backup,a_true,m_true,r_true", [("fast", 0.8, 1.0, 0.6), ("fast", 0.55, 0.4, 1.1), ("neural", 0.7, 0.2, 0.35)]
+)
 def test_estimates_converge_through_the_proposer(backup, a_true, m_true, r_true):
     a_seen, law_seen, sources = run_rounds(backup, a_true, m_true, r_true, a_fast=0.05, rounds=1500, seed=11)
     later = slice(len(a_seen) // 2, None)  # after convergence: average out the window's noise

@@ -5,24 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 from ssd.drafting.saguaro import (
     R_PRIOR,
-    fit_miss_law,
-    hit_interval,
-    rank_interval,
-    miss_law_hit_rate,
     OnlineEstimates,
     backup_threshold,
+    fit_miss_law,
     geometric_fanout,
+    hit_interval,
+    miss_law_hit_rate,
     prefer_fast_backup,
+    rank_interval,
     row_fanout,
     saguaro_probs,
     ssd_speedup,
     uniform_fanout,
 )
+from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
 from ssd.transport.wire import MsgType, decode, encode
-
 
 # ---- saguaro.py ----------------------------------------------------------------------------
 
@@ -32,7 +31,9 @@ def closed_form_fanout(budget: int, k: int, a: float, r: float) -> list[float]:
     return [budget * x / sum(w) for x in w]
 
 
-@pytest.mark.parametrize("budget,k,a,r", [(12, 4, 0.7, 0.6), (16, 6, 0.8, 0.3), (40, 3, 0.5, 1.5), (7, 5, 0.9, 0.6), (64, 8, 0.6, 0.4)])
+@pytest.mark.parametrize(
+    "budget,k,a,r", [(12, 4, 0.7, 0.6), (16, 6, 0.8, 0.3), (40, 3, 0.5, 1.5), (7, 5, 0.9, 0.6), (64, 8, 0.6, 0.4)]
+)
 def test_geometric_fanout_follows_theorem_12(budget, k, a, r):
     fan = geometric_fanout(budget, k, a, r)
     assert len(fan) == k + 1
@@ -178,7 +179,11 @@ def test_online_miss_law_estimate():
             hit = float(torch.rand(1, generator=gen)) < 1 - m_true * fan ** (-r_true)
             est.observe_hit(fan, hit)
         fits[m_true, r_true] = est.fit()
-        assert est.m == pytest.approx(m_true, abs=0.07) and est.r == pytest.approx(r_true, abs=0.25), (m_true, r_true, fits)
+        assert est.m == pytest.approx(m_true, abs=0.07) and est.r == pytest.approx(r_true, abs=0.25), (
+            m_true,
+            r_true,
+            fits,
+        )
     assert fits[1.0, 0.3][1] < fits[0.4, 1.2][1]
     est = OnlineEstimates()
     est.observe_hit(0, True)
@@ -285,21 +290,63 @@ def wire_messages():
     gen = torch.Generator().manual_seed(0)
     probs = torch.rand(3, 4, 11, generator=gen)
     return [
-        AdmitMsg([5, 9, 2], [[1, 2, 3], [7], list(range(40))], [2**62 - 1, 0, 12345], [0.0, 0.5, 1.25], [0, 5, 50], [1.0, 0.75, 0.5]),
+        AdmitMsg(
+            [5, 9, 2],
+            [[1, 2, 3], [7], list(range(40))],
+            [2**62 - 1, 0, 12345],
+            [0.0, 0.5, 1.25],
+            [0, 5, 50],
+            [1.0, 0.75, 0.5],
+        ),
         ReleaseMsg([3, 1, 4]),
         ReleaseMsg([]),
-        BeginRoundMsg(17, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3]),
+        BeginRoundMsg(
+            17,
+            [5, 9, 2],
+            torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]),
+            torch.tensor([4, 4, 2]),
+            [3, 2, 2, 2, 3],
+        ),
         ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True),
         ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3]),
         DraftNowMsg(19, [2, 5], [True, False]),
-        SpeculationReply(17, [5, 9, 2], torch.tensor([True, False, True]), torch.randint(11, (3, 4), generator=gen), probs, torch.tensor([4, 0, 4]),
-                         covered=torch.tensor([True, True, True]), bonus_rank=torch.tensor([0, 128, -1])),
-        SpeculationReply(20, [1], torch.tensor([False]), torch.zeros(1, 4, dtype=torch.long), probs[:1], torch.tensor([0]), build_seconds=0.125,
-                         covered=torch.tensor([False])),
-        BeginRoundMsg(21, [5, 9, 2], torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3],
-                      [10, 20, 5]),
-        SpeculationReply(22, [1, 2, 3, 4], torch.tensor([True, False, False, False]), torch.randint(11, (4, 4), generator=gen),
-                         mixed_layout_probs(gen), torch.tensor([3, 4, 0, 4]), covered=torch.tensor([True, True, False, False])),
+        SpeculationReply(
+            17,
+            [5, 9, 2],
+            torch.tensor([True, False, True]),
+            torch.randint(11, (3, 4), generator=gen),
+            probs,
+            torch.tensor([4, 0, 4]),
+            covered=torch.tensor([True, True, True]),
+            bonus_rank=torch.tensor([0, 128, -1]),
+        ),
+        SpeculationReply(
+            20,
+            [1],
+            torch.tensor([False]),
+            torch.zeros(1, 4, dtype=torch.long),
+            probs[:1],
+            torch.tensor([0]),
+            build_seconds=0.125,
+            covered=torch.tensor([False]),
+        ),
+        BeginRoundMsg(
+            21,
+            [5, 9, 2],
+            torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]),
+            torch.tensor([4, 4, 2]),
+            [3, 2, 2, 2, 3],
+            [10, 20, 5],
+        ),
+        SpeculationReply(
+            22,
+            [1, 2, 3, 4],
+            torch.tensor([True, False, False, False]),
+            torch.randint(11, (4, 4), generator=gen),
+            mixed_layout_probs(gen),
+            torch.tensor([3, 4, 0, 4]),
+            covered=torch.tensor([True, True, False, False]),
+        ),
     ]
 
 
@@ -309,7 +356,9 @@ def mixed_layout_probs(gen: torch.Generator) -> torch.Tensor:
     probs = torch.zeros(4, 4, 11)
     probs[0, torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
     top = torch.rand(4, 2, generator=gen)
-    probs[1].scatter_(1, torch.randint(11, (4, 1), generator=gen) % 5 + torch.tensor([[0, 5]]), top / top.sum(1, keepdim=True))
+    probs[1].scatter_(
+        1, torch.randint(11, (4, 1), generator=gen) % 5 + torch.tensor([[0, 5]]), top / top.sum(1, keepdim=True)
+    )
     probs[3] = torch.softmax(torch.randn(4, 11, generator=gen), -1)
     return probs
 
@@ -327,7 +376,9 @@ def test_reply_probabilities_travel_in_their_smallest_exact_form():
     dense = torch.softmax(torch.randn(1, k, vocab, generator=gen), -1)
     sizes = {}
     for name, probs in (("greedy", greedy), ("top50", topk), ("dense", dense)):
-        reply = SpeculationReply(3, [1], torch.tensor([True]), torch.zeros(1, k, dtype=torch.long), probs, torch.tensor([k]))
+        reply = SpeculationReply(
+            3, [1], torch.tensor([True]), torch.zeros(1, k, dtype=torch.long), probs, torch.tensor([k])
+        )
         kind, round_id, ints, floats = encode(reply)
         sizes[name] = ints.numel() * 8 + floats.numel() * 4
         assert torch.equal(decode(kind, round_id, ints, floats).probs, probs), name
@@ -356,7 +407,9 @@ def test_begin_round_messages_compare_real_tokens_only():
     """same_round (the drafter's check of a predicted round against the target's announcement)
     looks at ids, batch, fan-out and each row's real tokens, not the padding."""
     a = BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([2, 1]), [1, 1, 1, 1])
-    assert a.same_round(BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 9], [7, 3, 3]]), torch.tensor([2, 1]), [1, 1, 1, 1]))
+    assert a.same_round(
+        BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 9], [7, 3, 3]]), torch.tensor([2, 1]), [1, 1, 1, 1])
+    )
     for other in (
         BeginRoundMsg(5, [1, 2], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),
         BeginRoundMsg(4, [2, 1], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),

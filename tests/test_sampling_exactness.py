@@ -16,12 +16,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from refimpl import chi_square_p, reference_probs
+from tiny_models import noisy_copy, peaked_model, save_models
 from transformers import AutoModelForCausalLM
 
 from ssd import LLM, SamplingParams
-from refimpl import chi_square_p, reference_probs
 from ssd.model.demo_models import ModelShape
-from tiny_models import noisy_copy, peaked_model, save_models
 
 P_MIN = 1e-3  # chi-square threshold; seeds are fixed, so a pass is reproducible
 PROMPT = "def f(x):"

@@ -45,7 +45,9 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
 
 def _sampling(temps, top_ks, top_ps) -> BatchSampling:
     return BatchSampling(
-        torch.tensor(temps, dtype=torch.float32), torch.tensor(top_ks, dtype=torch.long), torch.tensor(top_ps, dtype=torch.float32)
+        torch.tensor(temps, dtype=torch.float32),
+        torch.tensor(top_ks, dtype=torch.long),
+        torch.tensor(top_ps, dtype=torch.float32),
     )
 
 
@@ -63,7 +65,9 @@ def test_process_logits_all_greedy_batch_matches_greedy_rows_of_a_mixed_batch():
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(3, 4, 30, generator=gen) * 3
     fast = process_logits(logits, _sampling([0.0, 0.0, 0.0], [0, 0, 0], [1.0, 1.0, 1.0]))
-    mixed = process_logits(torch.cat([logits, logits[:1]]), _sampling([0.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0]))
+    mixed = process_logits(
+        torch.cat([logits, logits[:1]]), _sampling([0.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0])
+    )
     assert torch.equal(fast, mixed[:3])
 
 
@@ -132,7 +136,16 @@ def test_process_logits_top_k_then_top_p():
 def test_process_logits_rows_with_different_settings_are_independent():
     gen = torch.Generator().manual_seed(23)
     vocab = 64
-    settings = [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.8, 5, 1.0), (1.2, 0, 0.7), (0.5, 10, 0.9), (1.0, 1, 1.0), (2.0, 0, 0.3), (0.0, 3, 0.5)]
+    settings = [
+        (1.0, 0, 1.0),
+        (0.0, 0, 1.0),
+        (0.8, 5, 1.0),
+        (1.2, 0, 0.7),
+        (0.5, 10, 0.9),
+        (1.0, 1, 1.0),
+        (2.0, 0, 0.3),
+        (0.0, 3, 0.5),
+    ]
     b = len(settings)
     logits = torch.randn(b, 3, vocab, generator=gen) * 2
     temps, ks, ps = zip(*settings)
@@ -149,7 +162,9 @@ def test_process_logits_rows_with_different_settings_are_independent():
     assert torch.allclose(process_logits(logits[rows], sampling.select(rows)), batched[rows], atol=1e-6)
     counts = torch.tensor([1, 0, 2, 1, 0, 0, 1, 1])
     rep = sampling.repeat_interleave(counts)
-    assert torch.allclose(process_logits(logits.repeat_interleave(counts, 0), rep), batched.repeat_interleave(counts, 0), atol=1e-6)
+    assert torch.allclose(
+        process_logits(logits.repeat_interleave(counts, 0), rep), batched.repeat_interleave(counts, 0), atol=1e-6
+    )
 
 
 def test_process_logits_at_a_large_vocabulary_with_mixed_rows():
@@ -194,7 +209,10 @@ def test_sample_from_never_returns_zero_probability_token():
         probs = probs.masked_fill(torch.rand(b, vocab, generator=gen) < 0.7, 0.0)
         probs[:, 0] = 0.0  # leading zero
         probs[:, -1] = 0.0  # trailing zero
-        probs[torch.arange(b), torch.randint(1, vocab - 1, (b,), generator=gen) if vocab > 2 else torch.zeros(b, dtype=torch.long)] = 0.3
+        probs[
+            torch.arange(b),
+            torch.randint(1, vocab - 1, (b,), generator=gen) if vocab > 2 else torch.zeros(b, dtype=torch.long),
+        ] = 0.3
         probs[:16] = 0.0
         probs[:16, 1 if vocab > 2 else 0] = 1.0  # single-token rows
         probs[16:32] *= 1000.0  # unnormalized

@@ -13,9 +13,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.draft_process import worker_env
 from ssd.transport.messages import ResolveMsg, SpeculationReply
-from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.shm_channel import Mailbox, ShmChannel
 from ssd.transport.wire import MsgType
 
@@ -42,9 +42,13 @@ while True:
 def _reply(b: int, k: int, v: int, seed: int) -> SpeculationReply:
     gen = torch.Generator().manual_seed(seed)
     return SpeculationReply(
-        round_id=seed, seq_ids=list(range(b)), hit=torch.rand(b, generator=gen) > 0.5,
-        tokens=torch.randint(0, v, (b, k), generator=gen), probs=torch.rand(b, k, v, generator=gen),
-        num_draft=torch.full((b,), k), build_seconds=0.25,
+        round_id=seed,
+        seq_ids=list(range(b)),
+        hit=torch.rand(b, generator=gen) > 0.5,
+        tokens=torch.randint(0, v, (b, k), generator=gen),
+        probs=torch.rand(b, k, v, generator=gen),
+        num_draft=torch.full((b,), k),
+        build_seconds=0.25,
     )
 
 
@@ -52,8 +56,9 @@ def test_messages_cross_processes_intact_in_chunks():
     """A 4 KB slot carries replies of up to 1.5 MB (chunked) and small messages between them."""
     to_child, to_parent = Mailbox.create(capacity=4096), Mailbox.create(capacity=4096)
     spec = json.dumps({"inbox": asdict(to_child.handle), "outbox": asdict(to_parent.handle)})
-    child = subprocess.Popen([sys.executable, "-c", ECHO, spec], env=worker_env(),
-                             pass_fds=to_child.handle.fds() + to_parent.handle.fds())
+    child = subprocess.Popen(
+        [sys.executable, "-c", ECHO, spec], env=worker_env(), pass_fds=to_child.handle.fds() + to_parent.handle.fds()
+    )
     try:
         end = ShmChannel(to_parent, to_child, FP, lambda: child.poll() is None)
         for i, (b, k, v) in enumerate([(1, 6, 258), (16, 6, 4000), (2, 1, 3)]):

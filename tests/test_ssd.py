@@ -19,12 +19,12 @@ import threading
 import time
 
 import pytest
-
-from ssd import LLM, SamplingParams
 from refimpl import hf_greedy
-from ssd.model.demo_models import heldout_prompts
 from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
 from workers import live_draft_workers
+
+from ssd import LLM, SamplingParams
+from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 32
 SSD = dict(mode="ssd", k=4, ssd_budget=12)
@@ -87,7 +87,9 @@ def check_greedy(llm: LLM, prompts, expected) -> None:
 @pytest.mark.parametrize("backup", ["neural", "fast"])
 def test_greedy_matches_hf_inprocess(tiny_pair, prompts, tiny_reference, fanout, backup):
     target, draft = tiny_pair
-    with ssd_llm(target, draft, ssd_fanout=fanout, ssd_backup=backup, draft_transport="inprocess", max_num_seqs=2) as llm:
+    with ssd_llm(
+        target, draft, ssd_fanout=fanout, ssd_backup=backup, draft_transport="inprocess", max_num_seqs=2
+    ) as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     assert 0 < m["cache_hit_rate"] < 1, m
@@ -111,8 +113,8 @@ def test_greedy_matches_hf_auto_backup_and_adaptive_budget(tiny_pair, prompts, t
 def test_outcome_reaches_the_drafter_before_the_engines_bookkeeping(tiny_pair, prompts, monkeypatch):
     """Each round's outcome is sent as soon as verification decides it, so the drafter's answer
     overlaps the engine's bookkeeping (stop checks, outputs) instead of following it."""
-    from ssd.transport.channel import InProcessClient
     from ssd.engine.stopping import StopChecker
+    from ssd.transport.channel import InProcessClient
 
     events: list[str] = []
 
@@ -139,8 +141,9 @@ def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference,
     """Over either channel; also a bf16 draft beside the fp32 target: the draft's precision
     never changes the output."""
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_transport=channel, ssd_backup="neural", max_num_seqs=2,
-                 draft_dtype="bfloat16") as llm:
+    with ssd_llm(
+        target, draft, draft_transport=channel, ssd_backup="neural", max_num_seqs=2, draft_dtype="bfloat16"
+    ) as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
         process = worker_process(llm)
@@ -262,7 +265,11 @@ STAT_CASES = {
     "top_p0.8": (SamplingParams(temperature=1.5, top_p=0.8), dict(ssd_backup="neural"), ["cache_later"]),
     "saguaro_c0.3": (SamplingParams(temperature=1.0), dict(ssd_backup="neural", saguaro_c=0.3), ["cache_later"]),
     # A budget of 2 (1) leaves most outcomes uncached: many later rounds go to the backup.
-    "backup_neural": (SamplingParams(temperature=1.0), dict(ssd_backup="neural", ssd_budget=2), ["cache_later", "neural_later"]),
+    "backup_neural": (
+        SamplingParams(temperature=1.0),
+        dict(ssd_backup="neural", ssd_budget=2),
+        ["cache_later", "neural_later"],
+    ),
     "backup_fast": (SamplingParams(temperature=1.0), dict(ssd_backup="fast", ssd_budget=1), ["fast_later"]),
 }
 
@@ -270,7 +277,9 @@ STAT_CASES = {
 @pytest.mark.parametrize("case", list(STAT_CASES))
 def test_sampled_tokens_follow_target_distribution(peaked_pair, peaked_target, case):
     params, options, required = STAT_CASES[case]
-    with ssd_llm(*peaked_pair, **{**SSD, "k": STAT_K, "draft_transport": "inprocess", "max_num_seqs": 4096, **options}) as llm:
+    with ssd_llm(
+        *peaked_pair, **{**SSD, "k": STAT_K, "draft_transport": "inprocess", "max_num_seqs": 4096, **options}
+    ) as llm:
         prompt_ids = llm.tokenizer.encode(STAT_PROMPT, add_special_tokens=False)
         samples = sample_with_sources(llm, prompt_ids, params, seed_base=1_000_000 * (1 + list(STAT_CASES).index(case)))
         m = llm.metrics()

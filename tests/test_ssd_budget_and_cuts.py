@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from refimpl import hf_greedy
 
 from ssd import LLM, SamplingParams
 from ssd.drafting.budget import BudgetSizer
-from ssd.model.demo_models import heldout_prompts
 from ssd.drafting.drafter import Drafter
 from ssd.drafting.speculation import Source
 from ssd.drafting.ssd_proposer import SSDProposer
-from refimpl import hf_greedy
+from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 24
 
@@ -48,7 +48,17 @@ def test_sizer_ignores_a_slow_first_round():
     from 16; least squares read that as a steep per-branch cost (c0 < 0) and held B at its
     minimum for the rest of the run."""
     sizer = BudgetSizer(max_budget=16, min_budget=7)
-    for used, ratio in [(16, 5.2), (15, 4.0), (14, 3.1), (13, 2.6), (12, 2.4), (11, 1.8), (10, 1.5), (9, 1.3), (8, 1.2)]:
+    for used, ratio in [
+        (16, 5.2),
+        (15, 4.0),
+        (14, 3.1),
+        (13, 2.6),
+        (12, 2.4),
+        (11, 1.8),
+        (10, 1.5),
+        (9, 1.3),
+        (8, 1.2),
+    ]:
         sizer.observe(used, ratio)
     assert _drive(sizer, 0.6, 0.02, rounds=40, noise=0.05) >= 14  # 0.6 + 0.02 * 16 < 1: all fit
 
@@ -78,7 +88,11 @@ def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
     prompts = heldout_prompts(2, prompt_bytes=60) + ["def add(a, b):\n    return"]
     expected = hf_greedy(target, prompts, MAX_TOKENS)
     original = Drafter.begin_round
-    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale))
+    monkeypatch.setattr(
+        Drafter,
+        "begin_round",
+        lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale),
+    )
     lengths: list[tuple[int, int]] = []  # (source, num_draft) of every row of every round
     propose = SSDProposer.propose
 
@@ -88,8 +102,17 @@ def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
         return spec
 
     monkeypatch.setattr(SSDProposer, "propose", spy)
-    with LLM(target, draft, mode="ssd", k=4, ssd_budget=12, ssd_autobudget=False, ssd_backup="fast",
-             draft_transport="inprocess", max_num_seqs=2) as llm:
+    with LLM(
+        target,
+        draft,
+        mode="ssd",
+        k=4,
+        ssd_budget=12,
+        ssd_autobudget=False,
+        ssd_backup="fast",
+        draft_transport="inprocess",
+        max_num_seqs=2,
+    ) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == expected
     hits = [n for src, n in lengths if src == int(Source.CACHE)]
@@ -103,9 +126,22 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
     at full acceptance, so every cut speculation missed (hit rate 0.70 over the shm channel)."""
     target = tiny_pair[0]
     original = Drafter.begin_round
-    monkeypatch.setattr(Drafter, "begin_round", lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale))
-    with LLM(target, target, mode="ssd", k=4, ssd_budget=8, ssd_autobudget=False, ssd_backup="neural",
-             draft_transport="inprocess", max_num_seqs=1) as llm:
+    monkeypatch.setattr(
+        Drafter,
+        "begin_round",
+        lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale),
+    )
+    with LLM(
+        target,
+        target,
+        mode="ssd",
+        k=4,
+        ssd_budget=8,
+        ssd_autobudget=False,
+        ssd_backup="neural",
+        draft_transport="inprocess",
+        max_num_seqs=1,
+    ) as llm:
         llm.generate(["def add(a, b):\n    return"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         m = llm.metrics()
     # The first round has no cache; every later one hits with `depth` tokens, all accepted.
@@ -126,8 +162,11 @@ def _drafter(tiny_pair, k: int = 4) -> Drafter:
 
 
 def _snapshot(drafter: Drafter) -> tuple:
-    return (drafter.cache.valid.clone(), [layer.keys[..., : drafter.cache.num_columns, :].clone() for layer in drafter.cache.hf_cache.layers],
-            drafter.states[1].generator.get_state())
+    return (
+        drafter.cache.valid.clone(),
+        [layer.keys[..., : drafter.cache.num_columns, :].clone() for layer in drafter.cache.hf_cache.layers],
+        drafter.states[1].generator.get_state(),
+    )
 
 
 @pytest.mark.parametrize("when", ["after the glue", "mid-tree", "after the build"])
@@ -148,8 +187,11 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
         reply = drafter.resolve(resolve)
         if predicted:
             before = _snapshot(drafter)
-            guess = drafter.predict_round(resolve, reply) if bool(reply.hit.all()) else BeginRoundMsg(
-                2, [1], torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), fanout)
+            guess = (
+                drafter.predict_round(resolve, reply)
+                if bool(reply.hit.all())
+                else BeginRoundMsg(2, [1], torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), fanout)
+            )
             polls = {"after the glue": 1, "mid-tree": 3, "after the build": None}[when]
             count = iter(range(1, 100))
             built = drafter.begin_round(guess, stale=lambda: polls is not None and next(count) >= polls)

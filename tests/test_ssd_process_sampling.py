@@ -17,10 +17,10 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
-from ssd import LLM, SamplingParams
 from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
 from workers import live_draft_workers
+
+from ssd import LLM, SamplingParams
 
 P_MIN = 1e-5
 BIG_BATCH = dict(max_num_seqs=4096)  # every sample in one batch: the drafter's trees are the slow side
@@ -43,8 +43,16 @@ CASES = {
     # Two workers, two rows: after an all-hit round the worker that did not hold every hit is
     # told the next round (PREDICT) and builds it before the announcement, as the holder does.
     # Split by sequence: each worker drafts half of the rows with whole trees.
-    "two_workers_by_sequence": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2, "draft_split": "sequences"}, N_SAMPLES),
-    "two_workers_predicted": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2), 1500),
+    "two_workers_by_sequence": (
+        SamplingParams(temperature=1.0),
+        {**BIG_BATCH, "draft_workers": 2, "draft_split": "sequences"},
+        N_SAMPLES,
+    ),
+    "two_workers_predicted": (
+        SamplingParams(temperature=1.0),
+        dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2),
+        1500,
+    ),
 }
 
 
@@ -66,7 +74,9 @@ def run_case(pair, params: SamplingParams, options: dict, n: int, seed_base: int
 @pytest.mark.parametrize("case", list(CASES))
 def test_process_transport_samples_follow_target_distribution(peaked_pair, peaked_target, case):
     params, options, n = CASES[case]
-    prompt_ids, samples, m = run_case(peaked_pair, params, options, n, seed_base=7_000_000 * (1 + list(CASES).index(case)))
+    prompt_ids, samples, m = run_case(
+        peaked_pair, params, options, n, seed_base=7_000_000 * (1 + list(CASES).index(case))
+    )
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
     assert result.get("cache_later", (1.0, 0, 0))[1] >= 0.1 * n, result
     for subset, (p, tested, df) in result.items():
@@ -105,11 +115,15 @@ NEIGHBOUR_BRANCH = textwrap.dedent('''
 ''')
 
 
-def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(peaked_pair, peaked_target, tmp_path, monkeypatch):
+def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(
+    peaked_pair, peaked_target, tmp_path, monkeypatch
+):
     (tmp_path / "sitecustomize.py").write_text(NEIGHBOUR_BRANCH)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     params, options, n = CASES["temperature1"]
-    prompt_ids, samples, m = run_case(peaked_pair, params, {**options, "ssd_budget": 8, "ssd_autobudget": False}, n, 123)
+    prompt_ids, samples, m = run_case(
+        peaked_pair, params, {**options, "ssd_budget": 8, "ssd_autobudget": False}, n, 123
+    )
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
     assert m["cache_hits"] > 0.3 * m["rounds"], m
     assert min(p for p, _, _ in result.values()) < 1e-8, result

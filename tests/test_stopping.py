@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.model.demo_models import EOS_ID, PAD_ID, build_tokenizer
 from ssd.engine.llm_engine import LLMEngine
 from ssd.engine.sequence import Sequence
 from ssd.engine.stopping import StopChecker
+from ssd.model.demo_models import EOS_ID, PAD_ID, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,9 @@ def test_stop_token_id_and_max_tokens(llm):
     free = llm.generate("import", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 30
     target = free.token_ids[7]
-    out = llm.generate("import", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[target]))[0]
+    out = llm.generate(
+        "import", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[target])
+    )[0]
     first = free.token_ids.index(target)
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
 
@@ -142,7 +144,9 @@ def _sentencepiece_like_tokenizer():
     for word in ["▁", "▁a", "▁the", "b", "ing", ".", "é"]:
         vocab[word] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 

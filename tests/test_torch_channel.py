@@ -11,10 +11,18 @@ import time
 
 import pytest
 import torch
-
 from workers import Proc
+
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.messages import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
 from ssd.transport.torch_channel import TorchListener, WorkerBusy, connect_torch, parse_torch_address
 from ssd.transport.wire import ForeignMessage, MsgType
 
@@ -74,8 +82,17 @@ def _messages():
         BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
         ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
         DraftNowMsg(4, [1, 2], [True, False]),
-        SpeculationReply(3, [1, 2], torch.tensor([True, False]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                         torch.rand(2, 3, 50), torch.tensor([3, 0]), 0.25, counters, torch.tensor([True, True])),
+        SpeculationReply(
+            3,
+            [1, 2],
+            torch.tensor([True, False]),
+            torch.tensor([[1, 2, 3], [4, 5, 6]]),
+            torch.rand(2, 3, 50),
+            torch.tensor([3, 0]),
+            0.25,
+            counters,
+            torch.tensor([True, True]),
+        ),
     ]
 
 
@@ -260,8 +277,18 @@ def test_a_frame_with_a_foreign_fingerprint_is_refused():
         listener.close()
 
 
-@pytest.mark.parametrize("address", ["torch://127.0.0.1", "grpc://127.0.0.1:5", "127.0.0.1:5", "torch://:5",
-                                     "torch://h:port", "torch://h:5/x", "torch://h:99999"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "torch://127.0.0.1",
+        "grpc://127.0.0.1:5",
+        "127.0.0.1:5",
+        "torch://:5",
+        "torch://h:port",
+        "torch://h:5/x",
+        "torch://h:99999",
+    ],
+)
 def test_a_malformed_address_is_refused(address):
     with pytest.raises(ValueError, match="torch://HOST:PORT"):
         connect_torch(address, FP, S)

@@ -79,7 +79,9 @@ def test_tiny_temperature_is_greedy(llm, demo_pair):
     for engine in (llm, demo):
         greedy = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
         for t in (1e-40, 1e-5):
-            assert engine.generate(prompt, SamplingParams(temperature=t, max_tokens=8, seed=3))[0].token_ids == greedy, t
+            assert (
+                engine.generate(prompt, SamplingParams(temperature=t, max_tokens=8, seed=3))[0].token_ids == greedy
+            ), t
     demo.close()
 
 

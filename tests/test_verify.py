@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from refimpl import chi_square_p
 
 from ssd.engine.sampling import sample_from
 from ssd.engine.verify import verify, verify_reference
-from refimpl import chi_square_p
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)
 ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
@@ -194,10 +194,19 @@ def test_greedy_one_hot_rows():
     argmax = torch.randint(0, vocab, (b, K + 1), generator=gen)
     target_probs = torch.zeros(b, K + 1, vocab).scatter_(-1, argmax.unsqueeze(-1), 1.0)
     agree = torch.rand(b, K, generator=gen) < 0.7
-    draft_tokens = torch.where(agree, argmax[:, :K], (argmax[:, :K] + 1 + torch.randint(0, vocab - 1, (b, K), generator=gen)) % vocab)
+    draft_tokens = torch.where(
+        agree, argmax[:, :K], (argmax[:, :K] + 1 + torch.randint(0, vocab - 1, (b, K), generator=gen)) % vocab
+    )
     draft_probs = torch.zeros(b, K, vocab).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
     num_draft = torch.randint(0, K + 1, (b,), generator=gen)
-    args = (draft_tokens, draft_probs, target_probs, num_draft, torch.rand(b, K, generator=gen), torch.rand(b, generator=gen))
+    args = (
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        num_draft,
+        torch.rand(b, K, generator=gen),
+        torch.rand(b, generator=gen),
+    )
     fast, ref = run_both(*args)
     assert torch.equal(fast.num_accepted, ref.num_accepted)
     assert torch.equal(fast.bonus_tokens, ref.bonus_tokens)
@@ -214,7 +223,14 @@ def test_k_zero_samples_bonus_from_first_target_distribution():
     b, vocab = 100, 7
     target_probs = random_dists(gen, (b, 1, vocab))
     bonus_u = torch.rand(b, generator=gen)
-    args = (torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, vocab), target_probs, torch.zeros(b, dtype=torch.long), torch.zeros(b, 0), bonus_u)
+    args = (
+        torch.zeros(b, 0, dtype=torch.long),
+        torch.zeros(b, 0, vocab),
+        target_probs,
+        torch.zeros(b, dtype=torch.long),
+        torch.zeros(b, 0),
+        bonus_u,
+    )
     fast, ref = run_both(*args)
     assert fast.num_accepted.tolist() == [0] * b
     assert torch.equal(fast.bonus_tokens, sample_from(target_probs[:, 0], bonus_u))
@@ -228,7 +244,14 @@ def test_num_draft_zero_rows_in_a_k_batch_use_first_target_distribution():
     draft_probs = target_probs[:, :K].clone()  # would always accept if counted
     draft_tokens = sample_from(draft_probs, torch.rand(b, K, generator=gen))
     bonus_u = torch.rand(b, generator=gen)
-    out = verify(draft_tokens, draft_probs, target_probs, torch.zeros(b, dtype=torch.long), torch.rand(b, K, generator=gen), bonus_u)
+    out = verify(
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        torch.zeros(b, dtype=torch.long),
+        torch.rand(b, K, generator=gen),
+        bonus_u,
+    )
     assert out.num_accepted.tolist() == [0] * b
     assert torch.equal(out.bonus_tokens, sample_from(target_probs[:, 0], bonus_u))
 
@@ -267,7 +290,14 @@ def test_acceptance_law_and_bonus_distributions(K):
     target_probs = target.expand(n, -1, -1).contiguous()  # [n, K+1, V]
     draft_probs = draft.expand(n, -1, -1).contiguous()  # [n, K, V]
     draft_tokens = sample_from(draft_probs, torch.rand(n, K, generator=gen))
-    out = verify(draft_tokens, draft_probs, target_probs, torch.full((n,), K), torch.rand(n, K, generator=gen), torch.rand(n, generator=gen))
+    out = verify(
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        torch.full((n,), K),
+        torch.rand(n, K, generator=gen),
+        torch.rand(n, generator=gen),
+    )
 
     alpha = torch.minimum(target[:K], draft).sum(-1).double()  # [K]
     law = [float(alpha[:k].prod() * (1 - alpha[k])) for k in range(K)] + [float(alpha.prod())]
@@ -320,7 +350,14 @@ def _generate_markov(target_T, draft_T, start: int, n: int, K: int, length: int,
             prev = tok
         tprobs.append(target_T[prev])
         draft_tokens = torch.stack(tokens, 1)  # [m, K]
-        res = verify(draft_tokens, torch.stack(dprobs, 1), torch.stack(tprobs, 1), torch.full((m,), K), torch.rand(m, K, generator=gen), torch.rand(m, generator=gen))
+        res = verify(
+            draft_tokens,
+            torch.stack(dprobs, 1),
+            torch.stack(tprobs, 1),
+            torch.full((m,), K),
+            torch.rand(m, K, generator=gen),
+            torch.rand(m, generator=gen),
+        )
         all_rejected_rounds += int((res.num_accepted == 0).sum())
         emitted = torch.cat([draft_tokens, torch.zeros(m, 1, dtype=torch.long)], 1)
         emitted[torch.arange(m), res.num_accepted] = res.bonus_tokens

@@ -33,7 +33,9 @@ class Proc:
     """A Python subprocess whose stdout lines arrive on a queue."""
 
     def __init__(self, script: str, *args) -> None:
-        self.popen = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

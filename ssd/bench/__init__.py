@@ -46,8 +46,15 @@ from ssd.bench.modes import (
 )
 from ssd.bench.pair_stats import PAIR_CONTEXT_TOKENS
 from ssd.bench.plan import BenchPlan, add_arguments
-from ssd.bench.report import _add_ratios, _ordered  # noqa: F401 (not public; reached as bench._add_ratios by the tests)
-from ssd.bench.report import DEFINITIONS, JSON_VERSION, format_pair_stats, format_table, write_plot
+from ssd.bench.report import (  # noqa: F401 (not public; reached as bench._add_ratios by the tests)
+    DEFINITIONS,
+    JSON_VERSION,
+    _add_ratios,
+    _ordered,
+    format_pair_stats,
+    format_table,
+    write_plot,
+)
 from ssd.bench.worker import worker_main
 
 __all__ = [

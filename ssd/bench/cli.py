@@ -57,23 +57,36 @@ def run(args: argparse.Namespace) -> dict:
 
     plan = _plan(args)
     settings = {name: SETTINGS[name].threads() for name in plan.settings}
-    labels = [v.label for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets, plan.draft_workers, plan.draft_transports)]
+    labels = [
+        v.label
+        for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets, plan.draft_workers, plan.draft_transports)
+    ]
     runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats
     total = 1 + (0 if plan.pair_stats_only else runs_per_setting * len(settings))
     results = new_results(plan, args, settings)
     load = results["environment"]["load_average_at_start"]
     if load and load[0] > 0.5 * available_cpus():
-        logger.warning("load average %.2f on %d CPUs: other processes are running, timings will be noisy", load[0], available_cpus())
+        logger.warning(
+            "load average %.2f on %d CPUs: other processes are running, timings will be noisy",
+            load[0],
+            available_cpus(),
+        )
     if plan.draft_workers and "ssd" in plan.modes and max(plan.draft_workers) + 1 > available_cpus():
-        logger.warning("up to %d draft workers beside the target on %d CPUs: the draft workers share cores, so their trees "
-                       "grow slower than with a core each", max(plan.draft_workers), available_cpus())
+        logger.warning(
+            "up to %d draft workers beside the target on %d CPUs: the draft workers share cores, so their trees "
+            "grow slower than with a core each",
+            max(plan.draft_workers),
+            available_cpus(),
+        )
     base = _base_spec(plan)
     results["config"]["prompts"] = base["prompts"]
     # One worker per setting; the pair stats (one thread) ride with the first one-thread setting,
     # which then runs first, or get a worker of their own.
     if plan.contention:
         return _run_contention(plan, args, base)
-    jobs = [] if plan.pair_stats_only else [{"setting": s, "threads": t, "tasks": ["modes"]} for s, t in settings.items()]
+    jobs = (
+        [] if plan.pair_stats_only else [{"setting": s, "threads": t, "tasks": ["modes"]} for s, t in settings.items()]
+    )
     if plan.draft is None:
         logger.warning("no draft model: pair stats skipped")
     else:
@@ -97,7 +110,9 @@ def run(args: argparse.Namespace) -> dict:
             elif event.get("event") == "record":
                 r = event["record"]
                 results["runs"].append(r)
-                bar.set_postfix_str(f"{r['setting']} T={r['temperature']:g} b={r['batch_size']} {r['mode']} #{r.get('repeat', 0) + 1}")
+                bar.set_postfix_str(
+                    f"{r['setting']} T={r['temperature']:g} b={r['batch_size']} {r['mode']} #{r.get('repeat', 0) + 1}"
+                )
                 bar.update(1 if r.get("supported") else plan.repeats)
 
         if plan.draft is None:

@@ -29,17 +29,25 @@ def _contention(spec: dict) -> dict:
     import torch
 
     from ssd.config import EngineArgs
-    from ssd.transport.draft_process import ProcessClient
-    from ssd.model.loader import load_model, load_tokenizer
-    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
-    from ssd.model.runner import target_runner
     from ssd.drafting.saguaro import uniform_fanout
+    from ssd.model.loader import load_model, load_tokenizer
+    from ssd.model.runner import target_runner
+    from ssd.transport.draft_process import ProcessClient
+    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
     from ssd.transport.shm_channel import SPIN_S
 
     assert SLEEP_BEFORE_IDLE_S > SPIN_S
     k, budget, reps, cycles = spec["k"], spec["contention_budget"], spec["contention_reps"], spec["contention_cycles"]
-    config = EngineArgs(target=spec["target"], draft=spec["draft"], mode="ssd", k=k, ssd_budget=budget,
-                        dtype=spec["dtype"], draft_dtype=spec["draft_dtype"], device=spec["device"]).to_config()
+    config = EngineArgs(
+        target=spec["target"],
+        draft=spec["draft"],
+        mode="ssd",
+        k=k,
+        ssd_budget=budget,
+        dtype=spec["dtype"],
+        draft_dtype=spec["draft_dtype"],
+        device=spec["device"],
+    ).to_config()
     tokenizer = load_tokenizer(spec["target"])
     model = load_model(spec["target"], spec["dtype"], spec["device"])
     runner = target_runner(model, spec["device"], True, True)
@@ -56,6 +64,7 @@ def _contention(spec: dict) -> dict:
     client = ProcessClient.spawn(config, vocab)
     round_id = 0
     try:
+
         def admit() -> None:
             client.admit(AdmitMsg([0], [context], [1], [1.0], [0], [1.0]))
 
@@ -126,7 +135,8 @@ def _contention(spec: dict) -> dict:
 def format_contention(stats: dict) -> str:
     lines = [
         f"contention A/B (target verification of K+1 = {stats['k'] + 1} tokens over {stats['context_tokens']} tokens, "
-        f"1 thread; {stats['cycles']} cycles x {stats['reps_per_block']} verifications per arm; drafter tree B = {stats['budget']}):"
+        f"1 thread; {stats['cycles']} cycles x {stats['reps_per_block']} verifications per arm; drafter tree B = "
+        f"{stats['budget']}):"
     ]
     for name, ms in stats["verify_ms_median"].items():
         line = f"  {name:<9} {ms:7.3f} ms"

@@ -71,30 +71,57 @@ class DRun:
 PREDICTORS = ("law", "law per k", "paper's law", "hits only", "empirical")
 
 
-def run_engine(plan: MissLawPlan, target: str, draft: str, temperature: float, workers: int, prompts: list[str]) -> DRun:
+def run_engine(
+    plan: MissLawPlan, target: str, draft: str, temperature: float, workers: int, prompts: list[str]
+) -> DRun:
     from ssd import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=plan.max_tokens, ignore_eos=True, seed=plan.seed + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=plan.max_tokens, ignore_eos=True, seed=plan.seed + i)
+        for i in range(len(prompts))
+    ]
     started = time.perf_counter()
-    with LLM(target, draft, mode="ssd", k=plan.k, ssd_budget=plan.budget, ssd_backup="neural", ssd_reproducible=True,
-             draft_workers=workers, max_num_seqs=plan.batch, num_threads=1, draft_num_threads=1,
-             draft_dtype=plan.draft_dtype, seed=plan.seed) as llm:
+    with LLM(
+        target,
+        draft,
+        mode="ssd",
+        k=plan.k,
+        ssd_budget=plan.budget,
+        ssd_backup="neural",
+        ssd_reproducible=True,
+        draft_workers=workers,
+        max_num_seqs=plan.batch,
+        num_threads=1,
+        draft_num_threads=1,
+        draft_dtype=plan.draft_dtype,
+        seed=plan.seed,
+    ) as llm:
         llm.generate(prompts, params)
         metrics = llm.metrics()
     ssd = metrics["ssd"]
     counts = {int(k): {int(f): list(n) for f, n in c.items()} for k, c in ssd["miss_law_counts"].items()}
     ranks = {int(k): {int(x): n for x, n in c.items()} for k, c in ssd["miss_law_ranks"].items()}
-    return DRun(temperature, workers, list(ssd["fanout"]), counts, ranks, float(metrics.get("cache_hit_rate") or 0.0),
-                float(metrics.get("tokens_per_round") or 0.0), round(time.perf_counter() - started, 1))
+    return DRun(
+        temperature,
+        workers,
+        list(ssd["fanout"]),
+        counts,
+        ranks,
+        float(metrics.get("cache_hit_rate") or 0.0),
+        float(metrics.get("tokens_per_round") or 0.0),
+        round(time.perf_counter() - started, 1),
+    )
 
 
 def _tensors(rows: list[tuple[float, float, float]]):
     import torch
 
     lo, hi, weight = zip(*rows) if rows else ((), (), ())
-    return (torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64),
-            torch.tensor(weight, dtype=torch.float64))
+    return (
+        torch.tensor(lo, dtype=torch.float64),
+        torch.tensor(hi, dtype=torch.float64),
+        torch.tensor(weight, dtype=torch.float64),
+    )
 
 
 def fit_ranks(ranks: dict[int, dict[int, int]], cap: int, intercept: bool = True) -> tuple[float, float]:
@@ -111,7 +138,12 @@ def fit_hits(counts: dict[int, dict[int, list[int]]]) -> tuple[float, float]:
     """(m, r) from hits and misses alone: k -> {F -> [sequence-rounds, in the tree]}."""
     from ssd.drafting.saguaro import fit_miss_law, hit_interval
 
-    rows = [(*hit_interval(f, hit), w) for c in counts.values() for f, (n, t) in c.items() for hit, w in ((True, t), (False, n - t))]
+    rows = [
+        (*hit_interval(f, hit), w)
+        for c in counts.values()
+        for f, (n, t) in c.items()
+        for hit, w in ((True, t), (False, n - t))
+    ]
     return fit_miss_law(*_tensors(rows))
 
 
@@ -122,8 +154,9 @@ def predicted_rate(counts: dict[int, dict[int, list[int]]], p_hit) -> float:
 
 
 def _law(m: float, r: float):
-    from ssd.drafting.saguaro import miss_law_hit_rate
     import torch
+
+    from ssd.drafting.saguaro import miss_law_hit_rate
 
     return lambda k, f: float(miss_law_hit_rate(torch.tensor([f]), m, r)[0])
 
@@ -167,9 +200,17 @@ def analyse(runs: list[DRun]) -> dict[float, dict]:
             r.observed = sum(h for c in r.counts.values() for _, h in c.values()) / max(r.rounds, 1)
             cap = widest(r)
             r.predicted = {name: predicted_rate(r.counts, law) for name, law in predictors(base, cap).items()}
-            fits[r.workers] = {"rank_cap": cap, "law": fit_ranks(base.ranks, cap), "paper_r": fit_ranks(base.ranks, cap, intercept=False)[1]}
-        out[t] = {"fitted_at_workers": base.workers, "hits_only": fit_hits(base.counts), "by_workers": fits,
-                  "within_tolerance": all(abs(r.observed - r.predicted["law"]) <= TOLERANCE for r in at_t)}
+            fits[r.workers] = {
+                "rank_cap": cap,
+                "law": fit_ranks(base.ranks, cap),
+                "paper_r": fit_ranks(base.ranks, cap, intercept=False)[1],
+            }
+        out[t] = {
+            "fitted_at_workers": base.workers,
+            "hits_only": fit_hits(base.counts),
+            "by_workers": fits,
+            "within_tolerance": all(abs(r.observed - r.predicted["law"]) <= TOLERANCE for r in at_t),
+        }
     return out
 
 
@@ -177,18 +218,41 @@ def format_report(runs: list[DRun], fits: dict[float, dict]) -> str:
     lines = []
     for t, fit in fits.items():
         m_h, r_h = fit["hits_only"]
-        lines.append(f"T={t:g}: predictions from the run with D={fit['fitted_at_workers']}; the law 1 - p_hit(F) = m F^-r "
-                     f"fitted on its ranks censored at the predicted run's widest fan-out (on its hits only: "
-                     f"{m_h:.2f} F^-{r_h:.3f})")
-        head = ["D", "fan-out", "seq-rounds", "in tree", "m", "r", *PREDICTORS, "law - in tree", "cache hit rate",
-                "tokens/round", "s"]
+        lines.append(
+            f"T={t:g}: predictions from the run with D={fit['fitted_at_workers']}; the law 1 - p_hit(F) = m F^-r "
+            f"fitted on its ranks censored at the predicted run's widest fan-out (on its hits only: "
+            f"{m_h:.2f} F^-{r_h:.3f})"
+        )
+        head = [
+            "D",
+            "fan-out",
+            "seq-rounds",
+            "in tree",
+            "m",
+            "r",
+            *PREDICTORS,
+            "law - in tree",
+            "cache hit rate",
+            "tokens/round",
+            "s",
+        ]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for r in (r for r in runs if r.temperature == t):
             m, r_ = fit["by_workers"][r.workers]["law"]
-            cells = [str(r.workers), str(r.fanout), str(r.rounds), f"{r.observed:.3f}", f"{m:.2f}", f"{r_:.3f}",
-                     *(f"{r.predicted[name]:.3f}" for name in PREDICTORS), f"{r.predicted['law'] - r.observed:+.3f}",
-                     f"{r.cache_hit_rate:.3f}", f"{r.tokens_per_round:.2f}", f"{r.seconds:.0f}"]
+            cells = [
+                str(r.workers),
+                str(r.fanout),
+                str(r.rounds),
+                f"{r.observed:.3f}",
+                f"{m:.2f}",
+                f"{r_:.3f}",
+                *(f"{r.predicted[name]:.3f}" for name in PREDICTORS),
+                f"{r.predicted['law'] - r.observed:+.3f}",
+                f"{r.cache_hit_rate:.3f}",
+                f"{r.tokens_per_round:.2f}",
+                f"{r.seconds:.0f}",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         verdict = "within" if fit["within_tolerance"] else "NOT within"
         lines.append(f"in-tree rate {verdict} {TOLERANCE} of the law's prediction at every D\n")
@@ -219,8 +283,18 @@ def load_runs(path: str) -> tuple[dict, list[DRun]]:
     for r in doc["runs"]:
         counts = {int(k): {int(f): list(n) for f, n in c.items()} for k, c in r["counts"].items()}
         ranks = {int(k): {int(x): n for x, n in c.items()} for k, c in r["ranks"].items()}
-        runs.append(DRun(r["temperature"], r["workers"], r["fanout"], counts, ranks, r["cache_hit_rate"],
-                         r["tokens_per_round"], r["seconds"]))
+        runs.append(
+            DRun(
+                r["temperature"],
+                r["workers"],
+                r["fanout"],
+                counts,
+                ranks,
+                r["cache_hit_rate"],
+                r["tokens_per_round"],
+                r["seconds"],
+            )
+        )
     return doc["plan"], runs
 
 
@@ -231,7 +305,9 @@ def parse_plan(argv: list[str] | None = None) -> tuple[MissLawPlan, str | None, 
     d = MissLawPlan()
     p.add_argument("--target", default=None, help="target model directory (default: the bundled demo target)")
     p.add_argument("--draft", default=None, help="draft model directory (with --target)")
-    p.add_argument("--workers", type=csv_of(int), default=d.workers, help="D values, comma-separated; the smallest is fitted")
+    p.add_argument(
+        "--workers", type=csv_of(int), default=d.workers, help="D values, comma-separated; the smallest is fitted"
+    )
     p.add_argument("--temperatures", type=csv_of(float), default=d.temperatures, help="comma-separated")
     p.add_argument("--budget", type=int, default=d.budget, help="ssd_budget: branches per worker and row")
     p.add_argument("--k", type=int, default=d.k, help="speculation length K")
@@ -241,11 +317,17 @@ def parse_plan(argv: list[str] | None = None) -> tuple[MissLawPlan, str | None, 
     p.add_argument("--draft-dtype", default=d.draft_dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=None, help="write the runs and fits as JSON here")
-    p.add_argument("--report", default=None, metavar="JSON",
-                   help="run nothing: print the report of the runs in this file (written by --out)")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="run nothing: print the report of the runs in this file (written by --out)",
+    )
     args = p.parse_args(argv)
     if len(args.workers) < 2 or min(args.workers) < 1:
-        p.error(f"--workers {args.workers}: give at least two D values >= 1 (the smallest is fitted, the others predicted)")
+        p.error(
+            f"--workers {args.workers}: give at least two D values >= 1 (the smallest is fitted, the others predicted)"
+        )
     if any(t < 0 for t in args.temperatures):
         p.error(f"--temperatures {args.temperatures}: temperatures must be >= 0")
     if args.draft is not None and args.target is None:
@@ -260,21 +342,37 @@ def main(argv: list[str] | None = None) -> int:
     plan, out, report = parse_plan(argv)
     if report is not None:
         saved, runs = load_runs(report)
-        plan = MissLawPlan(**{**saved, "workers": tuple(saved["workers"]), "temperatures": tuple(saved["temperatures"])})
+        plan = MissLawPlan(
+            **{**saved, "workers": tuple(saved["workers"]), "temperatures": tuple(saved["temperatures"])}
+        )
     else:
-        runs = measure(plan, progress=lambda r: print(f"T={r.temperature:g} D={r.workers}: {r.seconds:.0f} s",
-                                                       file=sys.stderr, flush=True))
+        runs = measure(
+            plan,
+            progress=lambda r: _say(sys.stderr, f"T={r.temperature:g} D={r.workers}: {r.seconds:.0f} s"),
+        )
     fits = analyse(runs)
-    print(f"K {plan.k}, B {plan.budget} branches per worker, {plan.num_prompts} prompts x {plan.max_tokens} tokens, "
-          f"batch {plan.batch}, seed {plan.seed}, ssd_reproducible, neural backup")
-    print(format_report(runs, fits))
+    _say(
+        sys.stdout,
+        f"K {plan.k}, B {plan.budget} branches per worker, {plan.num_prompts} prompts x {plan.max_tokens} tokens, "
+        f"batch {plan.batch}, seed {plan.seed}, ssd_reproducible, neural backup",
+    )
+    _say(sys.stdout, format_report(runs, fits))
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"plan": asdict(plan), "tolerance": TOLERANCE, "fits": {str(t): f for t, f in fits.items()},
-               "runs": [asdict(r) for r in runs]}
+        doc = {
+            "plan": asdict(plan),
+            "tolerance": TOLERANCE,
+            "fits": {str(t): f for t, f in fits.items()},
+            "runs": [asdict(r) for r in runs],
+        }
         Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if all(f["within_tolerance"] for f in fits.values()) else 1
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _say(stream, text: str) -> None:
+    stream.write(text + "\n")
+    stream.flush()

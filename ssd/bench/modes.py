@@ -124,7 +124,9 @@ class EngineRunner:
     def generate(self, prompts: list[str], seeds: list[int], temperature: float, max_tokens: int) -> BatchCounters:
         from ssd.sampling_params import SamplingParams
 
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s) for s in seeds]
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s) for s in seeds
+        ]
         before = self.llm.metrics()
         outputs = self.llm.generate(prompts, params)
         after = self.llm.metrics()
@@ -187,20 +189,34 @@ class Variant:
         return out
 
 
-def variants(modes: list[str], saguaro_c: list[float] | None, budgets: list[int] | None,
-             workers: list[int] | None = None, transports: list[str] | None = None) -> list[Variant]:
+def variants(
+    modes: list[str],
+    saguaro_c: list[float] | None,
+    budgets: list[int] | None,
+    workers: list[int] | None = None,
+    transports: list[str] | None = None,
+) -> list[Variant]:
     """Every mode once, and every SSD mode once per (C, B, D, transport) combination of the sweep."""
     out = []
     for name in modes:
         if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports)):
             out.append(Variant(name, name, {}))
             continue
-        for c, b, d, tr in itertools.product(saguaro_c or [None], budgets or [None], workers or [None], transports or [None]):
-            values = (("saguaro_c", "C", c), ("ssd_budget", "B", b), ("draft_workers", "D", d), ("draft_transport", "tr", tr))
+        for c, b, d, tr in itertools.product(
+            saguaro_c or [None], budgets or [None], workers or [None], transports or [None]
+        ):
+            values = (
+                ("saguaro_c", "C", c),
+                ("ssd_budget", "B", b),
+                ("draft_workers", "D", d),
+                ("draft_transport", "tr", tr),
+            )
             options = {key: v for key, _, v in values if v is not None}
             if b is not None:  # a swept budget is the budget: the sizer would move it
                 options["ssd_autobudget"] = False
-            suffix = "".join(f" {tag}={v:g}" if not isinstance(v, str) else f" {tag}={v}" for _, tag, v in values if v is not None)
+            suffix = "".join(
+                f" {tag}={v:g}" if not isinstance(v, str) else f" {tag}={v}" for _, tag, v in values if v is not None
+            )
             out.append(Variant(name + suffix, name, options))
     return out
 
@@ -230,7 +246,9 @@ class HFAssistedRunner:
         self._instrument()
         pad = self.target.generation_config.pad_token_id
         if pad is None:
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            pad = (
+                self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            )
         self.pad_token_id = pad
 
     def _instrument(self) -> None:
@@ -268,7 +286,11 @@ class HFAssistedRunner:
         if len(prompts) != 1:
             raise ValueError("Hugging Face assisted generation supports batch size 1 only")
         ids = self.tokenizer(prompts[0], add_special_tokens=False, return_tensors="pt").input_ids.to(self.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         torch.manual_seed(seeds[0])
         before = dict(self._stats)
         with torch.inference_mode():
@@ -293,10 +315,22 @@ class HFAssistedRunner:
         pass
 
 
-register_mode(BenchMode("ar", "target only, one token per round (this engine)", engine_mode("ar", needs_draft=False), needs_draft=False))
+register_mode(
+    BenchMode(
+        "ar", "target only, one token per round (this engine)", engine_mode("ar", needs_draft=False), needs_draft=False
+    )
+)
 register_mode(BenchMode("sd", "ordinary speculative decoding (this engine)", engine_mode("sd")))
-register_mode(BenchMode("ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd"), ssd=True))
-register_mode(BenchMode("ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform"), ssd=True))
+register_mode(
+    BenchMode(
+        "ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd"), ssd=True
+    )
+)
+register_mode(
+    BenchMode(
+        "ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform"), ssd=True
+    )
+)
 for _name, _constant, _what in (
     ("hf-assisted", True, "constant K, like sd"),
     ("hf-assisted-default", False, "Hugging Face's default assistant schedule"),

@@ -119,7 +119,11 @@ def _engine_decode_ms(model, role: str, context_ids, spec: dict, sync) -> float:
 
     from ssd.model.runner import draft_runner, target_runner
 
-    runner = target_runner(model, spec["device"], True, True) if role == "target" else draft_runner(model, spec["device"], True)
+    runner = (
+        target_runner(model, spec["device"], True, True)
+        if role == "target"
+        else draft_runner(model, spec["device"], True)
+    )
     cache = runner.new_cache()
     with torch.inference_mode():
         logits = runner.forward(cache, context_ids.cpu())

@@ -94,12 +94,23 @@ def build_pair(root: Path, vocab: int, seed: int = 0) -> tuple[str, str]:
     if vocab <= MIN_VOCAB:
         raise ValueError(f"vocab={vocab}: choose a vocabulary above {MIN_VOCAB} (prompt ids are drawn above it)")
     torch.manual_seed(seed)
-    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                 max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=EOS_ID, bos_token_id=EOS_ID,
-                 pad_token_id=PAD_ID)
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     target = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=4, **shape))
     draft = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=1, **shape))
-    draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, norm, embeddings; the rest is the target's alone
+    draft.load_state_dict(
+        target.state_dict(), strict=False
+    )  # layer 0, norm, embeddings; the rest is the target's alone
     paths = []
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)
@@ -108,21 +119,45 @@ def build_pair(root: Path, vocab: int, seed: int = 0) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def run_case(target: str, draft: str, plan: PayloadPlan, transport: str, sampling: Sampling, batch: int) -> PayloadResult:
+def run_case(
+    target: str, draft: str, plan: PayloadPlan, transport: str, sampling: Sampling, batch: int
+) -> PayloadResult:
     """One engine, one generate() of `batch` requests, its counters."""
     import torch
 
     from ssd import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(plan.seed)
-    prompts = [torch.randint(MIN_VOCAB, plan.vocab, (plan.prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
+    prompts = [
+        torch.randint(MIN_VOCAB, plan.vocab, (plan.prompt_tokens,), generator=gen).tolist() for _ in range(batch)
+    ]
     top_k = plan.top_k if sampling.top_k else 0
-    params = [SamplingParams(temperature=sampling.temperature, top_k=top_k, max_tokens=plan.max_tokens, ignore_eos=True,
-                             seed=plan.seed + i) for i in range(batch)]
+    params = [
+        SamplingParams(
+            temperature=sampling.temperature,
+            top_k=top_k,
+            max_tokens=plan.max_tokens,
+            ignore_eos=True,
+            seed=plan.seed + i,
+        )
+        for i in range(batch)
+    ]
     started = time.perf_counter()
-    with LLM(target, draft, mode="ssd", k=plan.k, ssd_budget=plan.budget, ssd_backup="neural", ssd_reproducible=True,
-             draft_workers=plan.draft_workers, draft_transport=transport, max_num_seqs=batch, num_threads=1,
-             draft_num_threads=1, seed=plan.seed) as llm:
+    with LLM(
+        target,
+        draft,
+        mode="ssd",
+        k=plan.k,
+        ssd_budget=plan.budget,
+        ssd_backup="neural",
+        ssd_reproducible=True,
+        draft_workers=plan.draft_workers,
+        draft_transport=transport,
+        max_num_seqs=batch,
+        num_threads=1,
+        draft_num_threads=1,
+        seed=plan.seed,
+    ) as llm:
         llm.generate(prompts, params)
         metrics = llm.metrics()
     seconds = time.perf_counter() - started
@@ -131,14 +166,21 @@ def run_case(target: str, draft: str, plan: PayloadPlan, transport: str, samplin
     rows = max(metrics["rounds"], 1)
     per_round = sum(sent.get(t, 0) for t in ROUND_TO_WORKERS), sum(received.get(t, 0) for t in ROUND_FROM_WORKERS)
     return PayloadResult(
-        transport=transport, sampling=sampling.name, batch=batch, row_rounds=metrics["rounds"],
-        to_workers_per_row=per_round[0] / rows, from_workers_per_row=per_round[1] / rows,
+        transport=transport,
+        sampling=sampling.name,
+        batch=batch,
+        row_rounds=metrics["rounds"],
+        to_workers_per_row=per_round[0] / rows,
+        from_workers_per_row=per_round[1] / rows,
         dense_row_bytes=plan.k * plan.vocab * 4,
         once_bytes=sum(sent.values()) + sum(received.values()) - sum(per_round),
         branch_probs_bytes=ssd["drafter_branch_probs_bytes"],
         branch_probs_formula=batch * plan.budget * plan.k * plan.vocab * 4,
-        worker_peak_rss_bytes=ssd["drafter_peak_rss_bytes"], hit_rate=metrics.get("cache_hit_rate", 0.0),
-        seconds=round(seconds, 2), sent_by_type=dict(sent), received_by_type=dict(received),
+        worker_peak_rss_bytes=ssd["drafter_peak_rss_bytes"],
+        hit_rate=metrics.get("cache_hit_rate", 0.0),
+        seconds=round(seconds, 2),
+        sent_by_type=dict(sent),
+        received_by_type=dict(received),
     )
 
 
@@ -159,14 +201,37 @@ def measure(plan: PayloadPlan, progress=None) -> list[PayloadResult]:
     return results
 
 
-HEADERS = ("transport", "sampling", "b", "row-rounds", "to workers B/row/rd", "from workers B/row/rd", "dense row (KxVx4)",
-           "branch probs MB", "b*N*K*V*4 MB", "worker peak RSS MB", "hit rate", "s")
+HEADERS = (
+    "transport",
+    "sampling",
+    "b",
+    "row-rounds",
+    "to workers B/row/rd",
+    "from workers B/row/rd",
+    "dense row (KxVx4)",
+    "branch probs MB",
+    "b*N*K*V*4 MB",
+    "worker peak RSS MB",
+    "hit rate",
+    "s",
+)
 
 
 def table_row(r: PayloadResult) -> list[str]:
-    return [r.transport, r.sampling, str(r.batch), str(r.row_rounds), f"{r.to_workers_per_row:,.0f}",
-            f"{r.from_workers_per_row:,.0f}", f"{r.dense_row_bytes:,}", f"{r.branch_probs_bytes / MB:.1f}",
-            f"{r.branch_probs_formula / MB:.1f}", f"{r.worker_peak_rss_bytes / MB:.0f}", f"{r.hit_rate:.2f}", f"{r.seconds:.1f}"]
+    return [
+        r.transport,
+        r.sampling,
+        str(r.batch),
+        str(r.row_rounds),
+        f"{r.to_workers_per_row:,.0f}",
+        f"{r.from_workers_per_row:,.0f}",
+        f"{r.dense_row_bytes:,}",
+        f"{r.branch_probs_bytes / MB:.1f}",
+        f"{r.branch_probs_formula / MB:.1f}",
+        f"{r.worker_peak_rss_bytes / MB:.0f}",
+        f"{r.hit_rate:.2f}",
+        f"{r.seconds:.1f}",
+    ]
 
 
 def format_table(results: list[PayloadResult]) -> str:
@@ -184,8 +249,12 @@ def parse_plan(argv: list[str] | None = None) -> tuple[PayloadPlan, str | None]:
     p = argparse.ArgumentParser(prog="python -m ssd.bench.payload", description=__doc__.split("\n\n")[0])
     d = PayloadPlan()
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size of the random pair")
-    p.add_argument("--transports", type=csv_of(str), default=d.transports, help="draft_transport values, comma-separated")
-    p.add_argument("--samplings", type=csv_of(str), default=d.samplings, help=f"comma-separated, of: {', '.join(SAMPLINGS)}")
+    p.add_argument(
+        "--transports", type=csv_of(str), default=d.transports, help="draft_transport values, comma-separated"
+    )
+    p.add_argument(
+        "--samplings", type=csv_of(str), default=d.samplings, help=f"comma-separated, of: {', '.join(SAMPLINGS)}"
+    )
     p.add_argument("--batch-sizes", type=csv_of(int), default=d.batch_sizes, help="comma-separated")
     p.add_argument("--k", type=int, default=d.k, help="speculation length K")
     p.add_argument("--budget", type=int, default=d.budget, help="branches per worker and row (ssd_budget, fixed)")
@@ -208,13 +277,17 @@ def parse_plan(argv: list[str] | None = None) -> tuple[PayloadPlan, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     plan, out = parse_plan(argv)
-    results = measure(plan, progress=lambda r: print(" | ".join(table_row(r)), file=sys.stderr, flush=True))
-    print(f"vocab {plan.vocab}, K {plan.k}, N {plan.budget} branches per worker, D {plan.draft_workers}, "
-          f"{plan.max_tokens} tokens per request; bytes are wire.py frames, per row and round")
-    print(format_table(results))
+    results = measure(plan, progress=lambda r: sys.stderr.write(" | ".join(table_row(r)) + "\n"))
+    sys.stdout.write(
+        f"vocab {plan.vocab}, K {plan.k}, N {plan.budget} branches per worker, D {plan.draft_workers}, "
+        f"{plan.max_tokens} tokens per request; bytes are wire.py frames, per row and round\n"
+    )
+    sys.stdout.write(format_table(results) + "\n")
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"plan": asdict(plan), "results": [asdict(r) for r in results]}, indent=2) + "\n")
+        Path(out).write_text(
+            json.dumps({"plan": asdict(plan), "results": [asdict(r) for r in results]}, indent=2) + "\n"
+        )
     return 0
 
 

@@ -12,30 +12,132 @@ from ssd.bench.modes import MODES, SETTINGS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `ssd bench` (also accepted by `python -m ssd.bench`)."""
-    parser.add_argument("--target", default=None, help="Target model (local directory or hub id). Default: the bundled demo target.")
-    parser.add_argument("--draft", default=None, help="Draft model with the target's vocabulary. Default: the bundled demo draft (only with the demo target).")
-    parser.add_argument("--k", type=int, default=6, help="Speculation length K (draft tokens per round) for every speculative mode, hf-assisted included.")
-    parser.add_argument("--num-prompts", type=int, default=8, help="Held-out code-completion prompts per run (cycled to fill a batch when fewer).")
-    parser.add_argument("--max-tokens", type=int, default=128, help="Tokens generated per prompt (EOS ignored, so every run generates exactly this many).")
+    parser.add_argument(
+        "--target", default=None, help="Target model (local directory or hub id). Default: the bundled demo target."
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="Draft model with the target's vocabulary. Default: the bundled demo draft (only with the demo target).",
+    )
+    parser.add_argument(
+        "--k",
+        type=int,
+        default=6,
+        help="Speculation length K (draft tokens per round) for every speculative mode, hf-assisted included.",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=8,
+        help="Held-out code-completion prompts per run (cycled to fill a batch when fewer).",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="Tokens generated per prompt (EOS ignored, so every run generates exactly this many).",
+    )
     parser.add_argument("--temperatures", default="0,1", help="Comma-separated sampling temperatures; 0 = greedy.")
-    parser.add_argument("--settings", default="paper,machine", help=f"Comma-separated thread settings, from: {', '.join(f'{s.name} ({s.description})' for s in SETTINGS.values())}.")
-    parser.add_argument("--modes", default="ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default", help=f"Comma-separated decoding modes, from: {', '.join(MODES)}. `ar` is the baseline of the ratio column.")
-    parser.add_argument("--batch-sizes", default="1", help="Comma-separated batch sizes (prompts decoded together); hf-assisted runs at batch size 1 only.")
-    parser.add_argument("--out-dir", default="bench_results", help="Directory for bench.json and bench.png (created if missing).")
-    parser.add_argument("--pair-stats-only", action="store_true", help="Only measure and print the pair stats (decode times, greedy acceptance).")
-    parser.add_argument("--pair-reps", type=int, default=50, help="Timed repetitions of the single-token decode for the pair stats (median reported).")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"], help="dtype of both models in every mode.")
-    parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"], help="dtype of the draft in every mode (default: --dtype); never changes the output's distribution, only acceptance and speed.")
-    parser.add_argument("--device", default="cpu", help="torch device of both models in every mode (cpu, cuda, cuda:1, ...).")
+    parser.add_argument(
+        "--settings",
+        default="paper,machine",
+        help="Comma-separated thread settings, from: "
+        f"{', '.join(f'{s.name} ({s.description})' for s in SETTINGS.values())}.",
+    )
+    parser.add_argument(
+        "--modes",
+        default="ar,sd,ssd,ssd-uniform,hf-assisted,hf-assisted-default",
+        help=f"Comma-separated decoding modes, from: {', '.join(MODES)}. `ar` is the baseline of the ratio column.",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="Comma-separated batch sizes (prompts decoded together); hf-assisted runs at batch size 1 only.",
+    )
+    parser.add_argument(
+        "--out-dir", default="bench_results", help="Directory for bench.json and bench.png (created if missing)."
+    )
+    parser.add_argument(
+        "--pair-stats-only",
+        action="store_true",
+        help="Only measure and print the pair stats (decode times, greedy acceptance).",
+    )
+    parser.add_argument(
+        "--pair-reps",
+        type=int,
+        default=50,
+        help="Timed repetitions of the single-token decode for the pair stats (median reported).",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="dtype of both models in every mode.",
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        default=None,
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="dtype of the draft in every mode (default: --dtype); never changes the output's distribution, only "
+        "acceptance and speed.",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="torch device of both models in every mode (cpu, cuda, cuda:1, ...)."
+    )
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
-    parser.add_argument("--seed", type=int, default=0, help="Base random seed: request i of repeat j is sampled with seed + j*n + i (n requests per run) in every mode.")
-    parser.add_argument("--saguaro-c", default=None, help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows labelled C=...). Default: the engine's default only.")
-    parser.add_argument("--ssd-budget", default=None, help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value with that fixed budget (rows labelled B=...; the adaptive budget is off in those rows). Default: the engine's default (adaptive, at most 16).")
-    parser.add_argument("--draft-workers", default=None, help="Comma-separated numbers D >= 1 of draft workers sharing the speculation tree: every SSD mode runs once per value (rows labelled D=...; each worker builds ssd_budget branches, so the tree covers D times as many). Default: 1. With more workers than free cores the workers share cores, and the output says so.")
-    parser.add_argument("--draft-transports", default=None, help="Comma-separated draft transports (shm, gloo, torch, grpc): every SSD mode runs once per value (rows labelled tr=...), to compare what each costs per round. Default: the engine's default (shm).")
-    parser.add_argument("--contention", action="store_true", help="Only run the contention A/B: the target's verification time with its drafter process idle, building a tree, or spinning (ssd/bench/contention.py).")
-    parser.add_argument("--contention-cycles", type=int, default=20, help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).")
-    parser.add_argument("--repeats", type=int, default=1, help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio as the median over repeats with its range.")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Base random seed: request i of repeat j is sampled with seed + j*n + i (n requests per run) in every "
+        "mode.",
+    )
+    parser.add_argument(
+        "--saguaro-c",
+        default=None,
+        help="Comma-separated Saguaro sampling constants C in [0, 1]: every SSD mode runs once per value (rows "
+        "labelled C=...). Default: the engine's default only.",
+    )
+    parser.add_argument(
+        "--ssd-budget",
+        default=None,
+        help="Comma-separated SSD cache budgets B >= 1: every SSD mode runs once per value with that fixed budget "
+        "(rows labelled B=...; the adaptive budget is off in those rows). Default: the engine's default "
+        "(adaptive, at most 16).",
+    )
+    parser.add_argument(
+        "--draft-workers",
+        default=None,
+        help="Comma-separated numbers D >= 1 of draft workers sharing the speculation tree: every SSD mode runs once "
+        "per value (rows labelled D=...; each worker builds ssd_budget branches, so the tree covers D times as "
+        "many). Default: 1. With more workers than free cores the workers share cores, and the output says so.",
+    )
+    parser.add_argument(
+        "--draft-transports",
+        default=None,
+        help="Comma-separated draft transports (shm, gloo, torch, grpc): every SSD mode runs once per value (rows "
+        "labelled tr=...), to compare what each costs per round. Default: the engine's default (shm).",
+    )
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="Only run the contention A/B: the target's verification time with its drafter process idle, building a "
+        "tree, or spinning (ssd/bench/contention.py).",
+    )
+    parser.add_argument(
+        "--contention-cycles",
+        type=int,
+        default=20,
+        help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Run every mode this many times, interleaved (mode after mode, then again); report each figure and ratio "
+        "as the median over repeats with its range.",
+    )
 
 
 def _split(text: str, name: str) -> list[str]:
@@ -80,7 +182,10 @@ def demo_pair() -> tuple[str, str]:
     target, draft = str(DEMO_MODELS_DIR / "target"), str(DEMO_MODELS_DIR / "draft")
     missing = [p for p in (target, draft) if not Path(p).exists()]
     if missing:
-        raise ValueError(f"the bundled demo pair is missing ({', '.join(missing)}): run `ssd build-demo-models` first, or pass --target/--draft")
+        raise ValueError(
+            f"the bundled demo pair is missing ({', '.join(missing)}): run `ssd build-demo-models` first, or "
+            "pass --target/--draft"
+        )
     return target, draft
 
 
@@ -111,7 +216,9 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     if get("contention", False) and draft is None:
         raise ValueError("--contention needs a draft model: pass --draft")
     if draft is None and any(MODES[m].needs_draft for m in modes):
-        raise ValueError(f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar")
+        raise ValueError(
+            f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar"
+        )
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
     workers = None
     if get("draft_workers") is not None:
@@ -129,8 +236,14 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
             raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
     repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
-    for name, value in (("k", k), ("num-prompts", num_prompts), ("max-tokens", max_tokens), ("pair-reps", reps), ("repeats", repeats),
-                        ("contention-cycles", cycles)):
+    for name, value in (
+        ("k", k),
+        ("num-prompts", num_prompts),
+        ("max-tokens", max_tokens),
+        ("pair-reps", reps),
+        ("repeats", repeats),
+        ("contention-cycles", cycles),
+    ):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     return BenchPlan(

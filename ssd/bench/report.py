@@ -21,9 +21,15 @@ logger = logging.getLogger(__name__)
 JSON_VERSION = 1
 DEFINITIONS = {
     "tokens_per_s": "generated tokens / wall time of the timed generate calls (after one untimed warm-up per mode)",
-    "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature, batch size and repeat (median over repeats)",
-    "ratio_to_sd": "tokens_per_s / tokens_per_s of sd with the same setting, temperature, batch size and repeat (median over repeats)",
-    "repeats": "timed runs of the mode, interleaved with the other modes; every figure in MEDIAN_FIELDS is the median over them",
+    "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature, batch size "
+    "and repeat (median over "
+    "repeats)",
+    "ratio_to_sd": "tokens_per_s / tokens_per_s of sd with the same setting, temperature, batch size "
+    "and repeat (median over "
+    "repeats)",
+    "repeats": "timed runs of the mode, interleaved with the other modes; every figure in "
+    "MEDIAN_FIELDS is the median over "
+    "them",
     "range": "[min, max] over the repeats of each median figure",
     "per_repeat": "each median figure's values, in repeat order",
     "acceptance_rate": "accepted draft tokens / draft tokens offered (engine modes)",
@@ -34,8 +40,11 @@ DEFINITIONS = {
     "draft_ms_per_round": "drafting time / rounds (hf-assisted: time in the candidate generator)",
     "verify_ms_per_round": "target verification time / rounds (not measured for hf-assisted)",
     "counters": "growth of the engine's integer metrics over the run (engine modes only)",
-    "cache_hit_rate": "SSD: rows served from the speculation cache / all SSD rows (first rounds of a sequence are misses)",
-    "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the steps in which every row hit)",
+    "cache_hit_rate": "SSD: rows served from the speculation cache / all SSD rows (first rounds of a "
+    "sequence are misses)",
+    "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the "
+    "steps in which every row "
+    "hit)",
     "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p",
 }
 
@@ -100,13 +109,16 @@ def _ordered(records: list[dict], order: dict[str, list] | None = None) -> list[
     (default: first seen)."""
     fields = ("setting", "temperature", "batch_size", "mode")
     order = order or {}
-    rank = {f: {v: i for i, v in enumerate(dict.fromkeys([*order.get(f, []), *(r[f] for r in records)]))} for f in fields}
+    rank = {
+        f: {v: i for i, v in enumerate(dict.fromkeys([*order.get(f, []), *(r[f] for r in records)]))} for f in fields
+    }
     return sorted(records, key=lambda r: tuple(rank[f][r[f]] for f in fields))
 
 
 def _add_ratios(records: list[dict]) -> None:
     """ratio_to_ar and ratio_to_sd of every record, against the baseline run of the same setting,
     temperature, batch size and repeat (paired: both measured minutes apart at most)."""
+
     def key(r: dict) -> tuple:
         return r["setting"], r["temperature"], r["batch_size"], r.get("repeat", 0)
 
@@ -120,9 +132,19 @@ def _add_ratios(records: list[dict]) -> None:
 
 # Figures reported as the median over repeats, with their range.
 MEDIAN_FIELDS = (
-    "tokens_per_s", "ratio_to_ar", "ratio_to_sd", "decode_tokens_per_s", "mean_accepted_per_round", "acceptance_rate",
-    "tokens_per_round", "draft_ms_per_round", "verify_ms_per_round", "cache_hit_rate", "upper_bound_tokens_per_s",
-    "fraction_of_bound", "wall_s",
+    "tokens_per_s",
+    "ratio_to_ar",
+    "ratio_to_sd",
+    "decode_tokens_per_s",
+    "mean_accepted_per_round",
+    "acceptance_rate",
+    "tokens_per_round",
+    "draft_ms_per_round",
+    "verify_ms_per_round",
+    "cache_hit_rate",
+    "upper_bound_tokens_per_s",
+    "fraction_of_bound",
+    "wall_s",
 )
 
 
@@ -166,7 +188,9 @@ def write_results(results: dict, out_dir: Path) -> None:
         results["files"]["png"] = str(png_path)
         sys.stdout.write(format_table(results["runs"]) + "\n")
     json_path.write_text(json.dumps(results, indent=2) + "\n")
-    logger.info("wrote %s%s in %.1f s", json_path, f" and {png_path}" if results["files"]["png"] else "", results["elapsed_s"])
+    logger.info(
+        "wrote %s%s in %.1f s", json_path, f" and {png_path}" if results["files"]["png"] else "", results["elapsed_s"]
+    )
 
 
 # ---- text and plot ------------------------------------------------------------------------------
@@ -182,14 +206,18 @@ def format_pair_stats(stats: dict | None) -> str:
     return "\n".join(
         [
             f"pair stats (1 thread, {stats['context_tokens']}-token context, median of {stats['reps']}):",
-            f"  decode ms/token, Hugging Face forward: target {stats['target_decode_ms']:.3f}, draft {stats['draft_decode_ms']:.3f}"
+            f"  decode ms/token, Hugging Face forward: target {stats['target_decode_ms']:.3f}, draft "
+            f"{stats['draft_decode_ms']:.3f}"
             f" (target/draft {stats['target_to_draft_ratio']:.2f}x)",
             f"  decode ms/token, engine forward (lean, packed target): target {stats['target_decode_ms_engine']:.3f},"
             f" draft {stats['draft_decode_ms_engine']:.3f} (target/draft {stats['target_to_draft_ratio_engine']:.2f}x)",
-            f"  greedy per-token acceptance {stats['greedy_acceptance']:.3f} over {stats['acceptance_positions']} positions"
+            f"  greedy per-token acceptance {stats['greedy_acceptance']:.3f} over "
+            f"{stats['acceptance_positions']} positions"
             f" (per prompt: {', '.join(f'{a:.2f}' for a in stats['greedy_acceptance_per_prompt'])})",
-            f"  greedy SD along the target's path, K={stats['k']}: {stats['greedy_sd_mean_accepted_per_round']:.2f} accepted,"
-            f" {stats['greedy_sd_tokens_per_round']:.2f} tokens per round (i.i.d. model: {stats['iid_tokens_per_round']:.2f})",
+            f"  greedy SD along the target's path, K={stats['k']}: "
+            f"{stats['greedy_sd_mean_accepted_per_round']:.2f} accepted,"
+            f" {stats['greedy_sd_tokens_per_round']:.2f} tokens per round (i.i.d. model: "
+            f"{stats['iid_tokens_per_round']:.2f})",
         ]
     )
 
@@ -231,7 +259,10 @@ def format_table(records: list[dict]) -> str:
             rows.append([cell(r) for _, cell in columns[:5]] + ["unsupported"] + [""] * (len(columns) - 6))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     left = {0, 4}  # text columns
-    line = lambda cells: "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     out = [line(headers), "  ".join("-" * w for w in widths)]
     previous = None
     for r, cells in zip(records, rows):
@@ -293,5 +324,7 @@ def write_plot(results: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=7, ncols=2 if len(modes) > 6 else 1)
     cfg = results["config"]
     repeats = f", median of {cfg['repeats']} interleaved repeats" if cfg.get("repeats", 1) > 1 else ""
-    fig.suptitle(f"ssd bench: K={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens{repeats}", fontsize=10)
+    fig.suptitle(
+        f"ssd bench: K={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens{repeats}", fontsize=10
+    )
     fig.savefig(path, dpi=110)

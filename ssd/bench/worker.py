@@ -57,7 +57,13 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
     )
     max_tokens, seed = spec["max_tokens"], spec["seed"]
     runners: dict[str, object] = {}
-    todo = variants(spec["modes"], spec.get("saguaro_c"), spec.get("ssd_budgets"), spec.get("draft_workers"), spec.get("draft_transports"))
+    todo = variants(
+        spec["modes"],
+        spec.get("saguaro_c"),
+        spec.get("ssd_budgets"),
+        spec.get("draft_workers"),
+        spec.get("draft_transports"),
+    )
     try:
         for v in todo:
             if any(MODES[v.mode].supports(b) for b in spec["batch_sizes"]):
@@ -69,12 +75,28 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
             for temperature in spec["temperatures"]:
                 for batch_size in spec["batch_sizes"]:
                     for v in todo:
-                        record = {"setting": spec["setting"], "threads": spec["threads"], "mode": v.label, **v.record,
-                                  "temperature": temperature, "batch_size": batch_size, "repeat": repeat}
+                        record = {
+                            "setting": spec["setting"],
+                            "threads": spec["threads"],
+                            "mode": v.label,
+                            **v.record,
+                            "temperature": temperature,
+                            "batch_size": batch_size,
+                            "repeat": repeat,
+                        }
                         runner = runners.get(v.label)
                         if runner is None or not MODES[v.mode].supports(batch_size):
                             if repeat == 0:
-                                emit({"event": "record", "record": {**record, "supported": False, "reason": MODES[v.mode].unsupported_reason}})
+                                emit(
+                                    {
+                                        "event": "record",
+                                        "record": {
+                                            **record,
+                                            "supported": False,
+                                            "reason": MODES[v.mode].unsupported_reason,
+                                        },
+                                    }
+                                )
                             continue
                         summary = _timed(runner, prompts, batch_size, seed, repeat, temperature, max_tokens)
                         emit({"event": "record", "record": {**record, **summary}})
@@ -85,7 +107,9 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
         gc.collect()
 
 
-def _timed(runner, prompts: list[str], batch_size: int, seed: int, repeat: int, temperature: float, max_tokens: int) -> dict:
+def _timed(
+    runner, prompts: list[str], batch_size: int, seed: int, repeat: int, temperature: float, max_tokens: int
+) -> dict:
     """One timed run of a runner over the prompts, in batches of batch_size. Request i of repeat
     j has seed seed + j n + i: every mode of a repeat samples with the same seeds, and each
     repeat samples new continuations (at T > 0 one continuation's acceptance is a noisy draw,
@@ -139,7 +163,9 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
         "rounds": rounds,
         "accepted_tokens": accepted,
         "mean_accepted_per_round": per_round(accepted),
-        "acceptance_rate": round(accepted / counters["draft_tokens"], 4) if accepted is not None and counters.get("draft_tokens") else None,
+        "acceptance_rate": round(accepted / counters["draft_tokens"], 4)
+        if accepted is not None and counters.get("draft_tokens")
+        else None,
         "tokens_per_round": per_round(generated),
         # Engine modes: tokens per second of the engine's steps alone (prefill excluded).
         "decode_tokens_per_s": round(generated / step_s, 3) if step_s else None,
@@ -181,7 +207,10 @@ def worker_main(spec_path: str) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     spec = json.loads(Path(spec_path).read_text())
-    logging.basicConfig(level=spec.get("log_level", logging.WARNING), format=f"%(asctime)s %(levelname)s [bench worker {spec['setting']}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.get("log_level", logging.WARNING),
+        format=f"%(asctime)s %(levelname)s [bench worker {spec['setting']}] %(name)s: %(message)s",
+    )
     _watch_parent()
 
     def emit(event: dict) -> None:
@@ -227,7 +256,9 @@ def _spawn(spec: dict, on_event: Callable[[dict], None]) -> None:
     """Run one worker with its thread budget in the environment; kill it if we stop early."""
     threads = str(spec["threads"])
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false"
+    )
     package_root = str(Path(__file__).resolve().parents[2])  # the directory holding ssd/
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="ssd-bench-") as tmp:
@@ -249,9 +280,16 @@ def _run_worker(cmd: list[str], env: dict, spec: dict, on_event: Callable[[dict]
             if event.get("event") == "error":
                 error = event
             elif event.get("event") == "started":
-                logger.info("worker %s: torch %s, %d threads", spec["setting"], event["torch_version"], event["torch_threads"])
+                logger.info(
+                    "worker %s: torch %s, %d threads", spec["setting"], event["torch_version"], event["torch_threads"]
+                )
                 if event["torch_threads"] != spec["threads"]:
-                    logger.warning("worker %s asked for %d threads but torch uses %d", spec["setting"], spec["threads"], event["torch_threads"])
+                    logger.warning(
+                        "worker %s asked for %d threads but torch uses %d",
+                        spec["setting"],
+                        spec["threads"],
+                        event["torch_threads"],
+                    )
                 on_event(event)
             else:
                 on_event(event)

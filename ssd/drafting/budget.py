@@ -46,7 +46,9 @@ class BudgetSizer:
             self.c0, self.c1 = fit
             wanted = (self.target - self.c0) / self.c1
         # Damped move: single rounds are noisy (other processes, cache effects).
-        self.budget = min(float(self.max_budget), max(float(self.min_budget), self.budget + 0.3 * (wanted - self.budget)))
+        self.budget = min(
+            float(self.max_budget), max(float(self.min_budget), self.budget + 0.3 * (wanted - self.budget))
+        )
         return self.budget
 
     def _fit(self) -> tuple[float, float] | None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ssd.model.runner import ModelRunner
+from ssd.drafting.speculation import RoundOutcome, Speculation
 from ssd.engine.sampling import BatchSampling, process_logits, sample_from
 from ssd.engine.sequence import Sequence
-from ssd.drafting.speculation import RoundOutcome, Speculation
+from ssd.model.runner import ModelRunner
 
 
 class DraftModelProposer:
@@ -60,9 +60,7 @@ class DraftModelProposer:
             probs.append(p)
             if i < k - 1:
                 step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))
-        return Speculation(
-            torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long)
-        )
+        return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         pass  # nothing to overlap: drafting happens in propose()

@@ -31,19 +31,27 @@ The drafter keeps its own KV cache of committed tokens only; tree columns live f
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
-from ssd.model.kv_cache import additive_mask
-from ssd.transport.messages import RANK_DEPTH, AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ResolveMsg, SpeculationReply
-from ssd.model.runner import ModelRunner
-from ssd.engine.sampling import BatchSampling, sample_from
 from ssd.drafting.saguaro import row_fanout, saguaro_probs
+from ssd.engine.sampling import BatchSampling, sample_from
+from ssd.model.kv_cache import additive_mask
+from ssd.model.runner import ModelRunner
+from ssd.transport.messages import (
+    RANK_DEPTH,
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
 
 
 @dataclass
@@ -79,7 +87,13 @@ class Drafter:
     """Plain class (no Ray, no process): the channel layer decides where it runs."""
 
     def __init__(
-        self, runner: ModelRunner, target_vocab: int, k: int, saguaro_c: float = 1.0, shard: int = 0, num_shards: int = 1
+        self,
+        runner: ModelRunner,
+        target_vocab: int,
+        k: int,
+        saguaro_c: float = 1.0,
+        shard: int = 0,
+        num_shards: int = 1,
     ) -> None:
         assert 0 <= shard < num_shards
         self.runner = runner
@@ -182,7 +196,9 @@ class Drafter:
         # Fork: branch n of row r belongs to outcome j_rn and starts with candidate token t_rn.
         # A row whose speculation is shorter than K spends the budget on the outcomes it can have.
         row_fan = [row_fanout(fanout, len(spec[r]), self.jit.target_vocab) for r in range(b)]
-        j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)[:, share]  # [b, N_own]
+        j_of = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)[
+            :, share
+        ]  # [b, N_own]
         cand, branch_index, ranked = self._fork(glue_logits, msg.spec_tokens, spec, row_fan)
         cand = cand[:, share]
 
@@ -213,7 +229,9 @@ class Drafter:
                 self.cache, feed, positions=positions, attn_mask=tree_mask[..., : tree_start + (d + 1) * n_branches]
             )
             probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
-            probs = saguaro_probs(probs, fan_t[d].expand(b, n_branches), self.saguaro_c) if self.saguaro_c < 1 else probs
+            probs = (
+                saguaro_probs(probs, fan_t[d].expand(b, n_branches), self.saguaro_c) if self.saguaro_c < 1 else probs
+            )
             feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
             out_tokens.append(feed)
             out_probs.append(probs)
@@ -227,8 +245,16 @@ class Drafter:
         now = time.perf_counter()
         build = (tree_started - started) + (now - tree_started) * k / depth
         self.round = _Round(
-            seq_ids, spec, branch_index, torch.stack(out_tokens, -1), torch.stack(out_probs, 2), fanout, ranked, build,
-            depth, (undo_states, pending_lens) if stale is not None else None,
+            seq_ids,
+            spec,
+            branch_index,
+            torch.stack(out_tokens, -1),
+            torch.stack(out_probs, 2),
+            fanout,
+            ranked,
+            build,
+            depth,
+            (undo_states, pending_lens) if stale is not None else None,
         )
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, self.round.probs.nbytes)
         return True
@@ -260,7 +286,12 @@ class Drafter:
             return None
         committed = [len(self.states[s].tokens) for s in reply.seq_ids]  # resolve() has added the round's tokens
         return BeginRoundMsg(
-            resolve.round_id + 1, list(reply.seq_ids), reply.tokens.clone(), reply.num_draft.clone(), list(resolve.next_fanout), committed
+            resolve.round_id + 1,
+            list(reply.seq_ids),
+            reply.tokens.clone(),
+            reply.num_draft.clone(),
+            list(resolve.next_fanout),
+            committed,
         )
 
     @staticmethod
@@ -275,9 +306,13 @@ class Drafter:
         k = k1 - 1
         lens = torch.tensor([len(x) for x in spec])
         drafted = torch.zeros(b, k1, vocab, dtype=torch.bool)
-        drafted[:, :k].scatter_(-1, spec_tokens[:, :k].long().unsqueeze(-1), (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1))
+        drafted[:, :k].scatter_(
+            -1, spec_tokens[:, :k].long().unsqueeze(-1), (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1)
+        )
         widest = max(max(f) for f in row_fan)
-        ranked = glue_logits.masked_fill(drafted, float("-inf")).topk(min(max(widest, RANK_DEPTH), vocab), dim=-1).indices
+        ranked = (
+            glue_logits.masked_fill(drafted, float("-inf")).topk(min(max(widest, RANK_DEPTH), vocab), dim=-1).indices
+        )
         top = ranked[..., :widest].tolist()  # [b][K+1][widest]
         cand, branch_index = [], []
         for r in range(b):
@@ -328,7 +363,15 @@ class Drafter:
             tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
             num_draft = torch.where(covered, num_draft, k)
         return SpeculationReply(
-            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, build_seconds, dataclasses.replace(self.counters), covered,
+            msg.round_id,
+            msg.seq_ids,
+            hit,
+            tokens,
+            probs,
+            num_draft,
+            build_seconds,
+            dataclasses.replace(self.counters),
+            covered,
             rank,
         )
 
@@ -338,8 +381,13 @@ class Drafter:
         spec = self.draft_now(list(msg.seq_ids), list(msg.need))
         b = len(msg.seq_ids)
         return SpeculationReply(
-            round_id=msg.round_id, seq_ids=msg.seq_ids, hit=torch.zeros(b, dtype=torch.bool),
-            tokens=spec.tokens, probs=spec.probs, num_draft=spec.num_draft, counters=dataclasses.replace(self.counters),
+            round_id=msg.round_id,
+            seq_ids=msg.seq_ids,
+            hit=torch.zeros(b, dtype=torch.bool),
+            tokens=spec.tokens,
+            probs=spec.probs,
+            num_draft=spec.num_draft,
+            counters=dataclasses.replace(self.counters),
         )
 
     @torch.inference_mode()

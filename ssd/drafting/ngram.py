@@ -55,7 +55,9 @@ class NgramIndex:
         return []
 
 
-def fast_speculation(index: NgramIndex, k: int, vocab: int, generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+def fast_speculation(
+    index: NgramIndex, k: int, vocab: int, generator: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
     """-> (k proposed tokens, one-hot probs [k, vocab]); random tokens fill what lookup lacks."""
     found = index.lookup(k)
     if len(found) < k:

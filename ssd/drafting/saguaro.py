@@ -123,8 +123,13 @@ def rank_interval(rank: int, cap: int) -> tuple[float, float]:
     return (float(cap), math.inf) if rank >= cap else (float(rank), float(rank) + 1)
 
 
-def fit_miss_law(lo: torch.Tensor, hi: torch.Tensor, weight: torch.Tensor | None = None,
-                 r_prior: float = R_PRIOR, intercept: bool = True) -> tuple[float, float]:
+def fit_miss_law(
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    r_prior: float = R_PRIOR,
+    intercept: bool = True,
+) -> tuple[float, float]:
     """Grid maximum likelihood of (m, r) in 1 - p_hit(F) = m F^(-r), i.e. P(rank >= F) = m F^(-r)
     for the bonus token's rank among the candidates (F >= 1): m in 0.01..1 (1 alone without
     `intercept`: the paper's law), r in 0.025..3, with a weak Gaussian prior on r at r_prior
@@ -145,7 +150,9 @@ def fit_miss_law(lo: torch.Tensor, hi: torch.Tensor, weight: torch.Tensor | None
     # 1-D unique is several times faster than torch.unique(dim=0).
     keys, index = torch.unique(lo * 2**20 + hi.clamp(max=2**20 - 1), return_inverse=True)  # [U], [n]
     ends = keys.remainder(2**20)
-    pairs = torch.stack([keys.div(2**20, rounding_mode="floor"), torch.where(ends == 2**20 - 1, math.inf, ends)], 1)  # [U, 2]
+    pairs = torch.stack(
+        [keys.div(2**20, rounding_mode="floor"), torch.where(ends == 2**20 - 1, math.inf, ends)], 1
+    )  # [U, 2]
     w = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, index, weight)  # [U]
     # Coarse grid, then a fine one around its best: the answer of the full fine grid
     # (m step 0.01, r step 0.025) unless the likelihood has two far-apart peaks.
@@ -161,8 +168,11 @@ def _steps(start: float, step: float, stop: float) -> torch.Tensor:
     return torch.arange(round(start / step), round(stop / step) + 1, dtype=torch.float64) * step
 
 
-def _best(pairs: torch.Tensor, w: torch.Tensor, m_grid: torch.Tensor, r_grid: torch.Tensor, r_prior: float) -> tuple[float, float]:
+def _best(
+    pairs: torch.Tensor, w: torch.Tensor, m_grid: torch.Tensor, r_grid: torch.Tensor, r_prior: float
+) -> tuple[float, float]:
     """The (m, r) of the grids with the largest log-likelihood plus prior. pairs [U, 2], w [U]."""
+
     def survival(x: torch.Tensor) -> torch.Tensor:  # P(rank >= x), [Gm, Gr, U]
         power = m_grid[:, None, None] * torch.exp(-r_grid[None, :, None] * x.clamp(min=1).log()[None, None, :])
         return torch.where(x == 0, torch.ones_like(power), torch.where(torch.isinf(x), torch.zeros_like(power), power))
@@ -232,8 +242,16 @@ def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_b
     return (p_hit * e_hit + (1 - p_hit) * e_miss) / (p_hit * max(1.0, t_primary) + (1 - p_hit) * (1 + t_backup))
 
 
-def prefer_fast_backup(batch: int, p_hit: float, e_hit: float, e_neural: float, t_neural: float,
-                       e_fast: float, t_fast: float, t_primary: float) -> bool:
+def prefer_fast_backup(
+    batch: int,
+    p_hit: float,
+    e_hit: float,
+    e_neural: float,
+    t_neural: float,
+    e_fast: float,
+    t_fast: float,
+    t_primary: float,
+) -> bool:
     """Theorem 17: a round skips drafting only if all `batch` sequences hit (p_hit^batch); pick
     the backup whose speedup model is larger at this batch size."""
     p_all = p_hit**batch
@@ -242,8 +260,16 @@ def prefer_fast_backup(batch: int, p_hit: float, e_hit: float, e_neural: float, 
     return fast > neural
 
 
-def backup_threshold(p_hit: float, e_hit: float, e_neural: float, t_neural: float,
-                     e_fast: float, t_fast: float, t_primary: float, max_batch: int = 1024) -> int | None:
+def backup_threshold(
+    p_hit: float,
+    e_hit: float,
+    e_neural: float,
+    t_neural: float,
+    e_fast: float,
+    t_fast: float,
+    t_primary: float,
+    max_batch: int = 1024,
+) -> int | None:
     """b*: the smallest batch size at which the fast backup wins (None if it never does)."""
     for b in range(1, max_batch + 1):
         if prefer_fast_backup(b, p_hit, e_hit, e_neural, t_neural, e_fast, t_fast, t_primary):

@@ -17,13 +17,28 @@ from dataclasses import dataclass
 import torch
 
 from ssd.drafting.budget import BudgetSizer
-from ssd.transport.channel import DraftClient, DrafterUnavailable
-from ssd.transport.messages import RANK_DEPTH, AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.drafting.ngram import NgramIndex, fast_speculation
-from ssd.drafting.saguaro import OnlineEstimates, row_fanout, backup_threshold, geometric_fanout, prefer_fast_backup, uniform_fanout
+from ssd.drafting.saguaro import (
+    OnlineEstimates,
+    backup_threshold,
+    geometric_fanout,
+    prefer_fast_backup,
+    row_fanout,
+    uniform_fanout,
+)
+from ssd.drafting.speculation import RoundOutcome, Source, Speculation
 from ssd.engine.sampling import BatchSampling
 from ssd.engine.sequence import Sequence
-from ssd.drafting.speculation import RoundOutcome, Source, Speculation
+from ssd.transport.channel import DraftClient, DrafterUnavailable
+from ssd.transport.messages import (
+    RANK_DEPTH,
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ReleaseMsg,
+    ResolveMsg,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +117,21 @@ class SSDProposer:
 
     def add(self, seqs: list[Sequence]) -> None:
         for s in seqs:
-            self.backup_rng[s.seq_id] = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=s.generator)))
+            self.backup_rng[s.seq_id] = torch.Generator().manual_seed(
+                int(torch.randint(2**62, (1,), generator=s.generator))
+            )
             self.ngram[s.seq_id] = NgramIndex()  # filled on first use: most rows never need it
         self.order.extend(s.seq_id for s in seqs)
         if self.dead:
             return
         p = [s.params for s in seqs]
         msg = AdmitMsg(
-            [s.seq_id for s in seqs], [list(s.prompt_ids) for s in seqs],
+            [s.seq_id for s in seqs],
+            [list(s.prompt_ids) for s in seqs],
             [int(torch.randint(2**62, (1,), generator=self.backup_rng[s.seq_id])) for s in seqs],
-            [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
+            [x.temperature for x in p],
+            [x.top_k for x in p],
+            [x.top_p for x in p],
         )
         self._call(lambda: self.client.admit(msg))
 
@@ -149,17 +169,23 @@ class SSDProposer:
         ids = [s.seq_id for s in seqs]
         missing = [r for r, s in enumerate(seqs) if s.seq_id not in self.prepared]
         if missing and not self.dead and self.last_backup == "neural":
-            reply = self._call(lambda: self.client.draft_now(DraftNowMsg(self.round_id, ids, [s.seq_id not in self.prepared for s in seqs])))
+            reply = self._call(
+                lambda: self.client.draft_now(
+                    DraftNowMsg(self.round_id, ids, [s.seq_id not in self.prepared for s in seqs])
+                )
+            )
             if reply is not None:
                 for r in missing:
                     if int(reply.num_draft[r]) > 0:  # 0: no drafter could answer (the pool is refilling)
                         self.prepared[ids[r]] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
-        for r, s in enumerate(seqs):
+        for s in seqs:
             if s.seq_id not in self.prepared:
                 self.prepared[s.seq_id] = self._fast(s)
         chosen = [self.prepared.pop(i) for i in ids]
         num_draft = torch.tensor([min(len(c.tokens), k) for c in chosen], dtype=torch.long)  # [b]
-        tokens = torch.tensor([c.tokens[:k] + [0] * (k - len(c.tokens[:k])) for c in chosen], dtype=torch.long)  # [b, k]
+        tokens = torch.tensor(
+            [c.tokens[:k] + [0] * (k - len(c.tokens[:k])) for c in chosen], dtype=torch.long
+        )  # [b, k]
         probs = torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
         spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         if not self.dead:
@@ -178,7 +204,11 @@ class SSDProposer:
         self.last_backup = self._choose_backup(len(seqs))
         self.next_fanout = self._fanout()
         self._resolve = ResolveMsg(
-            self.round_id, [s.seq_id for s in seqs], outcome.num_accepted, outcome.bonus_tokens, self.last_backup == "neural",
+            self.round_id,
+            [s.seq_id for s in seqs],
+            outcome.num_accepted,
+            outcome.bonus_tokens,
+            self.last_backup == "neural",
             self.next_fanout,
         )
         self._call(lambda: self.client.resolve(self._resolve))
@@ -200,7 +230,9 @@ class SSDProposer:
         cap = min(RANK_DEPTH, sum(self.fanout))  # no fan-out of this round reaches past its whole budget
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
-            {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(source, self.e_hit).update(accepted[r] + 1)
+            {Source.CACHE: self.e_hit, Source.NEURAL: self.e_neural, Source.FAST: self.e_fast}.get(
+                source, self.e_hit
+            ).update(accepted[r] + 1)
             # a is the draft model's acceptance: n-gram and random tokens say nothing about it.
             if source != Source.FAST:
                 self.estimates.observe_round(accepted[r], drafted[r])
@@ -217,7 +249,9 @@ class SSDProposer:
         for r, s in enumerate(seqs):
             if hit[r]:
                 hits += 1
-                self.prepared[s.seq_id] = _Prepared(reply.tokens[r, : int(reply.num_draft[r])].tolist(), reply.probs[r], Source.CACHE)
+                self.prepared[s.seq_id] = _Prepared(
+                    reply.tokens[r, : int(reply.num_draft[r])].tolist(), reply.probs[r], Source.CACHE
+                )
             elif reply is not None and int(reply.num_draft[r]) > 0:
                 self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
         if reply is not None:
@@ -275,8 +309,13 @@ class SSDProposer:
         build at B = 1 (the sizer's fixed share, else the measured build ratio)."""
         t_neural_guess = self.sizer.c0 if self.sizer.c0 is not None else self.build_ratio.or_else(self.t_neural.value)
         return (
-            self.p_hit.value, self.e_hit.value, self.e_neural.or_else(self.e_hit.value),
-            self.t_neural.or_else(max(t_neural_guess, 0.0)), self.e_fast.value, self.t_fast.value, self.t_primary.value,
+            self.p_hit.value,
+            self.e_hit.value,
+            self.e_neural.or_else(self.e_hit.value),
+            self.t_neural.or_else(max(t_neural_guess, 0.0)),
+            self.e_fast.value,
+            self.t_fast.value,
+            self.t_primary.value,
         )
 
     def _choose_backup(self, batch: int) -> str:
@@ -295,7 +334,9 @@ class SSDProposer:
             "acceptance_estimate": round(self.estimates.a, 4),
             "miss_exponent_estimate": round(self.estimates.r, 4),
             "miss_intercept_estimate": round(self.estimates.m, 4),
-            "miss_law_counts": {k: {f: list(n) for f, n in sorted(c.items())} for k, c in sorted(self.miss_law_counts.items())},
+            "miss_law_counts": {
+                k: {f: list(n) for f, n in sorted(c.items())} for k, c in sorted(self.miss_law_counts.items())
+            },
             "miss_law_ranks": {k: dict(sorted(c.items())) for k, c in sorted(self.miss_law_ranks.items())},
             "backup": self.last_backup,
             "drafter_alive": not self.dead,

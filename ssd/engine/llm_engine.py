@@ -21,13 +21,13 @@ import torch
 
 from ssd.config import EngineConfig
 from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
-from ssd.model.runner import draft_runner, target_runner
-from ssd.engine.sampling import BatchSampling, process_logits
-from ssd.sampling_params import SamplingParams
-from ssd.engine.sequence import CompletionOutput, Sequence, SpecMetrics
 from ssd.drafting.speculation import Proposer, RoundOutcome, Source, Speculation
+from ssd.engine.sampling import BatchSampling, process_logits
+from ssd.engine.sequence import CompletionOutput, Sequence, SpecMetrics
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify
+from ssd.model.runner import draft_runner, target_runner
+from ssd.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ class LLMEngine:
         self.cache = self.target.new_cache()
         self.proposer: Proposer | None = None
         if config.mode == "sd":
-            self.proposer = DraftModelProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), self.vocab_size)
+            self.proposer = DraftModelProposer(
+                draft_runner(draft_model, config.draft_device, config.lean_forward), self.vocab_size
+            )
         elif config.mode == "ssd":
             self.proposer = build_ssd_proposer(config, draft_model, self.vocab_size)
         eos = getattr(target_model.generation_config, "eos_token_id", None)
@@ -115,7 +117,8 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
-                f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - len(ids)} or shorten the prompt"
+                f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - len(ids)} or shorten "
+                "the prompt"
             )
         # SamplingParams already refused negative ids; only the engine knows the vocabulary.
         beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -123,15 +126,22 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    max_draft: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        max_draft: int | None = None,
+    ) -> str:
         """Queue a request; max_draft caps the draft tokens its rounds verify (0 = none)."""
         ids = self.check_request(prompt, params)
         if max_draft is not None and max_draft < 0:
             raise ValueError(f"max_draft must be >= 0 (0 = no speculation for this request), got {max_draft}")
         seq_id = next(self._ids)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), max_draft=max_draft)
+        seq = Sequence(
+            seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), max_draft=max_draft
+        )
         self.waiting.append(seq)
         return seq.request_id
 
@@ -277,22 +287,34 @@ class LLMEngine:
 
 
 def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
-    from ssd.transport.channel import InProcessClient
     from ssd.drafting.drafter import Drafter
     from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
+    from ssd.transport.channel import InProcessClient
 
     ssd_config = SSDConfig(
-        k=config.k, budget=config.ssd_budget, autobudget=config.ssd_autobudget, fanout=config.ssd_fanout, saguaro_c=config.saguaro_c,
-        backup=config.ssd_backup, deadline_s=config.draft_deadline_s, reproducible=config.ssd_reproducible,
-        num_workers=config.draft_workers if config.draft_split == "outcomes" else 1,  # the tree's width: D shares or one
+        k=config.k,
+        budget=config.ssd_budget,
+        autobudget=config.ssd_autobudget,
+        fanout=config.ssd_fanout,
+        saguaro_c=config.saguaro_c,
+        backup=config.ssd_backup,
+        deadline_s=config.draft_deadline_s,
+        reproducible=config.ssd_reproducible,
+        num_workers=config.draft_workers
+        if config.draft_split == "outcomes"
+        else 1,  # the tree's width: D shares or one
     )
     if config.draft_transport == "inprocess":
-        drafter = Drafter(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c)
+        drafter = Drafter(
+            draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c
+        )
         client = InProcessClient(drafter)
     else:
         from ssd.transport.pool import DraftPool
 
-        client = DraftPool(draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s, config.draft_split)
+        client = DraftPool(
+            draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s, config.draft_split
+        )
     return SSDProposer(client, ssd_config, vocab_size)
 
 
@@ -322,6 +344,12 @@ def draft_worker_source(config: EngineConfig, vocab_size: int):
     try:
         source = importlib.import_module("actors.source")
     except ImportError as err:
-        raise ValueError(f"draft_launcher='ray' needs the actors package of ssd-serve and Ray installed: {err}") from err
-    return source.RayLeasedWorkers(config, vocab_size, start_workers=config.draft_workers if config.draft_start_workers else 0,
-                                   resources=config.draft_worker_resources)
+        raise ValueError(
+            f"draft_launcher='ray' needs the actors package of ssd-serve and Ray installed: {err}"
+        ) from err
+    return source.RayLeasedWorkers(
+        config,
+        vocab_size,
+        start_workers=config.draft_workers if config.draft_start_workers else 0,
+        resources=config.draft_worker_resources,
+    )

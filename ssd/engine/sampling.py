@@ -54,7 +54,9 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
-        top_k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), torch.full_like(sampling.top_k, vocab))  # [b]
+        top_k = torch.where(
+            sampling.top_k > 0, sampling.top_k.clamp(max=vocab), torch.full_like(sampling.top_k, vocab)
+        )  # [b]
         nucleus = needs_filter & (sampling.top_p < 1)  # [b]: rows that need the sorted prefix
         # Top-k keeps every token at least as large as the k-th largest (ties with it included,
         # as Hugging Face's top-k does): a rule of the row's own values, whatever its batch mates

@@ -13,19 +13,20 @@ from ssd.engine.sequence import FinishReason, Sequence
 class IncrementalDetokenizer:
     """One sequence's output text, kept up to date from a window of recent tokens.
 
-    Invariant: text + tail == tokenizer.decode(output_ids, skip_special_tokens=True) (checked
-    at every round for byte-level and SentencePiece-style byte-fallback tokenizers in
+    Invariant: text + tail == tokenizer.decode(output_ids, skip_special_tokens=True) (checked at
+    every round for byte-level and SentencePiece-style byte-fallback tokenizers in
     tests/test_stopping.py), where text (final, only ever appended to) is ids[:read_offset]
-    decoded and tail (which the next token may still change) is the rest. A step decodes ids[prefix_offset:], i.e. the tokens of
-    the last committed piece plus the new ones: that leading context gives the new tokens the
-    text they have in the full decode (decoders such as SentencePiece's drop the first token's
-    leading space), and prefix_text, the same window up to read_offset, is what to cut off. The
-    new text is committed only when it grew, does not end in U+FFFD (the mark of a token that
-    ends inside a multi-byte UTF-8 character) and the last token is not a byte-fallback piece
-    ("<0xE2>"): a byte-fallback decoder turns a whole run of such pieces into U+FFFDs once one
-    of them is invalid, so a run is committed only after a token that ends it. Thus read_offset
-    sits where no later token can change the text before it. The window spans a few tokens,
-    more only while a character or a run of byte pieces is incomplete.
+    decoded and tail (which the next token may still change) is the rest. A step decodes
+    ids[prefix_offset:], i.e. the tokens of the last committed piece plus the new ones: that
+    leading context gives the new tokens the text they have in the full decode (decoders such as
+    SentencePiece's drop the first token's leading space), and prefix_text, the same window up
+    to read_offset, is what to cut off. The new text is committed only when it grew, does not
+    end in U+FFFD (the mark of a token that ends inside a multi-byte UTF-8 character) and the
+    last token is not a byte-fallback piece ("<0xE2>"): a byte-fallback decoder turns a whole
+    run of such pieces into U+FFFDs once one of them is invalid, so a run is committed only
+    after a token that ends it. Thus read_offset sits where no later token can change the text
+    before it. The window spans a few tokens, more only while a character or a run of byte
+    pieces is incomplete.
     """
 
     def __init__(self, tokenizer, special_ids: frozenset[int], byte_piece_ids: frozenset[int]) -> None:
@@ -53,7 +54,11 @@ class IncrementalDetokenizer:
             return changed_from
         self.ids.extend(new)
         decoded = self._decode(self.ids[self.prefix_offset :])
-        if len(decoded) > len(self.prefix_text) and not decoded.endswith("\ufffd") and new[-1] not in self.byte_piece_ids:
+        if (
+            len(decoded) > len(self.prefix_text)
+            and not decoded.endswith("\ufffd")
+            and new[-1] not in self.byte_piece_ids
+        ):
             self.text += decoded[len(self.prefix_text) :]
             self.tail = ""
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -1,1 +1,3 @@
-"""Models and their forwards: loading, the batched runner, the KV cache with per-row rollback, the lean Llama forward, the demo pair."""
+"""Models and their forwards: loading, the batched runner, the KV cache with per-row rollback, the
+lean Llama forward, the demo pair.
+"""

@@ -143,9 +143,7 @@ def build_tokenizer():
 def _bytes_to_unicode() -> dict[int, str]:
     # The GPT-2 byte-to-printable-char table that the ByteLevel pre-tokenizer uses.
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars = printable[:]
     extra = 0
@@ -262,7 +260,9 @@ def build_demo_models(
     if draft_only:
         from transformers import AutoModelForCausalLM
 
-        target = AutoModelForCausalLM.from_pretrained(out_dir / "target", local_files_only=True, dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(
+            out_dir / "target", local_files_only=True, dtype=torch.float32
+        ).eval()
         report_path = out_dir / "training_report.json"
         previous = json.loads(report_path.read_text()) if report_path.exists() else {}
         target_loss, target_minutes = previous.get("target_train_loss"), previous.get("target_train_minutes", 0.0)
@@ -274,9 +274,7 @@ def build_demo_models(
 
     draft = make_model(cfg.draft, cfg)
     t0 = time.perf_counter()
-    draft_kl = _train(
-        draft, train, cfg, cfg.draft_steps, cfg.draft_lr, teacher=target, desc="draft", progress=progress
-    )
+    draft_kl = _train(draft, train, cfg, cfg.draft_steps, cfg.draft_lr, teacher=target, desc="draft", progress=progress)
     draft_minutes = (time.perf_counter() - t0) / 60
 
     report = {

@@ -78,7 +78,12 @@ class _Linear:
         self.modules = list(modules)
         self.bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)])
+            self.bias = torch.cat(
+                [
+                    b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                    for m, b in zip(modules, biases)
+                ]
+            )
         self.sizes = [m.weight.shape[0] for m in modules]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if can_pack(weight) else None
         self.weight = None if self.packed is not None else weight
@@ -94,7 +99,9 @@ class _Linear:
         # no per-shape state.
         rows = x.numel() // x.shape[-1]
         if rows <= PACKED_MAX_ROWS:  # as [rows, in]: the shape is the row count alone, not its split into b x n
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], ""
+            )
             return out.reshape(*x.shape[:-1], out.shape[-1])
         outs = [F.linear(x, m.weight, m.bias) for m in self.modules]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -111,7 +118,10 @@ class _Layer:
     def __init__(self, layer, fused: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm_in, self.eps_in = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.norm_post, self.eps_post = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.norm_post, self.eps_post = (
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        )
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.fused = fused
@@ -241,4 +251,3 @@ class FastLlamaForward:
                 x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
         x = _rms_norm(x, self.norm, self.norm_eps)
         return self.head_fused(x) if self.head_fused is not None else _linear(x, self.lm_head)
-

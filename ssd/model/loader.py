@@ -72,7 +72,9 @@ def load_pair(config: EngineConfig) -> LoadedPair:
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
     draft = None
     if config.draft is not None:
-        check_same_vocabulary(tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft)
+        check_same_vocabulary(
+            tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft
+        )
     target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
     limit = context_limit(target)
     if config.draft is not None:

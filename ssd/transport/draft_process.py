@@ -90,8 +90,13 @@ class ProcessClient:
             from ssd.transport.shm_channel import Mailbox, ShmChannel
 
             boxes = to_draft, to_target = Mailbox.create(), Mailbox.create()
-            spec["link"] = {"kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
-                            "parent_pid": os.getpid(), "spin_s": config.draft_spin_ms / 1000}
+            spec["link"] = {
+                "kind": "shm",
+                "inbox": asdict(to_draft.handle),
+                "outbox": asdict(to_target.handle),
+                "parent_pid": os.getpid(),
+                "spin_s": config.draft_spin_ms / 1000,
+            }
             fds = to_draft.handle.fds() + to_target.handle.fds()
         else:
             store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
@@ -181,8 +186,13 @@ class ProcessClient:
             replies = (MsgType.REPLY, MsgType.DRAFT_REPLY)
             if kind in replies and (reply.round_id < round_id or (kind != expect and reply.round_id == round_id)):
                 self.rejected += 1
-                logger.warning("dropped a stale %s of round %d while waiting for the %s of round %d",
-                               kind.name, reply.round_id, expect.name, round_id)
+                logger.warning(
+                    "dropped a stale %s of round %d while waiting for the %s of round %d",
+                    kind.name,
+                    reply.round_id,
+                    expect.name,
+                    round_id,
+                )
                 continue
             if kind != expect or reply.round_id != round_id or reply.seq_ids != list(seq_ids):
                 raise DrafterUnavailable(f"out-of-protocol reply {kind.name} for round {round_id}")
@@ -309,8 +319,9 @@ class RemoteClient(ProcessClient):
     for the torch and grpc transports): the same protocol, no process to manage."""
 
     @classmethod
-    def connect(cls, address: str, fp: int, deadline_s: float, name: str = "", device: str = "cpu",
-                process=None) -> "RemoteClient":
+    def connect(
+        cls, address: str, fp: int, deadline_s: float, name: str = "", device: str = "cpu", process=None
+    ) -> "RemoteClient":
         try:
             channel = connect_channel(address, fp, CONNECT_TIMEOUT, device)
         except (RuntimeError, OSError) as err:
@@ -351,9 +362,15 @@ class SpawnedWorkers:
     def _spawn_listening(self) -> RemoteClient:
         """A worker process that listens on a port of its own choosing (torch or grpc), reached
         through that transport as a remote worker would be; it prints its address when ready."""
-        spec = {"config": asdict(self.config), "vocab": self.vocab, "log_level": logging.getLogger("ssd").getEffectiveLevel(),
-                "link": {"kind": "listen", "transport": self.config.draft_transport, "host": "127.0.0.1"}}
-        process = self._popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=worker_env(), close_fds=True)
+        spec = {
+            "config": asdict(self.config),
+            "vocab": self.vocab,
+            "log_level": logging.getLogger("ssd").getEffectiveLevel(),
+            "link": {"kind": "listen", "transport": self.config.draft_transport, "host": "127.0.0.1"},
+        }
+        process = self._popen(
+            worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=worker_env(), close_fds=True
+        )
         try:
             process.stdin.write(json.dumps(spec).encode())
             process.stdin.close()
@@ -362,8 +379,14 @@ class SpawnedWorkers:
                 raise DrafterUnavailable(f"draft worker exited with code {process.wait(5)} before listening")
             address = json.loads(line)["address"]
             fp = config_fingerprint(self.config, self.vocab)
-            return RemoteClient.connect(address, fp, self.config.draft_deadline_s, f"pid {process.pid} at {address}",
-                                        self.config.draft_device, process=process)
+            return RemoteClient.connect(
+                address,
+                fp,
+                self.config.draft_deadline_s,
+                f"pid {process.pid} at {address}",
+                self.config.draft_device,
+                process=process,
+            )
         except BaseException:
             process.kill()
             process.wait(5)

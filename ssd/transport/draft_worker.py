@@ -167,14 +167,18 @@ class DraftWorker:
 
     def _reject(self, kind: MsgType, round_id: int) -> None:
         self.drafter.counters.rejected += 1
-        logger.warning("dropped a duplicated or stale %s (round %d; last begun %d)", kind.name, round_id, self.last_begun)
+        logger.warning(
+            "dropped a duplicated or stale %s (round %d; last begun %d)", kind.name, round_id, self.last_begun
+        )
 
     def _check_committed(self, msg: BeginRoundMsg) -> None:
         if not msg.committed:
             return
         mine = [len(self.drafter.states[s].tokens) if s in self.drafter.states else -1 for s in msg.seq_ids]
         if mine != list(msg.committed):
-            raise OutOfSync(f"round {msg.round_id}: the target has {msg.committed} committed tokens, this worker {mine}")
+            raise OutOfSync(
+                f"round {msg.round_id}: the target has {msg.committed} committed tokens, this worker {mine}"
+            )
 
     def _build_predicted(self, predicted: BeginRoundMsg):
         """Build the round predicted after an all-hit reply while the target is still finishing
@@ -326,8 +330,10 @@ def run(spec: dict) -> int:
 def main() -> int:
     _die_with_parent()
     spec = json.loads(sys.stdin.read())
-    logging.basicConfig(level=spec.get("log_level", logging.WARNING),
-                        format=f"%(asctime)s %(levelname)s [{PROCESS_NAME} {os.getpid()}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.get("log_level", logging.WARNING),
+        format=f"%(asctime)s %(levelname)s [{PROCESS_NAME} {os.getpid()}] %(name)s: %(message)s",
+    )
     return run(spec)
 
 

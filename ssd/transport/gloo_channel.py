@@ -15,8 +15,16 @@ import torch.distributed as dist
 
 from ssd.transport.torch_channel import GROUP_TIMEOUT, TorchChannel, new_pair_group
 
-__all__ = ["CONNECT_TIMEOUT", "GROUP_TIMEOUT", "JOINING_KEY", "GlooChannel", "WorkerGone", "await_worker", "pair_group",
-           "pair_store"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "GROUP_TIMEOUT",
+    "JOINING_KEY",
+    "GlooChannel",
+    "WorkerGone",
+    "await_worker",
+    "pair_group",
+    "pair_store",
+]
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
 JOINING_KEY = "worker-joining"

@@ -53,9 +53,11 @@ try:
 except ModuleNotFoundError as err:
     if not (err.name or "").startswith("ssd.transport._proto"):
         raise
-    raise ImportError("the gRPC stubs ssd/transport/_proto/ssd_draft_pb2*.py are missing: they are generated at build "
-                      "time from protos/ssd_draft.proto; run `make protos` (it needs grpcio-tools: "
-                      "`pip install grpcio-tools`, which `make install` installs)") from err
+    raise ImportError(
+        "the gRPC stubs ssd/transport/_proto/ssd_draft_pb2*.py are missing: they are generated at build "
+        "time from protos/ssd_draft.proto; run `make protos` (it needs grpcio-tools: "
+        "`pip install grpcio-tools`, which `make install` installs)"
+    ) from err
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +74,16 @@ _STOP = object()  # behind the last outgoing frame: end the stream
 
 def _options(max_message_bytes: int, keepalive: datetime.timedelta) -> list[tuple[str, int]]:
     ms = max(1, int(keepalive.total_seconds() * 1000))
-    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0),  # an idle session keeps pinging, and the server allows it:
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", ms // 2), ("grpc.http2.max_ping_strikes", 0)]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),
+        ("grpc.http2.max_pings_without_data", 0),  # an idle session keeps pinging, and the server allows it:
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", ms // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
@@ -105,13 +113,24 @@ class GrpcChannel:
     def over(self) -> bool:
         return self._closed is not None or self._over is not None
 
-    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
-                 timeout: datetime.timedelta | None = None) -> None:
+    def send_raw(
+        self,
+        kind: MsgType,
+        round_id: int,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         """Queues the frame for the stream; ChannelTimeout when the peer has not taken the frames
         before it in time, ChannelClosed once the session is over."""
-        frame = pb.Frame(magic=MAGIC, kind=int(kind), round_id=int(round_id), fingerprint=self.fp,
-                         ints=ints.detach().to("cpu", torch.long).contiguous().numpy().tobytes(),
-                         floats=floats.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        frame = pb.Frame(
+            magic=MAGIC,
+            kind=int(kind),
+            round_id=int(round_id),
+            fingerprint=self.fp,
+            ints=ints.detach().to("cpu", torch.long).contiguous().numpy().tobytes(),
+            floats=floats.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(),
+        )
         wait = _seconds(timeout)
         deadline = time.monotonic() + (wait if wait is not None else float("inf"))
         while not self.over:
@@ -149,7 +168,9 @@ class GrpcChannel:
         header = torch.tensor([item.magic, item.kind, item.round_id, n_ints, n_floats, item.fingerprint, 0, 0])
         body_size(header, self.fp)  # ForeignMessage unless the frame is this pair's
         body = bytearray().join((item.ints, item.floats))  # one copy, into memory the message's tensors own
-        message = unframe(header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8))
+        message = unframe(
+            header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
+        )
         self.counts.on_receive(message[0], len(body))
         return message
 
@@ -230,8 +251,13 @@ class GrpcListener:
     """The worker's end (the `Listener` protocol): a gRPC server on a port the OS picked. host: the
     address targets reach this worker at; the keywords should match the targets' (connect_grpc)."""
 
-    def __init__(self, host: str = "127.0.0.1", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 keepalive: datetime.timedelta = KEEPALIVE) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keepalive: datetime.timedelta = KEEPALIVE,
+    ) -> None:
         self.host = host
         self._lock = threading.Lock()
         self._arrivals: queue.Queue[GrpcChannel | None] = queue.Queue()  # sessions waiting for accept()
@@ -241,7 +267,9 @@ class GrpcListener:
         bind = f"[{host}]" if ":" in host else host
         # Threads: the open session's writer, one pending session, refusals.
         self._threads = futures.ThreadPoolExecutor(4, thread_name_prefix="ssd-grpc-worker")
-        self._server = grpc.server(self._threads, options=[*_options(max_message_bytes, keepalive), ("grpc.so_reuseport", 0)])
+        self._server = grpc.server(
+            self._threads, options=[*_options(max_message_bytes, keepalive), ("grpc.so_reuseport", 0)]
+        )
         pb_grpc.add_DraftWorkerServicer_to_server(_Servicer(self._serve), self._server)
         port = self._server.add_insecure_port(f"{bind}:0")
         if not port:
@@ -258,7 +286,9 @@ class GrpcListener:
         deadline = None if wait is None else time.monotonic() + wait
         while not self._closed:
             try:
-                channel = self._arrivals.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                channel = self._arrivals.get(
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
             except queue.Empty:
                 raise ChannelTimeout(f"no target connected to {self.address} within {wait:g} s") from None
             if channel is not None and not channel.over:  # else close() woke us, or the target gave up
@@ -296,8 +326,11 @@ class GrpcListener:
                 self._current = channel
         if refused:
             context.set_code(grpc.StatusCode.UNAVAILABLE if self._closed else grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.set_details("the draft worker is shutting down" if self._closed
-                                else "the draft worker is busy with another target: it serves one session at a time")
+            context.set_details(
+                "the draft worker is shutting down"
+                if self._closed
+                else "the draft worker is busy with another target: it serves one session at a time"
+            )
             return
         channel._cancel = context.cancel
         if not context.add_callback(lambda: channel._ended("the target's RPC ended", finished=True)):
@@ -328,7 +361,11 @@ def _wait_connected(conn: grpc.Channel, address: str, timeout: datetime.timedelt
     """Until the connection is up: ChannelClosed at once when refused, ChannelTimeout when no
     answer came in time (grpc.channel_ready_future would retry a refused connection instead)."""
     settled: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
-    ends = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+    ends = (
+        grpc.ChannelConnectivity.READY,
+        grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+        grpc.ChannelConnectivity.SHUTDOWN,
+    )
 
     def watch(state: grpc.ChannelConnectivity) -> None:
         if state in ends:
@@ -345,16 +382,23 @@ def _wait_connected(conn: grpc.Channel, address: str, timeout: datetime.timedelt
         raise ChannelClosed(f"no draft worker listens at {address} (connection failed)")
 
 
-def connect_grpc(address: str, fp: int, timeout: datetime.timedelta, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 keepalive: datetime.timedelta = KEEPALIVE) -> GrpcChannel:
+def connect_grpc(
+    address: str,
+    fp: int,
+    timeout: datetime.timedelta,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    keepalive: datetime.timedelta = KEEPALIVE,
+) -> GrpcChannel:
     """The target's end: a session with the worker listening at `address` ('grpc://HOST:PORT').
     ValueError: malformed address. ChannelClosed: nothing listens there, or the worker refused
     the session. ChannelTimeout: no answer, or the session not accepted, within `timeout`.
     WorkerBusy: it serves another target."""
     host, port = parse_grpc_address(address)
     deadline = time.monotonic() + timeout.total_seconds()
-    conn = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                                 options=_options(max_message_bytes, keepalive))
+    conn = grpc.insecure_channel(
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}", options=_options(max_message_bytes, keepalive)
+    )
     call = None
     try:
         _wait_connected(conn, address, timeout)
@@ -364,7 +408,9 @@ def connect_grpc(address: str, fp: int, timeout: datetime.timedelta, *, max_mess
         opened = threading.Event()
         threading.Thread(target=channel._read, args=(call, opened), name="ssd-grpc-recv", daemon=True).start()
         if not opened.wait(max(0.0, deadline - time.monotonic())):
-            raise ChannelTimeout(f"the draft worker at {address} did not accept the session within {timeout.total_seconds():g} s")
+            raise ChannelTimeout(
+                f"the draft worker at {address} did not accept the session within {timeout.total_seconds():g} s"
+            )
         if not any(key == SESSION_KEY for key, _ in call.initial_metadata() or ()):
             code, details = call.code(), call.details()
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -113,5 +113,13 @@ class LeaseTable:
 
     def snapshot(self) -> list[dict]:
         now = self.clock()
-        return [{"worker_id": i, "address": w.address, "fingerprint": w.fingerprint, "holder": None if self._free(w, now) else w.holder,
-                 "expires_in_s": max(w.expires_at - now, 0.0) if w.holder else None} for i, w in self.workers.items()]
+        return [
+            {
+                "worker_id": i,
+                "address": w.address,
+                "fingerprint": w.fingerprint,
+                "holder": None if self._free(w, now) else w.holder,
+                "expires_in_s": max(w.expires_at - now, 0.0) if w.holder else None,
+            }
+            for i, w in self.workers.items()
+        ]

@@ -49,7 +49,10 @@ class BeginRoundMsg:
             return False
         if not torch.equal(self.num_draft, other.num_draft):
             return False
-        return all(torch.equal(self.spec_tokens[r, :n], other.spec_tokens[r, :n]) for r, n in enumerate(self.num_draft.tolist()))
+        return all(
+            torch.equal(self.spec_tokens[r, :n], other.spec_tokens[r, :n])
+            for r, n in enumerate(self.num_draft.tolist())
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,16 @@ class DrafterCounters:
     peak_rss_bytes: int = 0
 
     def as_list(self) -> list[int]:
-        return [self.rounds, self.cut, self.predicted, self.confirmed, self.taken_back, self.rejected,
-                self.branch_probs_bytes, self.peak_rss_bytes]
+        return [
+            self.rounds,
+            self.cut,
+            self.predicted,
+            self.confirmed,
+            self.taken_back,
+            self.rejected,
+            self.branch_probs_bytes,
+            self.peak_rss_bytes,
+        ]
 
     def __add__(self, other: "DrafterCounters") -> "DrafterCounters":
         summed = [a + b for a, b in zip(self.as_list()[:_COUNTS], other.as_list()[:_COUNTS])]
@@ -107,8 +118,16 @@ class DrafterCounters:
         return {f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())}
 
 
-COUNTER_NAMES = ("rounds", "rounds_cut", "predicted_rounds", "predicted_confirmed", "predicted_taken_back", "rejected_messages",
-                 "branch_probs_bytes", "peak_rss_bytes")
+COUNTER_NAMES = (
+    "rounds",
+    "rounds_cut",
+    "predicted_rounds",
+    "predicted_confirmed",
+    "predicted_taken_back",
+    "rejected_messages",
+    "branch_probs_bytes",
+    "peak_rss_bytes",
+)
 _COUNTS = 6  # the first six are counts; the rest are high-water marks
 
 

@@ -89,8 +89,14 @@ class _Slot:
 class DraftPool:
     """`DraftClient` over D workers from a `WorkerSource` (D = 1 is the default engine's drafter)."""
 
-    def __init__(self, source: WorkerSource, num_workers: int, deadline_s: float, split: str = "outcomes",
-                 on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: WorkerSource,
+        num_workers: int,
+        deadline_s: float,
+        split: str = "outcomes",
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         assert num_workers >= 1 and split in ("outcomes", "sequences")
         self.source, self.d, self.deadline_s, self.split = source, num_workers, deadline_s, split
         self.owner: dict[int, int] = {}  # split="sequences": the slot that drafts each sequence
@@ -102,7 +108,9 @@ class DraftPool:
         self._lock = threading.Lock()
         self._closed = False
         self._closing = threading.Event()  # wakes refills that are waiting to retry
-        self._refills: list[threading.Thread] = []  # close() waits for them: a worker one starts must not outlive the pool
+        self._refills: list[
+            threading.Thread
+        ] = []  # close() waits for them: a worker one starts must not outlive the pool
         self.failures = 0  # links lost since the start
         self.replacements = 0  # links attached after a failure
         self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
@@ -129,10 +137,16 @@ class DraftPool:
         mine = [s for s in self.order if self.split == "outcomes" or self.owner[s] == w]
         if mine:
             views = [self.seqs[s] for s in mine]
-            link.admit(AdmitMsg(
-                mine, [list(v.tokens) for v in views], [slot_seed(v.seed, w, slot.incarnation) for v in views],
-                [v.temperature for v in views], [v.top_k for v in views], [v.top_p for v in views],
-            ))
+            link.admit(
+                AdmitMsg(
+                    mine,
+                    [list(v.tokens) for v in views],
+                    [slot_seed(v.seed, w, slot.incarnation) for v in views],
+                    [v.temperature for v in views],
+                    [v.top_k for v in views],
+                    [v.top_p for v in views],
+                )
+            )
 
     def _fail(self, w: int, err: BaseException) -> None:
         slot = self.slots[w]
@@ -145,8 +159,13 @@ class DraftPool:
         self.rejected_replies += link.rejected
         self._retired_wire = self._retired_wire + link.wire
         self._retired = self._retired + self._latest.pop(w, DrafterCounters())
-        logger.warning("draft worker %s (slot %d of %d) lost: %s; its share counts as misses until a replacement joins",
-                       link.name, w, self.d, err)
+        logger.warning(
+            "draft worker %s (slot %d of %d) lost: %s; its share counts as misses until a replacement joins",
+            link.name,
+            w,
+            self.d,
+            err,
+        )
         self._on_event(f"lost slot {w}")
         try:
             self.source.discard(link, failed=True)
@@ -224,8 +243,13 @@ class DraftPool:
 
     def admit(self, msg: AdmitMsg) -> None:
         for i, s in enumerate(msg.seq_ids):
-            self.seqs[s] = _SeqView(list(msg.prompts[i]), int(msg.seeds[i]), float(msg.temperature[i]), int(msg.top_k[i]),
-                                    float(msg.top_p[i]))
+            self.seqs[s] = _SeqView(
+                list(msg.prompts[i]),
+                int(msg.seeds[i]),
+                float(msg.temperature[i]),
+                int(msg.top_k[i]),
+                float(msg.top_p[i]),
+            )
             if self.split == "sequences":  # the least loaded slot, dead or alive: a replacement takes its rows over
                 load = [0] * self.d
                 for owner in self.owner.values():
@@ -316,9 +340,16 @@ class DraftPool:
     def _merge(self, msg: ResolveMsg, replies: dict[int, SpeculationReply]) -> SpeculationReply:
         b = len(msg.seq_ids)
         if not replies:
-            return SpeculationReply(msg.round_id, list(msg.seq_ids), torch.zeros(b, dtype=torch.bool),
-                                    torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, 0), torch.zeros(b, dtype=torch.long),
-                                    counters=self.counters(), answered=False)
+            return SpeculationReply(
+                msg.round_id,
+                list(msg.seq_ids),
+                torch.zeros(b, dtype=torch.bool),
+                torch.zeros(b, 0, dtype=torch.long),
+                torch.zeros(b, 0, 0),
+                torch.zeros(b, dtype=torch.long),
+                counters=self.counters(),
+                answered=False,
+            )
         any_rep = next(iter(replies.values()))
         tokens, probs = torch.zeros_like(any_rep.tokens), torch.zeros_like(any_rep.probs)
         num_draft = torch.zeros(b, dtype=torch.long)
@@ -335,8 +366,9 @@ class DraftPool:
             rows = ~hit & (num_draft == 0) & (rep.num_draft > 0) & ~rep.hit
             tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
         build = max(rep.build_seconds for rep in replies.values())
-        return SpeculationReply(msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, self.counters(), covered,
-                                rank)
+        return SpeculationReply(
+            msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, self.counters(), covered, rank
+        )
 
     def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
         """After an all-hit round, tell each slot that did not hold every hit which round comes
@@ -345,8 +377,15 @@ class DraftPool:
         if rnd is None or not msg.next_fanout or not bool(merged.hit.all()):
             return
         committed = [len(self.seqs[s].tokens) for s in msg.seq_ids]
-        nxt = BeginRoundMsg(msg.round_id + 1, list(msg.seq_ids), merged.tokens.clone(), merged.num_draft.clone(),
-                            list(msg.next_fanout), committed)
+        nxt = BeginRoundMsg(
+            msg.round_id + 1,
+            list(msg.seq_ids),
+            merged.tokens.clone(),
+            merged.num_draft.clone(),
+            list(msg.next_fanout),
+            committed,
+        )
+
         def send(w: int, link: WorkerLink) -> None:
             if w in replies and not bool(replies[w].hit.all()):
                 link.predict(nxt)
@@ -378,9 +417,15 @@ class DraftPool:
             except DrafterUnavailable as err:
                 self._fail(w, err)
         b = len(msg.seq_ids)
-        return SpeculationReply(msg.round_id, list(msg.seq_ids), torch.zeros(b, dtype=torch.bool),
-                                torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, 0), torch.zeros(b, dtype=torch.long),
-                                counters=self.counters())
+        return SpeculationReply(
+            msg.round_id,
+            list(msg.seq_ids),
+            torch.zeros(b, dtype=torch.bool),
+            torch.zeros(b, 0, dtype=torch.long),
+            torch.zeros(b, 0, 0),
+            torch.zeros(b, dtype=torch.long),
+            counters=self.counters(),
+        )
 
     def counters(self) -> DrafterCounters:
         total = self._retired

@@ -12,7 +12,15 @@ import dataclasses
 
 import torch
 
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.messages import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
 
 
 def take(msg, rows: list[int]):
@@ -20,23 +28,37 @@ def take(msg, rows: list[int]):
     index = torch.tensor(rows, dtype=torch.long)
     ids = [msg.seq_ids[r] for r in rows]
     if isinstance(msg, AdmitMsg):
-        return AdmitMsg(ids, [msg.prompts[r] for r in rows], [msg.seeds[r] for r in rows], [msg.temperature[r] for r in rows],
-                        [msg.top_k[r] for r in rows], [msg.top_p[r] for r in rows])
+        return AdmitMsg(
+            ids,
+            [msg.prompts[r] for r in rows],
+            [msg.seeds[r] for r in rows],
+            [msg.temperature[r] for r in rows],
+            [msg.top_k[r] for r in rows],
+            [msg.top_p[r] for r in rows],
+        )
     if isinstance(msg, ReleaseMsg):
         return ReleaseMsg(ids)
     if isinstance(msg, BeginRoundMsg):
         committed = [msg.committed[r] for r in rows] if msg.committed else []
-        return dataclasses.replace(msg, seq_ids=ids, spec_tokens=msg.spec_tokens[index], num_draft=msg.num_draft[index],
-                                   committed=committed)
+        return dataclasses.replace(
+            msg, seq_ids=ids, spec_tokens=msg.spec_tokens[index], num_draft=msg.num_draft[index], committed=committed
+        )
     if isinstance(msg, ResolveMsg):
-        return dataclasses.replace(msg, seq_ids=ids, num_accepted=msg.num_accepted[index], bonus_tokens=msg.bonus_tokens[index])
+        return dataclasses.replace(
+            msg, seq_ids=ids, num_accepted=msg.num_accepted[index], bonus_tokens=msg.bonus_tokens[index]
+        )
     if isinstance(msg, DraftNowMsg):
         return dataclasses.replace(msg, seq_ids=ids, need=[msg.need[r] for r in rows])
     raise TypeError(f"no rows to take from {type(msg).__name__}")
 
 
-def assemble(round_id: int, seq_ids: list[int], parts: list[tuple[list[int], SpeculationReply]], k: int,
-             counters: DrafterCounters) -> SpeculationReply:
+def assemble(
+    round_id: int,
+    seq_ids: list[int],
+    parts: list[tuple[list[int], SpeculationReply]],
+    k: int,
+    counters: DrafterCounters,
+) -> SpeculationReply:
     """One reply for the whole batch from replies about disjoint rows: parts = (rows, reply)."""
     b = len(seq_ids)
     vocab = max((rep.probs.shape[-1] for _, rep in parts), default=0)
@@ -52,5 +74,6 @@ def assemble(round_id: int, seq_ids: list[int], parts: list[tuple[list[int], Spe
         if rep.bonus_rank is not None:
             rank[index] = rep.bonus_rank
         build = max(build, rep.build_seconds)
-    return SpeculationReply(round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank,
-                            answered=bool(parts))
+    return SpeculationReply(
+        round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank, answered=bool(parts)
+    )

@@ -125,8 +125,13 @@ class Mailbox:
                 pass
 
 
-def _acquire(sem: _EventSemaphore, timeout: datetime.timedelta | None, alive: Callable[[], bool], what: str,
-             spin_s: float = SPIN_S) -> None:
+def _acquire(
+    sem: _EventSemaphore,
+    timeout: datetime.timedelta | None,
+    alive: Callable[[], bool],
+    what: str,
+    spin_s: float = SPIN_S,
+) -> None:
     if sem.try_acquire():
         return
     start = time.monotonic()
@@ -194,14 +199,22 @@ class _Reader:
 class ShmChannel:
     """A `Channel` (ssd/transport/channel.py) over two mailboxes: typed messages in both directions."""
 
-    def __init__(self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S) -> None:
+    def __init__(
+        self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S
+    ) -> None:
         self.fp = fp
         self.inbox, self.outbox = inbox, outbox
         self.reader, self.writer = _Reader(inbox, peer_alive, spin_s), _Writer(outbox, peer_alive, spin_s)
         self.counts = WireCounts()
 
-    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
-                 timeout: datetime.timedelta | None = None) -> None:
+    def send_raw(
+        self,
+        kind: MsgType,
+        round_id: int,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         header, body = frame(kind, round_id, ints, floats, self.fp)
         self.writer.write(torch.cat([header.view(torch.uint8), body]), timeout)
         self.counts.on_send(kind, body.numel())

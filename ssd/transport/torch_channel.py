@@ -74,8 +74,13 @@ def backend_for(device: torch.device | str) -> str:
     return "gloo" if kind == "cpu" else "nccl"
 
 
-def new_pair_group(store: dist.Store, rank: int, device: torch.device | str = "cpu", hostname: str = "127.0.0.1",
-                   connect_timeout: datetime.timedelta = HANDSHAKE_TIMEOUT) -> dist.ProcessGroup:
+def new_pair_group(
+    store: dist.Store,
+    rank: int,
+    device: torch.device | str = "cpu",
+    hostname: str = "127.0.0.1",
+    connect_timeout: datetime.timedelta = HANDSHAKE_TIMEOUT,
+) -> dist.ProcessGroup:
     """A 2-rank group over `store`; blocks until both ranks joined. hostname: the address this
     rank's gloo sockets bind to, one the peer can reach."""
     if backend_for(device) == "nccl":
@@ -116,8 +121,14 @@ class _Posted:
 class TorchChannel:
     """The `Channel` protocol (ssd/transport/channel.py) over a 2-rank group; peer = the other rank."""
 
-    def __init__(self, group: dist.ProcessGroup, peer: int, fp: int, device: torch.device | str = "cpu",
-                 on_end: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        peer: int,
+        fp: int,
+        device: torch.device | str = "cpu",
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         """on_end: called once when the session ends (closed, peer gone, timeout, foreign frame)."""
         self.group: dist.ProcessGroup | None = group  # None once the session ended
         self.peer, self.fp, self.device, self._on_end = peer, fp, torch.device(device), on_end
@@ -125,8 +136,14 @@ class TorchChannel:
         self._ended: str | None = None  # why it ended
         self.counts = WireCounts()
 
-    def send_raw(self, kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor,
-                 timeout: datetime.timedelta | None = None) -> None:
+    def send_raw(
+        self,
+        kind: MsgType,
+        round_id: int,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         """Both transfers are posted before waiting (each costs a round trip with the peer). A
         send completes only once the peer posts its receive, so a stalled peer blocks the
         sender: callers that must not hang pass a timeout."""
@@ -296,7 +313,9 @@ def _freer(store: dist.Store, session: str) -> Callable[[], None]:
     return lambda: store.compare_set(_OWNER, session, _FREE)
 
 
-def connect_torch(address: str, fp: int, timeout: datetime.timedelta, device: torch.device | str = "cpu") -> TorchChannel:
+def connect_torch(
+    address: str, fp: int, timeout: datetime.timedelta, device: torch.device | str = "cpu"
+) -> TorchChannel:
     """The target's end: a session with the worker listening at `address` ('torch://HOST:PORT').
     ValueError: malformed address. ChannelClosed: nothing listens there. ChannelTimeout: no
     answer, or the worker did not join, within `timeout`. WorkerBusy: it serves another target."""
@@ -320,23 +339,33 @@ def connect_torch(address: str, fp: int, timeout: datetime.timedelta, device: to
     except OSError as err:
         raise ChannelClosed(f"no draft worker listens at {address}: {err}") from err
     try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=min(left(), STORE_CONNECT_TIMEOUT))
+        store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=min(left(), STORE_CONNECT_TIMEOUT)
+        )
         theirs = store.get(_BACKEND).decode()
     except (RuntimeError, OSError) as err:
         if isinstance(err, OSError) or "reset by peer" in str(err):
-            raise ChannelClosed(f"the draft worker at {address} reset the connection (it is going away): {err}") from err
-        raise ChannelTimeout(f"draft worker at {address} did not answer within {timeout.total_seconds():g} s: {err}") from err
+            raise ChannelClosed(
+                f"the draft worker at {address} reset the connection (it is going away): {err}"
+            ) from err
+        raise ChannelTimeout(
+            f"draft worker at {address} did not answer within {timeout.total_seconds():g} s: {err}"
+        ) from err
     if theirs != mine:
         raise RuntimeError(f"draft worker at {address} uses {theirs}; this target's device {device} needs {mine}")
     session = str(store.add(_SESSIONS, 1))
     owner = store.compare_set(_OWNER, _FREE, session).decode()
     if owner != session:
-        raise WorkerBusy(f"draft worker at {address} is busy with another target (session {owner}); it serves one at a time")
+        raise WorkerBusy(
+            f"draft worker at {address} is busy with another target (session {owner}); it serves one at a time"
+        )
     try:
         store.set_timeout(left())
         group = new_pair_group(dist.PrefixStore(f"session/{session}/", store), 0, device, local, left())
     except RuntimeError as err:
         store.compare_set(_OWNER, session, _FREE)
-        raise ChannelTimeout(f"draft worker at {address} did not join within {timeout.total_seconds():g} s: {err}") from err
+        raise ChannelTimeout(
+            f"draft worker at {address} did not join within {timeout.total_seconds():g} s: {err}"
+        ) from err
     logger.info("session %s with the draft worker at %s", session, address)
     return TorchChannel(group, 1, fp, device, on_end=_freer(store, session))

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DrafterCounters, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
+from ssd.transport.messages import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
 
 MAGIC = 0x55D0_0003  # 3: replies carry the bonus token's rank per row (2: the drafter's high-water marks)
 HEADER = 8
@@ -70,7 +78,9 @@ class ForeignMessage(RuntimeError):
     """A header that does not carry this pair's magic and fingerprint."""
 
 
-def frame(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor, fp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def frame(
+    kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor, fp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (header int64 [HEADER], body uint8 [8 n_ints + 4 n_floats])"""
     header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), fp, 0, 0], dtype=torch.long)
     body = torch.cat([ints.contiguous().view(torch.uint8), floats.contiguous().float().view(torch.uint8)])
@@ -125,12 +135,26 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         return MsgType.RELEASE, 0, _i(msg.seq_ids), none
     if isinstance(msg, BeginRoundMsg):
         b, k = msg.spec_tokens.shape
-        ints = _i([b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, [len(msg.committed)], msg.committed,
-                  msg.spec_tokens)
+        ints = _i(
+            [b, k],
+            msg.seq_ids,
+            msg.num_draft,
+            [len(msg.fanout)],
+            msg.fanout,
+            [len(msg.committed)],
+            msg.committed,
+            msg.spec_tokens,
+        )
         return MsgType.BEGIN_ROUND, msg.round_id, ints, none
     if isinstance(msg, ResolveMsg):
-        ints = _i([len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens,
-                  [len(msg.next_fanout)], msg.next_fanout)
+        ints = _i(
+            [len(msg.seq_ids), int(msg.neural_backup)],
+            msg.seq_ids,
+            msg.num_accepted,
+            msg.bonus_tokens,
+            [len(msg.next_fanout)],
+            msg.next_fanout,
+        )
         return MsgType.RESOLVE, msg.round_id, ints, none
     if isinstance(msg, DraftNowMsg):
         return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
@@ -139,8 +163,17 @@ def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
         covered = msg.hit if msg.covered is None else msg.covered
         layout, values = pack_probs(msg.probs)
         rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
-        ints = _i([b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
-                  msg.counters.as_list(), layout)
+        ints = _i(
+            [b, k, msg.probs.shape[-1]],
+            msg.seq_ids,
+            msg.hit.long(),
+            covered.long(),
+            rank,
+            msg.num_draft,
+            msg.tokens,
+            msg.counters.as_list(),
+            layout,
+        )
         floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
         return MsgType.REPLY, msg.round_id, ints, floats
     raise TypeError(f"not a drafter message: {type(msg).__name__}")
@@ -236,5 +269,7 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
         counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
         probs = unpack_probs(r, floats[1:], b, k, v)
         rank = None if bool((rank < 0).all()) else rank  # -1: unknown, as None is
-        return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank)
+        return SpeculationReply(
+            round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank
+        )
     raise ValueError(f"unexpected message type {kind!r}")

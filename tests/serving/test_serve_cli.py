@@ -41,10 +41,31 @@ def test_ssd_serve_starts_answers_and_stops_clean():
     before = ray_processes()
     http, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
-    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
-                             "--k", "4", "--default-max-tokens", "16", "--drain-timeout-s", "150",
-                             "--ray-address", "local"],  # never the test session's cluster
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ssd.cli",
+            "serve",
+            "--port",
+            str(http),
+            "--grpc-port",
+            str(grpc_port),
+            "--k",
+            "4",
+            "--default-max-tokens",
+            "16",
+            "--drain-timeout-s",
+            "150",
+            "--ray-address",
+            "local",
+        ],  # never the test session's cluster
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         lines, deadline = [], time.monotonic() + 240
         while not any(line.startswith("Ctrl-C") for line in lines):
@@ -84,8 +105,15 @@ def drain_under_load(proc, base: str) -> dict:
     started = threading.Barrier(5)
 
     def stream():
-        body = {"model": "ssd-demo", "prompt": "def f(x):", "max_tokens": 1500, "temperature": 0, "stream": True,
-                "ignore_eos": True, "speculation": {"mode": "off"}}  # plain decoding: outlasts the knocking
+        body = {
+            "model": "ssd-demo",
+            "prompt": "def f(x):",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "speculation": {"mode": "off"},
+        }  # plain decoding: outlasts the knocking
         first, finish, done = True, None, False
         with requests.post(base + "/v1/completions", json=body, stream=True, timeout=120) as r:
             for line in r.iter_lines():
@@ -106,7 +134,9 @@ def drain_under_load(proc, base: str) -> dict:
     proc.drain_signalled = True  # one signal only: a second would skip the drain
     time.sleep(1.0)  # the drain flag reaches the ingress within two report periods
     for _ in range(3):
-        r = requests.post(base + "/v1/completions", json={"model": "ssd-demo", "prompt": "x", "max_tokens": 2}, timeout=30)
+        r = requests.post(
+            base + "/v1/completions", json={"model": "ssd-demo", "prompt": "x", "max_tokens": 2}, timeout=30
+        )
         seen["refused"].append(r.status_code)
     seen["health"] = requests.get(base + "/health", timeout=30).status_code
     seen["knocked_at"] = time.monotonic()
@@ -138,14 +168,37 @@ def test_flags_override_the_config_file():
     from serve_app.cli import app_config_from
     from ssd.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--config", str(ROOT / "serve_config.yaml"), "--k", "3", "--budget", "8",
-                                      "--transport", "grpc", "--target-replicas", "2", "--draft-pool-size", "2", "--extra-modes", "off"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            str(ROOT / "serve_config.yaml"),
+            "--k",
+            "3",
+            "--budget",
+            "8",
+            "--transport",
+            "grpc",
+            "--target-replicas",
+            "2",
+            "--draft-pool-size",
+            "2",
+            "--extra-modes",
+            "off",
+        ]
+    )
     config = app_config_from(args)
     assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
     assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
     assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "ssd"  # the served default
     with pytest.raises(ValueError, match="draft_pool_size"):
         app_config_from(build_parser().parse_args(["serve", "--draft-workers", "2"]))
-    with pytest.raises(ValueError, match=r"draft_pool_size \(1\) is below target_replicas x engine.draft_workers \(2 x 1 = 2\)"):
-        app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2"]))  # a replica would find no worker
-    assert app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "off"]))
+    with pytest.raises(
+        ValueError, match=r"draft_pool_size \(1\) is below target_replicas x engine.draft_workers \(2 x 1 = 2\)"
+    ):
+        app_config_from(
+            build_parser().parse_args(["serve", "--target-replicas", "2"])
+        )  # a replica would find no worker
+    assert app_config_from(
+        build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "off"])
+    )

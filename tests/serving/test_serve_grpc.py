@@ -11,9 +11,10 @@ grpc = pytest.importorskip("grpc")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
-
 from refimpl import hf_greedy  # noqa: E402
-from serve_app._proto import ssd_serve_pb2 as pb, ssd_serve_pb2_grpc as pb_grpc  # noqa: E402
+
+from serve_app._proto import ssd_serve_pb2 as pb  # noqa: E402
+from serve_app._proto import ssd_serve_pb2_grpc as pb_grpc
 
 PROMPT = "def add(a, b):\n    return"
 MAX_TOKENS = 20
@@ -47,14 +48,21 @@ def test_unary_and_stream_greedy_equal_hf(served, stub, tiny_pair):
     reply = stub.Generate(request(), metadata=meta(served))
     choice = reply.choices[0]
     assert list(choice.token_ids) == expected and choice.finish_reason == "length"
-    assert reply.usage.completion_tokens == MAX_TOKENS and reply.usage.total_tokens == reply.usage.prompt_tokens + MAX_TOKENS
+    assert (
+        reply.usage.completion_tokens == MAX_TOKENS
+        and reply.usage.total_tokens == reply.usage.prompt_tokens + MAX_TOKENS
+    )
     assert choice.speculation.mode == "ssd" and choice.speculation.rounds > 0
     parts = list(stub.GenerateStream(request(), metadata=meta(served)))
     assert [t for p in parts for t in p.choices[0].token_ids] == expected
     assert "".join(p.choices[0].text for p in parts) == choice.text
     assert parts[-1].usage.completion_tokens == MAX_TOKENS and parts[-1].choices[0].speculation.rounds > 0
-    by_ids = stub.Generate(request(prompt="", prompt_token_ids=list(reply.choices[0].token_ids[:3]),
-                                   speculation=pb.Speculation(mode="off")), metadata=meta(served))
+    by_ids = stub.Generate(
+        request(
+            prompt="", prompt_token_ids=list(reply.choices[0].token_ids[:3]), speculation=pb.Speculation(mode="off")
+        ),
+        metadata=meta(served),
+    )
     assert by_ids.choices[0].speculation.mode == "ar" and len(by_ids.choices[0].token_ids) == MAX_TOKENS
 
 
@@ -68,18 +76,28 @@ def test_models_health_and_reflection(served, stub, channel):
     assert {"ssd.serve.v1.Generation", "grpc.health.v1.Health"} <= services
 
 
-@pytest.mark.parametrize("req,key,code,word", [
-    (request(temperature=-1.0), "own", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (request(max_tokens=10**6), "own", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (request(speculation=pb.Speculation(mode="turbo")), "own", grpc.StatusCode.INVALID_ARGUMENT, "speculation.mode"),
-    (request(prompt=""), "own", grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    (request(model="gpt-5"), "own", grpc.StatusCode.NOT_FOUND, "model"),
-    (request(), None, grpc.StatusCode.UNAUTHENTICATED, "API key"),
-    (request(), "wrong", grpc.StatusCode.UNAUTHENTICATED, "API key"),
-])
+@pytest.mark.parametrize(
+    "req,key,code,word",
+    [
+        (request(temperature=-1.0), "own", grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (request(max_tokens=10**6), "own", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (
+            request(speculation=pb.Speculation(mode="turbo")),
+            "own",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "speculation.mode",
+        ),
+        (request(prompt=""), "own", grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (request(model="gpt-5"), "own", grpc.StatusCode.NOT_FOUND, "model"),
+        (request(), None, grpc.StatusCode.UNAUTHENTICATED, "API key"),
+        (request(), "wrong", grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    ],
+)
 def test_errors_map_to_status_codes(served, stub, req, key, code, word):
-    for call in (lambda: stub.Generate(req, metadata=meta(served, key)),
-                 lambda: list(stub.GenerateStream(req, metadata=meta(served, key)))):
+    for call in (
+        lambda: stub.Generate(req, metadata=meta(served, key)),
+        lambda: list(stub.GenerateStream(req, metadata=meta(served, key))),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == code and word in info.value.details()

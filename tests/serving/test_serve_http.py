@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
 from refimpl import hf_greedy  # noqa: E402
+
 from ssd import LLM, SamplingParams  # noqa: E402
 from ssd.model.demo_models import heldout_prompts  # noqa: E402
 
@@ -43,17 +44,30 @@ def aclient(served):
 
 
 def complete(client, prompt: str, **extra):
-    return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"return_token_ids": True, **extra})
+    return client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
 
 
 def test_greedy_completions_equal_hf_and_the_offline_llm_in_every_mode(served, aclient, tiny_pair, reference):
     modes = [None, "ssd", "sd", "off"]
 
     async def all_at_once():
-        calls = [aclient.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                            extra_body={"return_token_ids": True, **({"speculation": {"mode": m}} if m else {})})
-                 for m in modes for p in PROMPTS]
+        calls = [
+            aclient.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True, **({"speculation": {"mode": m}} if m else {})},
+            )
+            for m in modes
+            for p in PROMPTS
+        ]
         return await asyncio.gather(*calls)
 
     results = asyncio.run(all_at_once())
@@ -78,19 +92,32 @@ def test_a_per_request_k_caps_the_speculation_and_keeps_the_output(client, refer
     assert resp.choices[0].model_extra["token_ids"] == reference[0]
     assert stats["draft_tokens"] <= stats["rounds"]  # at most one draft token per round
     off = complete(client, PROMPTS[0], speculation={"k": 0})
-    assert off.choices[0].model_extra["token_ids"] == reference[0] and off.model_extra["speculation"][0]["draft_tokens"] == 0
+    assert (
+        off.choices[0].model_extra["token_ids"] == reference[0]
+        and off.model_extra["speculation"][0]["draft_tokens"] == 0
+    )
 
 
 def test_streaming_completion_matches_and_ends_with_done(served, client, reference):
     whole = complete(client, PROMPTS[1]).choices[0].text
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == len(reference[1]) and chunks[-1].choices == []
-    raw = requests.post(served.http + "/v1/completions", headers={"Authorization": f"Bearer {served.api_key}"}, timeout=60,
-                     json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stream": True})
+    raw = requests.post(
+        served.http + "/v1/completions",
+        headers={"Authorization": f"Bearer {served.api_key}"},
+        timeout=60,
+        json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stream": True},
+    )
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = [line for line in raw.text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
@@ -114,12 +141,18 @@ def test_n_choices_and_seeded_sampling(client):
     # sd: a seeded request reproduces exactly (ssd does only with engine.ssd_reproducible, whose
     # trees do not depend on timing; the distribution is exact either way).
     sd = {"speculation": {"mode": "sd"}}
-    resp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, n=3, seed=7, extra_body=sd)
-    again = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, n=3, seed=7, extra_body=sd)
+    resp = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, n=3, seed=7, extra_body=sd
+    )
+    again = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, n=3, seed=7, extra_body=sd
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [c.text for c in again.choices]  # seeded: reproducible
     assert len({c.text for c in resp.choices}) > 1  # each choice its own seed
-    one = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=7, extra_body=sd)
+    one = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=7, extra_body=sd
+    )
     assert one.choices[0].text == resp.choices[0].text  # choice 0 keeps the request's seed
     assert resp.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once, whatever n
     assert resp.usage.completion_tokens == 3 * 16

@@ -58,8 +58,13 @@ BAD = [  # (body or raw bytes, status, param)
 
 def post(served, body, path="/v1/completions", stream=False, timeout=60):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return requests.post(served.http + path, data=data, stream=stream, timeout=timeout,
-                         headers={"Authorization": f"Bearer {served.api_key}", "Content-Type": "application/json"})
+    return requests.post(
+        served.http + path,
+        data=data,
+        stream=stream,
+        timeout=timeout,
+        headers={"Authorization": f"Bearer {served.api_key}", "Content-Type": "application/json"},
+    )
 
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}-{s}-{p}" for i, (_, s, p) in enumerate(BAD)])
@@ -75,8 +80,10 @@ def test_bad_input_gets_its_status_and_names_the_param(served, body, status, par
 
 
 def test_bad_chat_input_and_unknown_routes(served):
-    for body, param in (({"model": "tiny", "messages": []}, "messages"),
-                        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role")):
+    for body, param in (
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ):
         r = post(served, body, "/v1/chat/completions")
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert requests.get(served.http + "/v1/nothing").status_code == 404
@@ -89,11 +96,20 @@ def _target_stats(app: str) -> dict:
 
 
 def test_backpressure_at_the_exact_bound(served):
-    body = {"model": "tiny-small", "prompt": "def f(x):", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny-small",
+        "prompt": "def f(x):",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     first = post(served, body, "/small/v1/completions", stream=True)
     assert first.status_code == 200
     second: dict = {}
-    waiter = threading.Thread(target=lambda: second.setdefault("r", post(served, body, "/small/v1/completions", stream=True)))
+    waiter = threading.Thread(
+        target=lambda: second.setdefault("r", post(served, body, "/small/v1/completions", stream=True))
+    )
     waiter.start()
     deadline = time.monotonic() + 30
     while _target_stats("small")["requests"] < 2:  # the second waits in the replica's queue
@@ -111,7 +127,14 @@ def test_backpressure_at_the_exact_bound(served):
 
 def test_a_disconnected_client_stops_its_generation(served):
     before = _target_stats("main")["ssd_metrics"]["generated_tokens"]
-    body = {"model": "tiny", "prompt": "def g(y):", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "def g(y):",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with post(served, body, stream=True) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line).startswith(b"data: ")

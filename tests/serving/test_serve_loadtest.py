@@ -21,9 +21,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_short_headless_run_has_no_failures(served, tmp_path):
     prefix = tmp_path / "run"
-    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", served.http,
-           "--headless", "-u", "3", "-r", "3", "-t", "6s", "--stop-timeout", "30", "--csv", str(prefix), "--only-summary",
-           "--model", "tiny", "--api-key", served.api_key, "--spec-modes", "ssd,sd,off", "--stream-fraction", "0.7"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(ROOT / "loadtest" / "locustfile.py"),
+        "--host",
+        served.http,
+        "--headless",
+        "-u",
+        "3",
+        "-r",
+        "3",
+        "-t",
+        "6s",
+        "--stop-timeout",
+        "30",
+        "--csv",
+        str(prefix),
+        "--only-summary",
+        "--model",
+        "tiny",
+        "--api-key",
+        served.api_key,
+        "--spec-modes",
+        "ssd,sd,off",
+        "--stream-fraction",
+        "0.7",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(f"{prefix}_stats.csv") as f:

@@ -32,8 +32,12 @@ def scrape(url: str) -> dict[str, float]:
 def test_every_metric_is_exported_and_follows_the_traffic(served):
     headers = {"Authorization": f"Bearer {served.api_key}"}
     for _ in range(2):
-        r = requests.post(served.http + "/v1/completions", headers=headers, timeout=60,
-                          json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        r = requests.post(
+            served.http + "/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200
     deadline = time.monotonic() + 90
     while True:

@@ -34,14 +34,15 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from loadtest.procs import rss_mb, serve_processes  # noqa: E402
-from serve_app._proto import ssd_serve_pb2 as pb, ssd_serve_pb2_grpc as pb_grpc  # noqa: E402
+from serve_app._proto import ssd_serve_pb2 as pb  # noqa: E402
+from serve_app._proto import ssd_serve_pb2_grpc as pb_grpc
 from serving.test_serve_limits import BAD  # noqa: E402
 from serving.test_serve_metrics import scrape  # noqa: E402
 
 PROMPTS = [f"def f{i}(x):\n    return" for i in range(16)]
 MAX_TOKENS = 96
 POISON = 7  # a token id whose presence in a forward pass makes the faulty model raise
-FAULTY_CODE = f'''
+FAULTY_CODE = f"""
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -56,7 +57,7 @@ class FaultyForCausalLM(LlamaForCausalLM):
         if input_ids is not None and bool((input_ids == {POISON}).any()):
             raise RuntimeError("injected fault: poison token in the forward pass")
         return super().forward(input_ids=input_ids, **kwargs)
-'''
+"""
 
 
 def save_faulty_target(tiny_target: str, root: Path) -> str:
@@ -65,8 +66,14 @@ def save_faulty_target(tiny_target: str, root: Path) -> str:
     path = root / "faulty"
     shutil.copytree(tiny_target, path)
     config = json.loads((path / "config.json").read_text())
-    config.update(model_type="ssd_test_faulty", architectures=["FaultyForCausalLM"],
-                  auto_map={"AutoConfig": "modeling_faulty.FaultyConfig", "AutoModelForCausalLM": "modeling_faulty.FaultyForCausalLM"})
+    config.update(
+        model_type="ssd_test_faulty",
+        architectures=["FaultyForCausalLM"],
+        auto_map={
+            "AutoConfig": "modeling_faulty.FaultyConfig",
+            "AutoModelForCausalLM": "modeling_faulty.FaultyForCausalLM",
+        },
+    )
     (path / "config.json").write_text(json.dumps(config))
     (path / "modeling_faulty.py").write_text(FAULTY_CODE)
     return str(path)
@@ -77,12 +84,37 @@ def apps(served, tiny_pair, tmp_path_factory):
     from serve_app.app import build_app
 
     target, draft = tiny_pair
-    rel = {"engine": {"target": target, "draft": draft, "mode": "ssd", "k": 4, "ssd_budget": 12, "ssd_autobudget": False,
-                      "draft_transport": "torch", "max_num_seqs": 16, "draft_deadline_s": 2.0},
-           "extra_modes": [], "draft_pool_size": 2, "max_queue": 16, "model_name": "tiny-rel", "api_key": served.api_key}
-    faulty = {"engine": {"target": save_faulty_target(target, tmp_path_factory.mktemp("faulty")), "mode": "ar",
-                         "trust_remote_code": True, "max_num_seqs": 4},
-              "extra_modes": [], "target_replicas": 2, "max_queue": 16, "model_name": "tiny-faulty", "api_key": served.api_key}
+    rel = {
+        "engine": {
+            "target": target,
+            "draft": draft,
+            "mode": "ssd",
+            "k": 4,
+            "ssd_budget": 12,
+            "ssd_autobudget": False,
+            "draft_transport": "torch",
+            "max_num_seqs": 16,
+            "draft_deadline_s": 2.0,
+        },
+        "extra_modes": [],
+        "draft_pool_size": 2,
+        "max_queue": 16,
+        "model_name": "tiny-rel",
+        "api_key": served.api_key,
+    }
+    faulty = {
+        "engine": {
+            "target": save_faulty_target(target, tmp_path_factory.mktemp("faulty")),
+            "mode": "ar",
+            "trust_remote_code": True,
+            "max_num_seqs": 4,
+        },
+        "extra_modes": [],
+        "target_replicas": 2,
+        "max_queue": 16,
+        "model_name": "tiny-faulty",
+        "api_key": served.api_key,
+    }
     serve.run(build_app(rel), name="rel", route_prefix="/rel")
     serve.run(build_app(faulty), name="faulty", route_prefix="/faulty")
     yield
@@ -91,7 +123,9 @@ def apps(served, tiny_pair, tmp_path_factory):
 
 
 def post(served, path: str, body: dict, **kw):
-    return requests.post(served.http + path, json=body, headers={"Authorization": f"Bearer {served.api_key}"}, timeout=120, **kw)
+    return requests.post(
+        served.http + path, json=body, headers={"Authorization": f"Bearer {served.api_key}"}, timeout=120, **kw
+    )
 
 
 def stream_all(served, on_started=None) -> list[tuple[str, str | None]]:
@@ -101,7 +135,14 @@ def stream_all(served, on_started=None) -> list[tuple[str, str | None]]:
     barrier = threading.Barrier(len(PROMPTS) + 1)
 
     def one(i: int) -> None:
-        body = {"model": "tiny-rel", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny-rel",
+            "prompt": PROMPTS[i],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         text, finish, first = "", None, True
         try:
             with post(served, "/rel/v1/completions", body, stream=True) as r:
@@ -257,8 +298,12 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
     # (lazy initialisation, allocator pools), whatever they are; in the suite, earlier modules
     # have already done this, but the module must hold alone too.
     for _ in range(4):
-        r = requests.post(served.http + "/v1/completions", headers=headers, timeout=60,
-                          json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+        r = requests.post(
+            served.http + "/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 32, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200
     sizes = []
     with grpc.insecure_channel(served.grpc) as channel:
@@ -274,15 +319,28 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
             r = requests.post(served.http + "/v1/completions", data=b"{" * (2 << 20), headers=headers, timeout=60)
             assert r.status_code == 413
             for req in bad_grpc:
-                for call in (lambda r=req: stub.Generate(r, metadata=metadata), lambda r=req: list(stub.GenerateStream(r, metadata=metadata))):
+                for call in (
+                    lambda r=req: stub.Generate(r, metadata=metadata),
+                    lambda r=req: list(stub.GenerateStream(r, metadata=metadata)),
+                ):
                     with pytest.raises(grpc.RpcError) as info:
                         call()
-                    assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                                                 grpc.StatusCode.RESOURCE_EXHAUSTED), (req.model, info.value)
+                    assert info.value.code() in (
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.NOT_FOUND,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    ), (req.model, info.value)
             sizes.append(rss_of("main"))
     assert requests.get(served.http + "/health", timeout=30).status_code == 200
-    assert requests.post(served.http + "/v1/completions", headers=headers, timeout=60,
-                         json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert (
+        requests.post(
+            served.http + "/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        ).status_code
+        == 200
+    )
     # Flat after two repeats of warm-up (allocator pools, compiled regexes, imports). The ingress,
     # which refuses nearly all of the barrage, within 24 MiB. A target replica that had served
     # little before (this module run alone) takes one step of 35-50 MiB at a varying moment

@@ -14,10 +14,10 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
+from ssd_stats import STAT_K, STAT_MAX_TOKENS, STAT_PROMPT, check_conditionals, save_peaked_pair  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from ssd import SamplingParams  # noqa: E402
-from ssd_stats import STAT_K, STAT_MAX_TOKENS, STAT_PROMPT, check_conditionals, save_peaked_pair  # noqa: E402
 
 P_MIN = 1e-5
 N = 2000
@@ -30,8 +30,14 @@ def stat_app(served, tmp_path_factory):
     from serve_app.app import build_app
 
     target, draft = save_peaked_pair(tmp_path_factory.mktemp("peaked_serve"))
-    config = {"engine": {"target": target, "draft": draft, "mode": "ssd", "k": STAT_K, "max_num_seqs": 256},
-              "extra_modes": [], "max_n": PER_REQUEST, "max_queue": N, "model_name": "peaked", "api_key": served.api_key}
+    config = {
+        "engine": {"target": target, "draft": draft, "mode": "ssd", "k": STAT_K, "max_num_seqs": 256},
+        "extra_modes": [],
+        "max_n": PER_REQUEST,
+        "max_queue": N,
+        "model_name": "peaked",
+        "api_key": served.api_key,
+    }
     serve.run(build_app(config), name="stat", route_prefix="/stat")
     yield target
     serve.delete("stat")
@@ -41,10 +47,18 @@ def test_served_ssd_samples_follow_the_target_distribution(served, stat_app):
     client = openai.AsyncOpenAI(base_url=served.http + "/stat/v1", api_key=served.api_key, max_retries=0, timeout=600)
 
     async def sample():
-        calls = [client.completions.create(model="peaked", prompt=STAT_PROMPT, max_tokens=STAT_MAX_TOKENS, temperature=1.0,
-                                           n=PER_REQUEST, seed=1000 + PER_REQUEST * i,
-                                           extra_body={"ignore_eos": True, "return_token_ids": True})
-                 for i in range(N // PER_REQUEST)]
+        calls = [
+            client.completions.create(
+                model="peaked",
+                prompt=STAT_PROMPT,
+                max_tokens=STAT_MAX_TOKENS,
+                temperature=1.0,
+                n=PER_REQUEST,
+                seed=1000 + PER_REQUEST * i,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            for i in range(N // PER_REQUEST)
+        ]
         return await asyncio.gather(*calls)
 
     responses = asyncio.run(sample())
