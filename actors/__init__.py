@@ -1,6 +1,6 @@
-"""Thin Ray actors over ssd's plain classes: the shared pool of draft workers and its leases
-(draft_pool.py), a draft worker that serves targets over a connectable transport
-(draft_worker.py), and the WorkerSource a target's DraftPool leases from (source.py).
+"""Thin Ray actors over ssd's plain classes: the lease registry of the shared pool of draft workers
+(lease_registry.py), a draft worker that serves targets over a connectable transport
+(worker_actor.py), and the worker provider a target's PoolClient leases from
+(leased_workers.py: `leased_workers`, passed to the engine as its worker_provider).
 
-This package imports ssd; ssd never imports it (the engine looks `actors.source` up by name
-when draft_launcher resolves to "ray")."""
+This package imports ssd; ssd never imports it: the engine is given the provider by its caller."""

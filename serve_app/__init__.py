@@ -5,10 +5,13 @@ that batch continuously and lease draft workers from a shared pool.
     types.py         GenerateRequest / GenerateChunk: the ingress <-> target hand-off
     errors.py        APIError: one error type with its HTTP status, OpenAI type, param and gRPC code
     engine_loop.py   EngineLoop: continuous batching for async callers (plain class, no Ray)
-    openai_api.py    OpenAI request models and response/stream builders (plain, no Ray)
+    fan_out.py       the checks both APIs share; one request -> one GenerateRequest per choice
+    openai_protocol.py  the OpenAI request bodies (pydantic: unknown keys rejected)
+    openai_api.py    OpenAI response/stream builders over a Generate function (plain, no Ray)
     grpc_api.py      the gRPC service's request/response conversion (plain, no Ray)
+    drain.py         graceful drain: refuse new work, finish the streams in flight
     metrics.py       Prometheus metrics through Ray Serve's metrics API
-    deployments.py   thin Serve deployments: Ingress (HTTP + gRPC), Target, DraftWorker
+    deployments.py   thin Serve deployments: Ingress (HTTP + gRPC), Target, DraftPool
     app.py           build_app(args): the builder `serve run` and `ssd serve` use
     cli.py           `ssd serve`: a local Ray cluster, the app, clean shutdown
     bench.py         serving overhead: HTTP against the offline engine at batch 1

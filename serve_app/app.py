@@ -1,11 +1,11 @@
 """The application builder: `serve run serve_app.app:build_app key=value` or a Serve config file
 (serve_config.yaml at the repository root) whose `args` is an AppConfig.
 
-    Ingress (HTTP + gRPC) --handle--> Target x target_replicas --lease--> DraftWorker x draft_pool_size
+    Ingress (HTTP + gRPC) --handle--> Target x target_replicas --lease--> DraftPool x draft_pool_size
 
 The target deployment holds the draft deployment's handle only so the pool is part of the same
 application (deployed, scaled and torn down with it); per-round traffic goes over the data
-plane to the workers it leases from the pool actor.
+plane to the workers it leases from the lease registry.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 
 from serve_app.config import AppConfig, ServeSettings
-from serve_app.deployments import DraftWorkerDeployment, IngressDeployment, TargetDeployment
+from serve_app.deployments import DraftPoolDeployment, IngressDeployment, TargetDeployment
 
 # Extra in-flight requests Serve may route to a full target replica: they are refused there at
 # once with the configured status (the replica's own bound is exact), instead of waiting in
@@ -50,7 +50,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     pool = None
     if "ssd" in settings.engine_modes:
         resources = dict(config.engine.draft_worker_resources or {"num_cpus": 1})
-        pool = DraftWorkerDeployment.options(num_replicas=config.draft_pool_size, ray_actor_options=resources).bind(
+        pool = DraftPoolDeployment.options(num_replicas=settings.draft_pool_size, ray_actor_options=resources).bind(
             settings
         )
     target = TargetDeployment.options(

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import AppConfig
-from ssd.cli import _ENGINE_DEST, _engine_arguments, _flag_options
+from ssd.cli import ENGINE_DEST, Command, engine_arguments, flag_options
 
 logger = logging.getLogger("ssd.serve")
 
@@ -53,20 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, field in AppConfig.model_fields.items():
         if name == "engine":
             continue
-        options = _flag_options(name, field)
+        options = flag_options(name, field)
         options["dest"] = _APP_DEST + name
         parser.add_argument(f"--{name.replace('_', '-')}", **options)
-    _engine_arguments(parser)
+    engine_arguments(parser)
     parser.add_argument(
         "--budget",
-        dest=_ENGINE_DEST + "ssd_budget",
+        dest=ENGINE_DEST + "ssd_budget",
         type=int,
         default=argparse.SUPPRESS,
         help="Short for --ssd-budget.",
     )
     parser.add_argument(
         "--transport",
-        dest=_ENGINE_DEST + "draft_transport",
+        dest=ENGINE_DEST + "draft_transport",
         choices=["torch", "grpc"],
         default=argparse.SUPPRESS,
         help="Short for --draft-transport: the data plane between target replicas and draft workers.",
@@ -93,7 +93,7 @@ def app_config_from(args: argparse.Namespace) -> AppConfig:
     app = {name: getattr(args, _APP_DEST + name) for name in AppConfig.model_fields if hasattr(args, _APP_DEST + name)}
     engine = dict(base.pop("engine", None) or {})
     engine.update(
-        {name[len(_ENGINE_DEST) :]: value for name, value in vars(args).items() if name.startswith(_ENGINE_DEST)}
+        {name[len(ENGINE_DEST) :]: value for name, value in vars(args).items() if name.startswith(ENGINE_DEST)}
     )
     return parse_config({**base, **app, **({"engine": engine} if engine else {})})
 
@@ -120,77 +120,116 @@ def _start_ray(address: str, metrics_port: int | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`ssd serve`: validate, start (or attach to) Ray, deploy, wait for a signal, drain, shut down."""
     config = app_config_from(args)  # every user error before any process starts
     settings = config.to_settings()
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from serve_app.app import build_app, model_name
-    from serve_app.drain import drain, remove_board, reset_board
-    from serve_app.grpc_api import SERVICER_FUNCTIONS
-
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
     started = _start_ray(args.ray_address, args.metrics_port)
-    import ray
+    signals = _Signals()
+    try:
+        _deploy(args, config)
+        _announce(args, config, settings)
+        signals.wait()
+        _drain(config, signals)
+    finally:
+        _shutdown(started, signals)
+    return 0
 
-    # After ray.init, which installs handlers of its own: the first signal starts the drain, a
-    # second one during the drain skips what is left of it; later ones are ignored, so that the
-    # shutdown itself always runs to its end.
-    stop, draining = threading.Event(), threading.Event()
 
-    def on_signal(*_) -> None:
-        if not stop.is_set():
-            stop.set()
-        elif draining.is_set():
-            draining.clear()
+class _Signals:
+    """SIGINT and SIGTERM, installed after ray.init (which installs handlers of its own): the first
+    signal starts the drain, a second one during the drain skips what is left of it; later ones
+    are ignored, so that the shutdown itself always runs to its end."""
+
+    def __init__(self) -> None:
+        self.stop, self.draining = threading.Event(), threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, *_) -> None:
+        if not self.stop.is_set():
+            self.stop.set()
+        elif self.draining.is_set():
+            self.draining.clear()
             raise KeyboardInterrupt
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-
-    try:
-        serve.start(
-            http_options=HTTPOptions(host=args.host, port=args.port),
-            grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
-        )
-        reset_board(APP_NAME)  # a drain of an earlier run that was killed must not carry over
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-        name = model_name(settings)
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key or os.environ.get("SSD_API_KEY") else ""
-        sys.stdout.write(
-            f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {config.target_replicas} target replica(s), "
-            f"draft pool {config.draft_pool_size if 'ssd' in settings.engine_modes else 0}\n"
-            f"  HTTP (OpenAI): http://{host}:{args.port}/v1   health: http://{host}:{args.port}/health\n"
-            f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
-            f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
-            f'-d \'{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}}\'\n'
-            "Ctrl-C stops it (in-flight requests finish first, up to --drain-timeout-s).\n"
-        )
-        sys.stdout.flush()
-        while not stop.wait(0.5):
+    def wait(self) -> None:
+        while not self.stop.wait(0.5):
             pass
-        sys.stdout.write(
-            f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n"
-        )
-        sys.stdout.flush()
-        draining.set()
-        try:
-            left, waited = drain(APP_NAME, config.drain_timeout_s)
-            draining.clear()
-            still = "unknown (not every ingress replica answered)" if left is None else str(left)
-            sys.stdout.write(f"shutting down after {waited:.1f} s; generations still in flight: {still}\n")
-        except KeyboardInterrupt:
-            sys.stdout.write("drain skipped: shutting down now\n")
+
+
+def _deploy(args: argparse.Namespace, config: AppConfig) -> None:
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from serve_app.app import build_app
+    from serve_app.drain import reset_board
+    from serve_app.grpc_api import SERVICER_FUNCTIONS
+
+    serve.start(
+        http_options=HTTPOptions(host=args.host, port=args.port),
+        grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
+    )
+    reset_board(APP_NAME)  # a drain of an earlier run that was killed must not carry over
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def _announce(args: argparse.Namespace, config: AppConfig, settings) -> None:
+    from serve_app.app import model_name
+
+    name = model_name(settings)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key or os.environ.get("SSD_API_KEY") else ""
+    sys.stdout.write(
+        f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {config.target_replicas} target replica(s), "
+        f"draft pool {settings.draft_pool_size}\n"
+        f"  HTTP (OpenAI): http://{host}:{args.port}/v1   health: http://{host}:{args.port}/health\n"
+        f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
+        f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}}\'\n'
+        "Ctrl-C stops it (in-flight requests finish first, up to --drain-timeout-s).\n"
+    )
+    sys.stdout.flush()
+
+
+def _drain(config: AppConfig, signals: _Signals) -> None:
+    from serve_app.drain import drain
+
+    sys.stdout.write(
+        f"draining: new requests get 503, waiting up to {config.drain_timeout_s:g} s for those in flight\n"
+    )
+    sys.stdout.flush()
+    signals.draining.set()
+    try:
+        left, waited = drain(APP_NAME, config.drain_timeout_s)
+        signals.draining.clear()
+        still = "unknown (not every ingress replica answered)" if left is None else str(left)
+        sys.stdout.write(f"shutting down after {waited:.1f} s; generations still in flight: {still}\n")
+    except KeyboardInterrupt:
+        sys.stdout.write("drain skipped: shutting down now\n")
+
+
+def _shutdown(started: bool, signals: _Signals) -> None:
+    import ray
+    from ray import serve
+
+    from serve_app.drain import remove_board
+
+    signals.draining.clear()
+    try:
+        serve.shutdown()
     finally:
-        draining.clear()
         try:
-            serve.shutdown()
+            remove_board(APP_NAME)  # after the ingress replicas, which would create it again
         finally:
-            try:
-                remove_board(APP_NAME)  # after the ingress replicas, which would create it again
-            finally:
-                if started:
-                    ray.shutdown()
-    return 0
+            if started:
+                ray.shutdown()
+
+
+COMMAND = Command(
+    help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on "
+    "this machine).",
+    add_arguments=add_arguments,
+    run=run,
+)

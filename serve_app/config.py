@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ssd.config import EngineArgs
+from ssd.core.config import EngineArgs
 
 # The environment variable an API key may come from when the config names none (so a key never
 # has to be written into a Serve config file or a KubeRay manifest).
@@ -58,14 +58,13 @@ class AppConfig(BaseModel):
     target_num_gpus: float = Field(
         0.0, ge=0, description="GPUs reserved for each target replica (set engine.device='cuda' too)."
     )
-    draft_pool_size: int = Field(
-        1,
+    draft_pool_size: int | None = Field(
+        None,
         ge=0,
         le=4096,
-        description="Draft deployment replicas: the shared pool of draft workers that target "
-        "replicas lease from (mode ssd). "
-        "Each target replica leases engine.draft_workers of them, so size the pool to target_replicas x "
-        "draft_workers.",
+        description="Draft deployment replicas: the shared pool of draft workers that target replicas lease from "
+        "(mode ssd). Each target replica leases engine.draft_workers of them, so the pool needs at least "
+        "target_replicas x engine.draft_workers; None = exactly that many.",
     )
     max_queue: int = Field(
         64,
@@ -132,7 +131,7 @@ class AppConfig(BaseModel):
         self.engine.to_config()  # the engine's own checks, with its messages
         ssd = "ssd" in (self.engine.mode, *self.extra_modes)
         needed = self.target_replicas * self.engine.draft_workers
-        if ssd and self.draft_pool_size < needed:
+        if ssd and self.draft_pool_size is not None and self.draft_pool_size < needed:
             # A replica that finds no free worker waits for one and then fails to start.
             raise ValueError(
                 f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers "
@@ -147,10 +146,16 @@ class AppConfig(BaseModel):
         return self
 
     def to_settings(self) -> "ServeSettings":
+        """Every derived value, computed here once."""
         modes = [self.engine.mode] + [REQUEST_MODES[m] for m in self.extra_modes]
         engine_modes = tuple(dict.fromkeys(modes))  # first one is the default
         served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        pool = (
+            self.draft_pool_size
+            if self.draft_pool_size is not None
+            else self.target_replicas * self.engine.draft_workers
+        )
         return ServeSettings(
             engine=self.engine,
             engine_modes=engine_modes,
@@ -167,6 +172,7 @@ class AppConfig(BaseModel):
             default_max_tokens=self.default_max_tokens,
             chat_template=self.chat_template,
             max_grpc_message_bytes=self.max_grpc_message_bytes,
+            draft_pool_size=pool if "ssd" in engine_modes else 0,
         )
 
 
@@ -189,6 +195,7 @@ class ServeSettings:
     default_max_tokens: int
     chat_template: str | None
     max_grpc_message_bytes: int
+    draft_pool_size: int  # draft deployment replicas (0 when no served mode is ssd)
 
     def engine_args(self, mode: str) -> EngineArgs:
         """The engine options of one mode's engine (ar needs no draft settings checked)."""

@@ -1,9 +1,10 @@
 """Thin Serve deployments over the plain classes: the draft pool's workers, the target replicas
 and the ingress (HTTP routes and gRPC methods).
 
-Per-round traffic never goes through Serve: a target replica's engine leases draft workers from
-the pool actor (actors/draft_pool.py) and talks to them over the data plane (torch or grpc).
-Serve places, starts, health-checks and replaces the replicas.
+Per-round traffic never goes through Serve: a target replica's engine is given the Ray worker
+provider (actors/leased_workers.py), leases draft workers from the lease registry and talks to
+them over the data plane (torch or grpc). Serve places, starts, health-checks and replaces the
+replicas.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations
@@ -40,22 +41,22 @@ RETRY_BACKOFF_S = 0.2
 RETRY_WINDOW_S = 20.0
 
 
-@serve.deployment(name="DraftWorker", health_check_period_s=5, max_ongoing_requests=4)
-class DraftWorkerDeployment:
+@serve.deployment(name="DraftPool", health_check_period_s=5, max_ongoing_requests=4)
+class DraftPoolDeployment:
     """One draft worker of the shared pool: loads the draft, listens on a port the OS picks and
-    registers with the pool actor; targets lease it from there. Replaced by Serve when its
+    registers with the lease registry; targets lease it from there. Replaced by Serve when its
     session thread dies; the replacement registers under its own replica id."""
 
     def __init__(self, settings: ServeSettings) -> None:
         from transformers import AutoConfig
 
-        from actors.draft_pool import get_or_create_pool
-        from actors.draft_worker import PoolMember
+        from actors.lease_registry import get_or_create_registry
+        from actors.worker_actor import PoolMember
 
         cfg = settings.engine_args("ssd").to_config()
         vocab = AutoConfig.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code).vocab_size
         worker_id = serve.get_replica_context().replica_tag
-        self.member = PoolMember(cfg, vocab, get_or_create_pool(), f"serve-{worker_id}")
+        self.member = PoolMember(cfg, vocab, get_or_create_registry(), f"serve-{worker_id}")
         self.metrics = ServeMetrics("draft")
 
     def check_health(self) -> None:
@@ -74,10 +75,12 @@ class TargetDeployment:
     """A target replica: one EngineLoop (continuous batching) over one engine per served mode."""
 
     def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
+        from actors.leased_workers import leased_workers
+
         # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
         engine = settings.engine.model_copy(update={"draft_start_workers": False})
         self.loop = EngineLoop(
-            build_engines(engine, settings.engine_modes),
+            build_engines(engine, settings.engine_modes, leased_workers),
             settings.capacity,
             settings.overload_status,
             settings.retry_after_s,

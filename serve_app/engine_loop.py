@@ -29,9 +29,10 @@ import torch
 from serve_app.config import REQUEST_MODES
 from serve_app.errors import APIError, overloaded
 from serve_app.types import GenerateChunk, GenerateRequest
-from ssd.config import EngineArgs
+from ssd.core.config import EngineArgs
+from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.sequence import CompletionOutput
+from ssd.engine.proposers import WorkerProviderFactory
 from ssd.model.loader import load_pair
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,11 @@ class _Caller:
     mode: str
 
 
-def build_engines(engine: EngineArgs, modes: tuple[str, ...]) -> dict[str, LLMEngine]:
-    """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it)."""
+def build_engines(
+    engine: EngineArgs, modes: tuple[str, ...], worker_provider: WorkerProviderFactory | None = None
+) -> dict[str, LLMEngine]:
+    """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it);
+    worker_provider: where an ssd engine's draft pool gets its workers (ssd.engine.proposers)."""
     with_draft = next((m for m in modes if m != "ar"), None)
     base = engine.model_copy(update={"mode": with_draft or "ar"}).to_config()
     if base.num_threads is not None:
@@ -58,7 +62,9 @@ def build_engines(engine: EngineArgs, modes: tuple[str, ...]) -> dict[str, LLMEn
     try:
         for mode in modes:
             config = engine.model_copy(update={"mode": mode}).to_config()
-            engines[mode] = LLMEngine(config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len)
+            engines[mode] = LLMEngine(
+                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
+            )
     except BaseException:
         for built in engines.values():
             built.close()
@@ -104,7 +110,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._inbox: list[tuple[GenerateRequest, str]] = []
+        self._inbox: list[tuple[GenerateRequest, str, list[int]]] = []  # request, engine mode, prompt ids
         self._aborts: set[str] = set()
         self._callers: dict[str, _Caller] = {}  # every request counted against capacity
         self.failure: str | None = None  # why the loop stopped serving; None while healthy
@@ -140,23 +146,13 @@ class EngineLoop:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Chunks of one request as rounds produce them. Raises APIError before the first chunk
         for a request the engine refuses or the replica cannot take."""
-        if not self.healthy():
-            raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
-        mode = self.engine_for(request.mode)
-        if request.request_id in self._callers:
-            raise APIError(400, "duplicate request id", None, "invalid_value")
-        if len(self._callers) >= self.capacity:
-            raise overloaded(self.overload_status, self.retry_after_s)
-        try:
-            self.engines[mode].check_request(request.prompt, request.params)
-        except ValueError as err:
-            raise request_error(err) from None
+        mode, ids = self._admit(request)
         caller = _Caller(asyncio.get_running_loop(), asyncio.Queue(), mode)
         self._callers[request.request_id] = caller
         finished = False
         try:
             with self._lock:
-                self._inbox.append((request, mode))
+                self._inbox.append((request, mode, ids))
             self._wake.set()
             if self.failure is not None:  # failed after the check above: the loop takes no more
                 raise APIError(
@@ -164,23 +160,11 @@ class EngineLoop:
                 )
             last_yield = 0.0
             while True:
-                item = await caller.queue.get()
-                wait = last_yield + self.stream_interval_s - time.monotonic()
-                if wait > 0 and isinstance(item, GenerateChunk) and not item.finish_reason:
-                    await asyncio.sleep(wait)  # let more rounds arrive: they go out together
-                # Rounds that arrived while the caller was busy go out as one chunk: fewer
-                # messages through Serve when the consumer is the bottleneck, none held back.
-                while isinstance(item, GenerateChunk) and not item.finish_reason and not caller.queue.empty():
-                    following = caller.queue.get_nowait()
-                    if not isinstance(following, GenerateChunk):
-                        caller.queue.put_nowait(following)  # _END or an error: after this chunk
-                        break
-                    item = merge(item, following)
+                item = await self._next(caller.queue, last_yield)
+                finished = item is _END or isinstance(item, BaseException)
                 if item is _END:
-                    finished = True
                     return
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
                 last_yield = time.monotonic()
                 yield item
@@ -190,6 +174,37 @@ class EngineLoop:
                 with self._lock:
                     self._aborts.add(request.request_id)
                 self._wake.set()
+
+    def _admit(self, request: GenerateRequest) -> tuple[str, list[int]]:
+        """Whether this replica takes the request: -> (its engine mode, its prompt's token ids,
+        tokenized here once), else APIError."""
+        if not self.healthy():
+            raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
+        mode = self.engine_for(request.mode)
+        if request.request_id in self._callers:
+            raise APIError(400, "duplicate request id", None, "invalid_value")
+        if len(self._callers) >= self.capacity:
+            raise overloaded(self.overload_status, self.retry_after_s)
+        try:
+            return mode, self.engines[mode].check_request(request.prompt, request.params)
+        except ValueError as err:
+            raise request_error(err) from None
+
+    async def _next(self, queue: asyncio.Queue, last_yield: float):
+        """The next item for a caller: a chunk, _END or an error. Rounds that arrive within
+        stream_interval_s of the last chunk, or while the caller was busy, go out as one chunk:
+        fewer messages through Serve when the consumer is the bottleneck, none held back."""
+        item = await queue.get()
+        wait = last_yield + self.stream_interval_s - time.monotonic()
+        if wait > 0 and isinstance(item, GenerateChunk) and not item.finish_reason:
+            await asyncio.sleep(wait)  # let more rounds arrive: they go out together
+        while isinstance(item, GenerateChunk) and not item.finish_reason and not queue.empty():
+            following = queue.get_nowait()
+            if not isinstance(following, GenerateChunk):
+                queue.put_nowait(following)  # _END or an error: after this chunk
+                break
+            item = merge(item, following)
+        return item
 
     def stats(self) -> dict:
         out = {"requests": len(self._callers), "rounds": self.rounds, "healthy": self.healthy()}
@@ -219,11 +234,11 @@ class EngineLoop:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
-        for request, mode in inbox:
+        for request, mode, ids in inbox:
             if request.request_id in aborts:
                 continue
             try:
-                self.engines[mode].add_request(request.prompt, request.params, request.request_id, request.k)
+                self.engines[mode].add_request(ids, request.params, request.request_id, request.k)
             except ValueError as err:  # checked already; the engine has the last word
                 self._deliver(request.request_id, request_error(err))
         if aborts:

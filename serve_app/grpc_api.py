@@ -19,9 +19,10 @@ from pydantic import ValidationError
 
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
+from serve_app.fan_out import check_model_and_n, fan_out
 from serve_app.openai_api import Generate, interleave
 from serve_app.types import GenerateChunk, GenerateRequest
-from ssd.sampling_params import SamplingParams
+from ssd.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +64,13 @@ class GrpcFrontend:
             raise APIError(
                 401, "missing or invalid API key: send metadata authorization: Bearer <key>", None, "invalid_api_key"
             )
-        if request.model != self.model_name:
-            raise APIError(
-                404,
-                f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
         if request.prompt and request.prompt_token_ids:
             raise APIError(400, "prompt: give prompt or prompt_token_ids, not both", "prompt", "invalid_value")
         prompt = request.prompt or list(request.prompt_token_ids)
         if not prompt:
             raise APIError(400, "prompt: give prompt or prompt_token_ids", "prompt", "invalid_value")
         n = request.n or 1
-        if n > self.settings.max_n:
-            raise APIError(400, f"n must be at most {self.settings.max_n}", "n", "invalid_value")
+        check_model_and_n(request.model, self.model_name, n, self.settings.max_n)
         fields = {
             "max_tokens": request.max_tokens if request.HasField("max_tokens") else self.settings.default_max_tokens,
             "temperature": request.temperature if request.HasField("temperature") else 1.0,
@@ -99,15 +92,7 @@ class GrpcFrontend:
         k = spec.k if spec.HasField("k") else None
         if k is not None and k > 32:
             raise APIError(400, "speculation.k must be at most 32", "speculation.k", "invalid_value")
-        out = []
-        for i in range(n):
-            seeded = (
-                params
-                if params.seed is None or i == 0
-                else params.model_copy(update={"seed": (params.seed + i) % 2**64})
-            )
-            out.append(GenerateRequest(f"{uuid.uuid4().hex}-{i}", prompt, seeded, mode, k))
-        return out
+        return fan_out([prompt], n, params, mode, k)
 
     def _stats(self, chunk: GenerateChunk):
         s = chunk.speculation

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
+from serve_app.fan_out import check_model_and_n, fan_out
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.types import GenerateChunk, GenerateRequest
 
@@ -110,15 +111,7 @@ class OpenAIFrontend:
             request = cls.model_validate(body)
         except ValidationError as err:
             raise from_validation(err) from None
-        if request.model != self.model_name:
-            raise APIError(
-                404,
-                f"model {request.model[:100]!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
-        if request.n > self.settings.max_n:
-            raise APIError(400, f"n must be at most {self.settings.max_n}", "n", "invalid_value")
+        check_model_and_n(request.model, self.model_name, request.n, self.settings.max_n)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
         try:
@@ -127,27 +120,10 @@ class OpenAIFrontend:
             raise from_validation(err) from None
         return request, params
 
-    def _requests(self, request, params, prompts: list) -> list[GenerateRequest]:
+    @staticmethod
+    def _requests(request, params, prompts: list) -> list[GenerateRequest]:
         spec = request.speculation
-        out = []
-        for p_index, prompt in enumerate(prompts):
-            for i in range(request.n):
-                # n choices of one prompt must differ: a seeded request gives each its own seed.
-                seeded = (
-                    params
-                    if params.seed is None or i == 0
-                    else params.model_copy(update={"seed": (params.seed + i) % 2**64})
-                )
-                out.append(
-                    GenerateRequest(
-                        f"{uuid.uuid4().hex}-{p_index}-{i}",
-                        prompt,
-                        seeded,
-                        spec.mode if spec else None,
-                        spec.k if spec else None,
-                    )
-                )
-        return out
+        return fan_out(prompts, request.n, params, spec.mode if spec else None, spec.k if spec else None)
 
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ssd.sampling_params import SamplingParams
+from ssd.core.sampling_params import SamplingParams
 
 # Prompts in one /v1/completions request (each gets n choices).
 MAX_PROMPTS = 32

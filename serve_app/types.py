@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ssd.sampling_params import SamplingParams
+from ssd.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

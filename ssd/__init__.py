@@ -9,9 +9,9 @@ import importlib
 
 _EXPORTS = {
     "LLM": "ssd.llm",
-    "SamplingParams": "ssd.sampling_params",
-    "EngineArgs": "ssd.config",
-    "CompletionOutput": "ssd.engine.sequence",
+    "SamplingParams": "ssd.core.sampling_params",
+    "EngineArgs": "ssd.core.config",
+    "CompletionOutput": "ssd.core.sequence",
 }
 
 __all__ = list(_EXPORTS)

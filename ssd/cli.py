@@ -1,4 +1,5 @@
-"""The `ssd` command line: serve, generate, bench, build-demo-models."""
+"""The `ssd` command line: generate, bench, build-demo-models, and the subcommands other packages
+register in the entry-point group "ssd.commands" (the serving package registers `serve`)."""
 
 from __future__ import annotations
 
@@ -6,26 +7,28 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from ssd.config import DEMO_MODELS_DIR, EngineArgs
-from ssd.sampling_params import SamplingParams
+from ssd.core.config import DEMO_MODELS_DIR, EngineArgs
+from ssd.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("ssd")
 
 
 # Engine flags are stored under this dest prefix, apart from the request flags of `generate`.
-_ENGINE_DEST = "engine_"
+ENGINE_DEST = "engine_"
 
 
-def _flag_options(name: str, field: FieldInfo) -> dict:
+def flag_options(name: str, field: FieldInfo) -> dict:
     """argparse options for one EngineArgs field. Every flag defaults to SUPPRESS, so only the
     flags a user gives reach EngineArgs and its defaults stay the single source of truth."""
-    options: dict = {"dest": _ENGINE_DEST + name, "default": argparse.SUPPRESS, "required": field.is_required()}
+    options: dict = {"dest": ENGINE_DEST + name, "default": argparse.SUPPRESS, "required": field.is_required()}
     # argparse %-formats help texts.
     options["help"] = (field.description or "").replace("%", "%%")
     annotation = field.annotation
@@ -51,7 +54,7 @@ def _flag_options(name: str, field: FieldInfo) -> dict:
         options["metavar"] = "JSON"
     else:
         raise TypeError(
-            f"config field {name}: {field.annotation} has no command-line form; teach ssd/cli.py _flag_options it"
+            f"config field {name}: {field.annotation} has no command-line form; teach ssd/cli.py flag_options it"
         )
     return options
 
@@ -66,12 +69,12 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field, --field-name, help = the field's description. A field
     whose flag a request flag already holds (seed) becomes --engine-field-name."""
     for name, field in EngineArgs.model_fields.items():
         flag = name.replace("_", "-")
-        options = _flag_options(name, field)
+        options = flag_options(name, field)
         try:
             parser.add_argument(f"--{flag}", **options)
         except argparse.ArgumentError:  # argparse checks conflicts before adding anything
@@ -82,15 +85,13 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """The EngineArgs of the engine flags given on the command line (validated: a bad value
     raises pydantic's ValidationError, a ValueError)."""
     given = {
-        name: getattr(args, _ENGINE_DEST + name)
-        for name in EngineArgs.model_fields
-        if hasattr(args, _ENGINE_DEST + name)
+        name: getattr(args, ENGINE_DEST + name) for name in EngineArgs.model_fields if hasattr(args, ENGINE_DEST + name)
     }
     return EngineArgs(**given)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ssd import LLM
+    from ssd.llm import LLM
 
     # Validate everything the user typed before loading any model.
     engine_args = engine_args_from(args)
@@ -134,36 +135,38 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_cli():
-    """serve_app's command module, looked up by name: ssd never imports the Serve layer itself."""
-    import importlib
-
-    try:
-        return importlib.import_module("serve_app.cli")
-    except ImportError as err:
-        raise SystemExit(
-            f"`ssd serve` needs the serve_app package of ssd-serve and Ray Serve installed: {err}"
-        ) from err
+COMMAND_GROUP = "ssd.commands"
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    return _serve_cli().run(args)
+@dataclass(frozen=True)
+class Command:
+    """A subcommand another package registers (an entry point in COMMAND_GROUP names one)."""
+
+    help: str  # one line, for `ssd --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _registered_commands() -> list:
+    """The subcommands installed packages register: entry points in COMMAND_GROUP, each naming an
+    object with `help` (a line), `add_arguments(parser)` and `run(args) -> int`."""
+    from importlib.metadata import entry_points
+
+    return sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ssd", description="Speculative Speculative Decoding: generate, benchmark, build the demo models."
+        prog="ssd", description="Speculative Speculative Decoding: generate, benchmark, build the demo models, serve."
     )
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG, INFO, WARNING, ...).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser(
-        "serve",
-        help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on "
-        "this machine).",
-    )
-    _serve_cli().add_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    for entry in _registered_commands():
+        command = entry.load()
+        registered = sub.add_parser(entry.name, help=command.help)
+        command.add_arguments(registered)
+        registered.set_defaults(func=command.run)
 
     gen = sub.add_parser(
         "generate", help="Generate text offline with the engine and print it with speculation metrics."
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="A stop string; repeat for several.")
     gen.add_argument("--seed", type=int, default=None, help=SamplingParams.model_fields["seed"].description)
     gen.add_argument("--stream", action="store_true", help="Print text as rounds finish (single prompt).")
-    _engine_arguments(gen)  # after the request flags: a name both use stays the request's
+    engine_arguments(gen)  # after the request flags: a name both use stays the request's
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser(

@@ -7,11 +7,12 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from ssd.config import EngineArgs
+from ssd.core.config import EngineArgs
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.sequence import CompletionOutput
+from ssd.engine.proposers import WorkerProviderFactory
 from ssd.model.loader import load_pair
-from ssd.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -20,13 +21,21 @@ class LLM:
     """`LLM()` serves the bundled demo pair; `LLM(target=..., draft=..., mode="sd", k=6)` any
     Hugging Face pair with one vocabulary. See `EngineArgs` for every option."""
 
-    def __init__(self, target: str | None = None, draft: str | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        draft: str | None = None,
+        worker_provider: WorkerProviderFactory | None = None,
+        **kwargs,
+    ) -> None:
+        """kwargs: EngineArgs' fields. worker_provider: where SSD's draft workers come from
+        (default: processes this one starts; the serving package has one that leases Ray actors)."""
         self.args = EngineArgs(target=target, draft=draft, **kwargs)
         config = self.args.to_config()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         pair = load_pair(config)
-        self.engine = LLMEngine(config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len)
+        self.engine = LLMEngine(config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider)
 
     @property
     def tokenizer(self):
@@ -42,10 +51,10 @@ class LLM:
             raise ValueError(
                 f"got {len(param_list)} sampling_params for {len(prompts)} prompts: pass one or one per prompt"
             )
-        # Validate everything before queueing anything, so a bad request leaves the engine clean.
-        for prompt, sp in zip(prompts, param_list):
-            self.engine.check_request(prompt, sp)
-        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list)]
+        # Validate everything before queueing anything, so a bad request leaves the engine clean;
+        # what is queued is the token ids the check made (a prompt is tokenized once).
+        ids = [self.engine.check_request(prompt, sp) for prompt, sp in zip(prompts, param_list)]
+        return [self.engine.add_request(p, sp) for p, sp in zip(ids, param_list)]
 
     def generate(
         self,

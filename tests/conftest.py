@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.config import DEMO_MODELS_DIR
+from ssd.core.config import DEMO_MODELS_DIR
 from ssd.model.demo_models import EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer
 
 

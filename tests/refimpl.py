@@ -22,7 +22,7 @@ def hf_greedy(path: str, prompts: list[str], max_tokens: int) -> list[list[int]]
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Temperature, then top_k (every token at least as large as the k-th largest), then the
     smallest sorted prefix whose mass reaches top_p.
-    Written independently of ssd.engine.sampling on purpose."""
+    Written independently of ssd.core.sampling on purpose."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     probs = np.exp(z - z.max())
     probs /= probs.sum()

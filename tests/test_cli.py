@@ -13,7 +13,7 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from ssd.cli import build_parser, engine_args_from, main
-from ssd.config import EngineArgs
+from ssd.core.config import EngineArgs
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

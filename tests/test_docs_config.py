@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from serve_app.config import AppConfig
-from ssd.config import EngineArgs
+from ssd.core.config import EngineArgs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 HEADING = re.compile(r"^#{1,3} ", re.M)

@@ -1,6 +1,6 @@
-"""A pool of D draft workers sharing each round's branch grid (ssd/transport/pool.py), without Ray.
+"""A pool of D draft workers sharing each round's branch grid (ssd/transport/pool_client.py), without Ray.
 
-Greedy output with D = 2 equals Hugging Face `generate`, and both shares deliver hits; a worker
+Greedy output with D = 2 equals Hugging Face `generate`, and both shards deliver hits; a worker
 killed mid-generation leaves the output unchanged and is replaced; duplicated, stale and foreign
 messages (injected on both sides of the channel) are refused and counted and cannot change the
 output. The sampled exactness of D = 2 is in test_ssd_process_sampling.py.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from refimpl import hf_greedy
 from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
     check_greedy,
@@ -27,11 +26,11 @@ from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_worker
 )
 from workers import live_draft_workers
 
+from ssd.core.protocol import MsgType, ReleaseMsg
 from ssd.model.demo_models import heldout_prompts
-from ssd.transport.wire import MsgType, encode
 
 
-def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, tiny_reference):
+def test_two_workers_greedy_matches_hf_and_both_shards_hit(tiny_pair, prompts, tiny_reference):
     target, draft = tiny_pair
     with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
         assert len(live_draft_workers()) == 2
@@ -39,8 +38,8 @@ def test_two_workers_greedy_matches_hf_and_both_shares_hit(tiny_pair, prompts, t
         m = llm.metrics()
     ssd = m["ssd"]
     assert ssd["draft_workers"] == 2 and ssd["draft_workers_live"] == 2, ssd
-    assert ssd["budget"] == 2 * 12, ssd  # the fan-out covers both shares
-    assert min(ssd["draft_slot_hits"]) > 0, ssd  # each worker held some of the hits
+    assert ssd["budget"] == 2 * 12, ssd  # the fan-out covers both shards
+    assert min(ssd["draft_shard_hits"]) > 0, ssd  # each worker held some of the hits
     assert ssd["draft_worker_failures"] == 0 and ssd["drafter_rejected_messages"] == 0, ssd
     assert m["backup_neural_rounds"] > 0, m
 
@@ -52,7 +51,7 @@ def test_two_workers_by_sequence_greedy_matches_hf(tiny_pair, prompts, tiny_refe
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     ssd = m["ssd"]
-    assert ssd["budget"] == 12 and min(ssd["draft_slot_hits"]) > 0, ssd  # whole trees of ssd_budget, both workers
+    assert ssd["budget"] == 12 and min(ssd["draft_shard_hits"]) > 0, ssd  # whole trees of ssd_budget, both workers
     assert ssd["draft_predict_hints"] == 0 and ssd["draft_worker_failures"] == 0, ssd
     assert m["backup_neural_rounds"] > 0 and m["cache_hits"] > 0, m
 
@@ -64,7 +63,7 @@ def test_two_workers_demo_pair_greedy_matches_hf(demo_pair):
         outs = llm.generate(prompts, greedy(24))
         m = llm.metrics()
     assert [o.token_ids for o in outs] == expected
-    assert m["cache_hit_rate"] > 0.3 and min(m["ssd"]["draft_slot_hits"]) > 0, m
+    assert m["cache_hit_rate"] > 0.3 and min(m["ssd"]["draft_shard_hits"]) > 0, m
 
 
 def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_reference):
@@ -75,18 +74,18 @@ def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_refer
             engine.add_request(p, greedy())
         engine.step()
         engine.step()  # a round in flight
-        victim = worker_process(llm, slot=1)
+        victim = worker_process(llm, shard=1)
         victim.kill()
         victim.wait(10)
         assert finish(engine) == sorted(tiny_reference[:2])
         assert metric(llm.metrics(), "draft_worker_failures") == 1
         generate_until_replaced(llm, prompts, tiny_reference)
-        hits = list(metric(llm.metrics(), "draft_slot_hits"))
+        hits = list(metric(llm.metrics(), "draft_shard_hits"))
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
         assert metric(m, "draft_workers_live") == 2
-        assert m["ssd"]["draft_slot_hits"][1] > hits[1], m["ssd"]  # the replacement holds hits again
-        assert worker_process(llm, slot=1).pid != victim.pid
+        assert m["ssd"]["draft_shard_hits"][1] > hits[1], m["ssd"]  # the replacement holds hits again
+        assert worker_process(llm, shard=1).pid != victim.pid
 
 
 # ---- messages that must not count ----------------------------------------------------------------
@@ -96,16 +95,15 @@ def duplicate_in_both_directions(llm) -> None:
     """A duplicating network on every link: each BEGIN_ROUND and RESOLVE the target sends goes
     out twice (the copy straight after), and each reply (REPLY, DRAFT_REPLY) the target receives
     comes in twice (the copy with the next receive)."""
-    for slot in llm.engine.proposer.client.slots:
-        channel = slot.link.channel
+    for shard in llm.engine.proposer.client.shards:
+        channel = shard.link.channel
         send, recv = channel.send, channel.recv
         pending = []
 
-        def send_twice(msg, timeout=None, send=send, channel=channel):
-            send(msg, timeout)
-            kind, round_id, ints, floats = encode(msg)
+        def send_twice(kind, msg=None, timeout=None, send=send):
+            send(kind, msg, timeout)
             if kind in (MsgType.BEGIN_ROUND, MsgType.RESOLVE):
-                channel.send_raw(kind, round_id, ints, floats, timeout)
+                send(kind, msg, timeout)
 
         def recv_twice(timeout=None, recv=recv, pending=pending):
             if pending:
@@ -137,9 +135,9 @@ def test_a_foreign_frame_takes_the_link_down_and_the_output_stays_exact(tiny_pai
     with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
         first = llm.generate(prompts[:2], greedy())
         assert [o.token_ids for o in first] == tiny_reference[:2]
-        channel = llm.engine.proposer.client.slots[0].link.channel
+        channel = llm.engine.proposer.client.shards[0].link.channel
         fp, channel.fp = channel.fp, channel.fp ^ 1
-        channel.send_raw(MsgType.RELEASE, 0, torch.tensor([10**6]), torch.zeros(0))
+        channel.send(MsgType.RELEASE, ReleaseMsg([10**6]))
         channel.fp = fp
         outs = llm.generate(prompts, greedy())
         assert [o.token_ids for o in outs] == tiny_reference
@@ -152,7 +150,7 @@ def test_a_worker_out_of_sync_is_replaced(tiny_pair, prompts, tiny_reference):
     (OutOfSync) instead of answered from the wrong prefix."""
     target, draft = tiny_pair
     with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
-        link = llm.engine.proposer.client.slots[1].link
+        link = llm.engine.proposer.client.shards[1].link
         begin = link.begin_round
 
         def skewed(msg, begin=begin):
@@ -190,7 +188,7 @@ def test_listening_transports_greedy_matches_hf(tiny_pair, prompts, tiny_referen
         assert len(live_draft_workers()) == workers
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
-    assert m["cache_hits"] > 0 and min(m["ssd"]["draft_slot_hits"]) > 0, m
+    assert m["cache_hits"] > 0 and min(m["ssd"]["draft_shard_hits"]) > 0, m
     assert m["ssd"]["draft_worker_failures"] == 0, m
 
 

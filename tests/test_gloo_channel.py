@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from ssd.transport.gloo_channel import GlooChannel, WorkerGone, await_worker, pair_group, pair_store
-from ssd.transport.messages import ResolveMsg
-from ssd.transport.wire import MsgType
+from ssd.core.protocol import MsgType, ResolveMsg
+from ssd.transport.gloo_channel import WorkerGone, await_worker, pair_group, pair_store
+from ssd.transport.torch_channel import TorchChannel
 
 
 def test_a_worker_that_dies_before_connecting_is_reported_at_once(tmp_path):
@@ -34,7 +34,7 @@ def _pair(tmp_path):
         t.start()
     for t in threads:
         t.join(60)
-    return GlooChannel(groups[0], 1, 7), GlooChannel(groups[1], 0, 7)
+    return TorchChannel(groups[0], 1, 7), TorchChannel(groups[1], 0, 7)
 
 
 def test_a_posted_receive_reports_arrival_without_being_waited_on(tmp_path):
@@ -47,13 +47,13 @@ def test_a_posted_receive_reports_arrival_without_being_waited_on(tmp_path):
     # A gloo send completes only once the peer posts the matching receive (the body's is posted
     # by recv below), so the target side sends from a thread of its own, as from its process.
     msg = ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False)
-    sender = threading.Thread(target=target.send, args=(msg, datetime.timedelta(seconds=30)))
+    sender = threading.Thread(target=target.send, args=(MsgType.RESOLVE, msg, datetime.timedelta(seconds=30)))
     sender.start()
     deadline = time.monotonic() + 10
     while not drafter.poll() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert drafter.poll()
-    kind, msg, _ = drafter.recv()
+    kind, msg = drafter.recv()
     sender.join(30)
     assert not sender.is_alive()
     assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.seq_ids == [11]

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ssd.core.config import EngineArgs
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.sequence import Sequence
 from ssd.drafting.ngram import NgramIndex
-from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
+from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.sequence import Sequence
 from ssd.engine.stopping import StopChecker
 from ssd.model.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
-from ssd.sampling_params import SamplingParams
 
 K = 6
 
@@ -80,7 +81,15 @@ def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -
 def _proposer() -> SSDProposer:
     """An SSD proposer whose drafter does nothing: only the fast backup is exercised."""
     client = SimpleNamespace(admit=lambda msg: None, release=lambda msg: None)
-    config = SSDConfig(k=K, budget=4, autobudget=False, fanout="uniform", saguaro_c=1.0, backup="fast", deadline_s=1.0)
+    config = EngineArgs(
+        mode="ssd",
+        k=K,
+        ssd_budget=4,
+        ssd_autobudget=False,
+        ssd_fanout="uniform",
+        ssd_backup="fast",
+        draft_deadline_s=1.0,
+    ).to_config()
     return SSDProposer(client, config, VOCAB_SIZE)
 
 

@@ -45,19 +45,16 @@ def _stubs_ready() -> bool:
 if not _stubs_ready():
     pytest.skip("gRPC stubs not generated and grpcio-tools not installed (run `make protos`)", allow_module_level=True)
 
+from messages import every_message, same_message
 from workers import Proc
 
-from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
-from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
-from ssd.transport.messages import (
-    AdmitMsg,
-    BeginRoundMsg,
+from ssd.core.protocol import (
     DrafterCounters,
-    DraftNowMsg,
     ReleaseMsg,  # noqa: E402
-    ResolveMsg,
     SpeculationReply,
 )
+from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
+from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
 from ssd.transport.wire import ForeignMessage, MsgType  # noqa: E402
 
 FP = 4242
@@ -75,11 +72,8 @@ while True:
     print("OPEN", flush=True)
     try:
         while True:
-            kind, msg, ints = channel.recv()
-            if msg is None:
-                channel.send_raw(kind, 0, ints, torch.zeros(0))
-            else:
-                channel.send(msg)
+            kind, msg = channel.recv()
+            channel.send(kind, msg)
     except RuntimeError as err:
         print("END", type(err).__name__, time.monotonic(), flush=True)
 """
@@ -109,59 +103,6 @@ def _end(worker: Proc) -> list[str]:
     return line.split()
 
 
-def _messages():
-    counters = DrafterCounters(rounds=3, cut=1, predicted=2, confirmed=1, taken_back=1, rejected=4)
-    one_hot = torch.zeros(2, 3, 50)
-    one_hot[0, torch.arange(3), torch.tensor([4, 9, 1])] = 1.0
-    return [
-        AdmitMsg([1, 2], [[5, 6, 7], [8]], [11, 12], [0.0, 0.75], [0, 40], [1.0, 0.5]),  # float32-exact
-        ReleaseMsg([1, 2]),
-        BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
-        ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
-        DraftNowMsg(4, [1, 2], [True, False]),
-        SpeculationReply(
-            3,
-            [1, 2],
-            torch.tensor([True, False]),
-            torch.tensor([[1, 2, 3], [4, 5, 6]]),
-            torch.rand(2, 3, 50),
-            torch.tensor([3, 0]),
-            0.25,
-            counters,
-            torch.tensor([True, True]),
-        ),
-        SpeculationReply(
-            5,
-            [1, 2],
-            torch.tensor([True, True]),
-            torch.tensor([[4, 9, 1], [0, 0, 0]]),
-            one_hot,
-            torch.tensor([3, 0]),
-            0.5,
-            counters,
-            None,
-        ),
-    ]
-
-
-def _same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    for name, x in vars(a).items():
-        y = getattr(b, name)
-        if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
-                return False
-        elif x is None and name == "covered":  # a reply without `covered` decodes it as `hit`
-            if not torch.equal(y, a.hit):
-                return False
-        elif x is None and y is not None:  # bonus_rank: unknown travels as -1 and decodes as None
-            return False
-        elif x != y:
-            return False
-    return True
-
-
 def _wait_poll(channel, seconds: float = 10) -> bool:
     deadline = time.monotonic() + seconds
     while not channel.poll() and time.monotonic() < deadline:
@@ -173,16 +114,13 @@ def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
     worker, address = echo
     channel = connect_grpc(address, FP, 30 * S)
     try:
-        for msg in _messages():
+        for kind, msg in every_message():
             assert not channel.poll()
-            channel.send(msg, 10 * S)
+            channel.send(kind, msg, 10 * S)
             assert _wait_poll(channel), "the echo arrived but poll() did not see it"
             assert channel.poll()  # poll() takes nothing
-            kind, back, _ = channel.recv(10 * S)
-            assert _same(msg, back), (msg, back)
-        channel.send_raw(MsgType.READY, 0, torch.tensor([1, 2, 3]), torch.zeros(0), 10 * S)
-        kind, back, ints = channel.recv(10 * S)
-        assert kind == MsgType.READY and back is None and ints.tolist() == [1, 2, 3]
+            back_kind, back = channel.recv(10 * S)
+            assert back_kind == kind and same_message(msg, back), (msg, back)
         # A dense reply at a 128k vocabulary and batch 8 (~33 MB) fits the default message size.
         big = SpeculationReply(
             6,
@@ -193,10 +131,10 @@ def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
             torch.full((8,), 8),
             0.0,
             DrafterCounters(),
-            None,
+            torch.ones(8, dtype=torch.bool),
         )
-        channel.send(big, 30 * S)
-        assert _same(big, channel.recv(30 * S)[1])
+        channel.send(MsgType.REPLY, big, 30 * S)
+        assert same_message(big, channel.recv(30 * S)[1])
     finally:
         channel.close()
     assert _end(worker)[1] == "ChannelClosed"
@@ -210,12 +148,12 @@ def test_sessions_in_a_row_and_a_second_target_refused_while_one_is_open(echo):
         connect_grpc(address, FP, 30 * S)
     assert time.monotonic() - started < 5
     assert isinstance(WorkerBusy("x"), RuntimeError)
-    first.send(ReleaseMsg([7]), 10 * S)
+    first.send(MsgType.RELEASE, ReleaseMsg([7]), 10 * S)
     assert first.recv(10 * S)[1].seq_ids == [7]
     first.close()
     # The next target right after: the session ended with the first target's close().
     second = connect_grpc(address, FP, 30 * S)
-    second.send(ReleaseMsg([8]), 10 * S)
+    second.send(MsgType.RELEASE, ReleaseMsg([8]), 10 * S)
     assert second.recv(10 * S)[1].seq_ids == [8]
     second.close()
     assert _end(worker)[1] == "ChannelClosed"
@@ -232,7 +170,7 @@ def test_a_killed_target_ends_the_workers_session_at_once(echo):
         assert kind == "ChannelClosed" and float(when) - killed < 2
         # ... and the worker takes the next target.
         channel = connect_grpc(address, FP, 30 * S)
-        channel.send(ReleaseMsg([9]), 10 * S)
+        channel.send(MsgType.RELEASE, ReleaseMsg([9]), 10 * S)
         assert channel.recv(10 * S)[1].seq_ids == [9]
         channel.close()
     finally:
@@ -248,10 +186,10 @@ def test_a_killed_worker_raises_channel_closed_at_once():
         started = time.monotonic()
         with pytest.raises(ChannelClosed, match="draft worker is gone"):
             channel.recv(30 * S)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # the recv's timeout is 30 s
         assert channel.poll()  # never blocks: the recv() that follows says what happened
         with pytest.raises(ChannelClosed):  # and so does everything after
-            channel.send(ReleaseMsg([1]), 10 * S)
+            channel.send(MsgType.RELEASE, ReleaseMsg([1]), 10 * S)
         with pytest.raises(ChannelClosed):
             channel.recv(10 * S)
         channel.close()
@@ -264,18 +202,18 @@ def test_a_stopped_worker_host_is_noticed_by_the_keepalive():
     worker = Proc(ECHO_WORKER, FP, 0.5)
     try:
         channel = connect_grpc(worker.line(), FP, 30 * S, keepalive=datetime.timedelta(seconds=0.5))
-        channel.send(ReleaseMsg([1]), 10 * S)
+        channel.send(MsgType.RELEASE, ReleaseMsg([1]), 10 * S)
         assert channel.recv(10 * S)[1].seq_ids == [1]
         for _ in range(50):  # pings on an idle session do not end it (the server's ping policy allows them)
             time.sleep(0.1)
             assert not channel.poll()
-        channel.send(ReleaseMsg([2]), 10 * S)
+        channel.send(MsgType.RELEASE, ReleaseMsg([2]), 10 * S)
         assert channel.recv(10 * S)[1].seq_ids == [2]
         worker.popen.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(ChannelClosed):
             channel.recv(30 * S)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15  # keepalive, well before the recv's 30 s
         channel.close()
     finally:
         worker.kill()
@@ -300,12 +238,12 @@ def test_timeouts_leave_the_session_usable():
             with pytest.raises(ChannelTimeout, match="sent nothing within 0.3 s"):
                 channel.recv(datetime.timedelta(seconds=0.3))
             assert 0.25 < time.monotonic() - started < 3
-            peer.send(ReleaseMsg([5]), 10 * S)
+            peer.send(MsgType.RELEASE, ReleaseMsg([5]), 10 * S)
             assert channel.recv(10 * S)[1].seq_ids == [5]
         # The worker closing the session: the target's recv() ends, after what was sent before.
         burst = [ReleaseMsg(list(range(n, n + 1 + 50_000 * (n % 2)))) for n in range(20)]  # up to 400 kB each
         for msg in burst:
-            worker.send(msg, 10 * S)
+            worker.send(MsgType.RELEASE, msg, 10 * S)
         worker.close()
         assert [target.recv(10 * S)[1] for _ in burst] == burst
         with pytest.raises(ChannelClosed, match="ended the session"):
@@ -336,7 +274,7 @@ def test_listener_and_connect_time_out():
         thread.start()
         target = connect_grpc(listener.address, FP, 30 * S)
         thread.join(30)
-        target.send(ReleaseMsg([3]), 10 * S)
+        target.send(MsgType.RELEASE, ReleaseMsg([3]), 10 * S)
         assert accepted[0].recv(10 * S)[1].seq_ids == [3]
         target.close()
         with pytest.raises(ChannelClosed, match="target closed the session"):
@@ -353,13 +291,13 @@ def test_listener_and_connect_time_out():
         started = time.monotonic()
         with pytest.raises(ChannelTimeout, match=f"{address} within 0.5 s"):
             connect_grpc(address, FP, datetime.timedelta(seconds=0.5))
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 5
 
 
 def test_a_frame_with_a_foreign_fingerprint_is_refused():
     listener, worker, target = _in_process_pair(target_fp=FP + 1)
     try:
-        target.send(ReleaseMsg([1]), 10 * S)
+        target.send(MsgType.RELEASE, ReleaseMsg([1]), 10 * S)
         with pytest.raises(ForeignMessage, match=f"fingerprint {FP + 1}"):
             worker.recv(10 * S)
         worker.close()  # what a worker does with a foreign target
@@ -373,7 +311,7 @@ def test_a_frame_with_a_foreign_fingerprint_is_refused():
 def test_a_frame_over_the_message_size_limit_ends_the_session_clearly():
     listener, worker, target = _in_process_pair(max_message_bytes=1 << 16)
     try:
-        target.send_raw(MsgType.READY, 0, torch.zeros(1 << 14, dtype=torch.long), torch.zeros(0), 10 * S)
+        target.send(MsgType.RELEASE, ReleaseMsg(list(range(1 << 14))), 10 * S)  # 128 KiB of ids
         with pytest.raises(ChannelClosed, match="RESOURCE_EXHAUSTED"):
             target.recv(10 * S)
         with pytest.raises(ChannelClosed):
@@ -413,4 +351,4 @@ def test_nothing_listening_is_reported_at_once():
     started = time.monotonic()
     with pytest.raises(ChannelClosed, match=f"no draft worker listens at grpc://127.0.0.1:{port}"):
         connect_grpc(f"grpc://127.0.0.1:{port}", FP, 10 * S)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 6  # the connect timeout is 10 s

@@ -401,7 +401,7 @@ BROKEN = {  # name: (mutation of the base RayService, what the error names, need
     ),
     "pool larger than the draft pods": (
         _serve(lambda c, a: a["args"].update(draft_pool_size=3)),
-        "DraftWorker replica 3/3",
+        "DraftPool replica 3/3",
         False,
     ),
     "http host loopback": (_serve(lambda c, a: c["http_options"].update(host="127.0.0.1")), "http_options.host", False),

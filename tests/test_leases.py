@@ -1,5 +1,5 @@
 """The lease table (ssd/transport/leases.py) on a fake clock: expiry, renewal, release, re-lease,
-restarted and failed workers, and never two holders at once."""
+restarted and failed workers, and never two lessees at once."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_leases_are_exclusive_and_limited_to_free_workers(table):
     assert {x.worker_id for x in a}.isdisjoint({x.worker_id for x in b})
 
 
-def test_a_lease_not_renewed_expires_and_the_worker_goes_to_another_holder(table):
+def test_a_lease_not_renewed_expires_and_the_worker_goes_to_another_lessee(table):
     t, clock = table
     t.lease("dead-target", 3, 10)
     clock.now += 9
@@ -67,7 +67,7 @@ def test_a_restarted_worker_is_free_again(table):
 
 
 def test_a_failure_reported_after_the_restart_keeps_the_restarted_worker(table):
-    """Regression guard: the restarted worker registered (new address) before the holder
+    """Regression guard: the restarted worker registered (new address) before the lessee
     reported its former self failed; the report must not remove it."""
     t, _ = table
     t.lease("a", 1, 30)

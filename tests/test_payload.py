@@ -7,37 +7,46 @@ from __future__ import annotations
 import torch
 
 from ssd.bench.payload import PayloadPlan, format_table, measure
-from ssd.transport.messages import ResolveMsg, SpeculationReply
+from ssd.core.protocol import MsgType, ResolveMsg, SpeculationReply
 from ssd.transport.shm_channel import Mailbox, ShmChannel
-from ssd.transport.wire import HEADER, MsgType, encode
 
 
-def _pair():
+def _metered_pair():
+    """Two ends of a shared-memory channel, and the bytes each end really wrote into its mailbox
+    (counted at the mailbox writer, below the channel's own counters)."""
     a_to_b, b_to_a = Mailbox.create(), Mailbox.create()
-    return ShmChannel(b_to_a, a_to_b, 7, lambda: True), ShmChannel(a_to_b, b_to_a, 7, lambda: True)
+    a, b = ShmChannel(b_to_a, a_to_b, 7, lambda: True), ShmChannel(a_to_b, b_to_a, 7, lambda: True)
+    written = {"a": [], "b": []}
 
+    def metered(write, log):
+        def wrapped(data, timeout):
+            log.append(data.numel())
+            write(data, timeout)
 
-def _frame_bytes(msg) -> int:
-    _, _, ints, floats = encode(msg)
-    return HEADER * 8 + ints.numel() * 8 + floats.numel() * 4
+        return wrapped
+
+    for name, end in (("a", a), ("b", b)):
+        end.writer.write = metered(end.writer.write, written[name])
+    return a, b, written
 
 
 def test_a_channel_counts_the_bytes_of_every_frame_by_type_on_both_ends():
-    a, b = _pair()
+    a, b, written = _metered_pair()
     dense = torch.rand(2, 6, 1000) + 0.01  # [b, K, V]
     reply = SpeculationReply(
         3, [1, 2], torch.tensor([True, False]), torch.zeros(2, 6, dtype=torch.long), dense, torch.full((2,), 6)
     )
     outcome = ResolveMsg(3, [1, 2], torch.tensor([1, 0]), torch.tensor([5, 6]), True)
-    a.send(outcome)
+    a.send(MsgType.RESOLVE, outcome)
     assert b.recv()[0] == MsgType.RESOLVE
-    b.send(reply)
+    b.send(MsgType.REPLY, reply)
     assert a.recv()[0] == MsgType.REPLY
-    assert a.counts.sent == b.counts.received == {"RESOLVE": _frame_bytes(outcome)}
-    assert b.counts.sent == a.counts.received == {"REPLY": _frame_bytes(reply)}
-    assert _frame_bytes(reply) > 2 * 6 * 1000 * 4  # dense rows travel whole
+    (resolve_bytes,), (reply_bytes,) = written["a"], written["b"]
+    assert a.counts.sent == b.counts.received == {"RESOLVE": resolve_bytes}
+    assert b.counts.sent == a.counts.received == {"REPLY": reply_bytes}
+    assert reply_bytes > 2 * 6 * 1000 * 4  # dense rows travel whole
     total = a.counts + b.counts
-    assert total.sent == {"REPLY": _frame_bytes(reply), "RESOLVE": _frame_bytes(outcome)}
+    assert total.sent == {"REPLY": reply_bytes, "RESOLVE": resolve_bytes}
 
 
 def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole():

@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ssd.core.config import EngineArgs
+from ssd.core.protocol import SpeculationReply
+from ssd.core.sampling import BatchSampling
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.sequence import Sequence
+from ssd.core.speculation import RoundOutcome, Source
 from ssd.drafting.saguaro import row_fanout
-from ssd.drafting.speculation import RoundOutcome, Source
-from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
-from ssd.engine.sampling import BatchSampling
-from ssd.engine.sequence import Sequence
-from ssd.sampling_params import SamplingParams
-from ssd.transport.messages import SpeculationReply
+from ssd.drafting.ssd_proposer import SSDProposer
 
 K, VOCAB, BATCH = 4, 64, 8
 BUDGET = 10  # fan-outs of 1 to 3 branches: F = 1 measures m, F = 2 and 3 then measure r
@@ -61,7 +62,7 @@ class ScriptedDrafter:
         num_draft = torch.where(hit, K, K if msg.neural_backup else 0)
         self.pending = self._reply(msg.round_id, list(msg.seq_ids), hit, num_draft)
 
-    def reply(self, msg, deadline_s: float) -> SpeculationReply:
+    def reply(self, deadline_s: float) -> SpeculationReply:
         out, self.pending = self.pending, None
         return out
 
@@ -78,9 +79,9 @@ def run_rounds(backup: str, a_true: float, m_true: float, r_true: float, a_fast:
     gen = torch.Generator().manual_seed(seed)
     proposer = SSDProposer(
         ScriptedDrafter(m_true, r_true, seed + 1),
-        SSDConfig(
-            k=K, budget=BUDGET, autobudget=False, fanout="geometric", saguaro_c=1.0, backup=backup, deadline_s=1.0
-        ),
+        EngineArgs(
+            mode="ssd", k=K, ssd_budget=BUDGET, ssd_autobudget=False, ssd_backup=backup, draft_deadline_s=1.0
+        ).to_config(),
         VOCAB,
     )
     params = SamplingParams(temperature=1.0)
@@ -98,7 +99,7 @@ def run_rounds(backup: str, a_true: float, m_true: float, r_true: float, a_fast:
     seqs = new_seqs(BATCH)
     proposer.add(seqs)
     age = {s.seq_id: 0 for s in seqs}
-    sampling = BatchSampling(torch.ones(BATCH), torch.zeros(BATCH, dtype=torch.long), torch.ones(BATCH))
+    sampling = BatchSampling.of([s.sampling for s in seqs])
     a_seen, r_seen, sources = [], [], []
     for _ in range(rounds):
         spec = proposer.propose(seqs, K, sampling)

@@ -13,11 +13,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from ssd.core.protocol import MsgType, ResolveMsg, SpeculationReply
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.draft_process import worker_env
-from ssd.transport.messages import ResolveMsg, SpeculationReply
 from ssd.transport.shm_channel import Mailbox, ShmChannel
-from ssd.transport.wire import MsgType
+from ssd.transport.spawn import worker_env
 
 FP = 7
 LONG = datetime.timedelta(seconds=60)
@@ -26,16 +25,16 @@ LONG = datetime.timedelta(seconds=60)
 ECHO = """
 import json, os, sys
 from ssd.transport.shm_channel import Mailbox, MailboxFds, ShmChannel
-from ssd.transport.wire import MsgType
+from ssd.core.protocol import MsgType
 spec = json.loads(sys.argv[1])
 parent = os.getppid()
 end = ShmChannel(Mailbox.attach(MailboxFds(**spec["inbox"])), Mailbox.attach(MailboxFds(**spec["outbox"])), 7,
                  lambda: os.getppid() == parent)
 while True:
-    kind, msg, ints = end.recv()
+    kind, msg = end.recv()
     if kind == MsgType.SHUTDOWN:
         break
-    end.send(msg)
+    end.send(kind, msg)
 """
 
 
@@ -63,16 +62,16 @@ def test_messages_cross_processes_intact_in_chunks():
         end = ShmChannel(to_parent, to_child, FP, lambda: child.poll() is None)
         for i, (b, k, v) in enumerate([(1, 6, 258), (16, 6, 4000), (2, 1, 3)]):
             sent = _reply(b, k, v, i)
-            end.send(sent, LONG)
-            kind, got, _ = end.recv(LONG)
+            end.send(MsgType.REPLY, sent, LONG)
+            kind, got = end.recv(LONG)
             assert kind == MsgType.REPLY and got.round_id == i and got.seq_ids == sent.seq_ids
             assert torch.equal(got.tokens, sent.tokens) and torch.equal(got.probs, sent.probs)
             assert torch.equal(got.hit, sent.hit) and got.build_seconds == pytest.approx(0.25)
             msg = ResolveMsg(i, [3, 4], torch.tensor([1, 2]), torch.tensor([65, 66]), True)
-            end.send(msg, LONG)
-            kind, back, _ = end.recv(LONG)
+            end.send(MsgType.RESOLVE, msg, LONG)
+            kind, back = end.recv(LONG)
             assert kind == MsgType.RESOLVE and back.seq_ids == [3, 4] and back.neural_backup
-        end.send_raw(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0), LONG)
+        end.send(MsgType.SHUTDOWN, None, LONG)
         assert child.wait(30) == 0
     finally:
         child.kill()
@@ -87,9 +86,9 @@ def _pair(alive=lambda: True):
 def test_arrival_is_seen_without_consuming_the_message():
     a, b = _pair()
     assert not b.poll()
-    a.send(ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
+    a.send(MsgType.RESOLVE, ResolveMsg(5, [11], torch.tensor([2]), torch.tensor([65]), False))
     assert b.poll() and b.poll()  # asking twice takes nothing
-    kind, msg, _ = b.recv()
+    kind, msg = b.recv()
     assert kind == MsgType.RESOLVE and msg.round_id == 5 and msg.bonus_tokens.tolist() == [65]
     assert not b.poll()
 
@@ -112,6 +111,10 @@ def test_a_silent_peer_times_out_and_a_dead_one_is_reported():
 def test_a_sender_waits_for_the_slot_and_gives_up_at_its_deadline():
     """One chunk in flight per direction: a peer that never reads blocks the next send."""
     a, _ = _pair()
-    a.send(ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
+    a.send(MsgType.RESOLVE, ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
     with pytest.raises(ChannelTimeout):
-        a.send(ResolveMsg(2, [1], torch.tensor([0]), torch.tensor([1]), False), datetime.timedelta(seconds=0.2))
+        a.send(
+            MsgType.RESOLVE,
+            ResolveMsg(2, [1], torch.tensor([0]), torch.tensor([1]), False),
+            datetime.timedelta(seconds=0.2),
+        )

@@ -7,10 +7,10 @@ import torch
 from refimpl import hf_greedy
 
 from ssd import LLM, SamplingParams
+from ssd.core.speculation import Source
 from ssd.drafting.budget import BudgetSizer
-from ssd.drafting.drafter import Drafter
-from ssd.drafting.speculation import Source
 from ssd.drafting.ssd_proposer import SSDProposer
+from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 24
@@ -87,9 +87,9 @@ def test_cut_trees_stay_exact(tiny_pair, monkeypatch, depth):
     target, draft = tiny_pair
     prompts = heldout_prompts(2, prompt_bytes=60) + ["def add(a, b):\n    return"]
     expected = hf_greedy(target, prompts, MAX_TOKENS)
-    original = Drafter.begin_round
+    original = TreeDrafter.begin_round
     monkeypatch.setattr(
-        Drafter,
+        TreeDrafter,
         "begin_round",
         lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale),
     )
@@ -125,9 +125,9 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
     outcomes past L, which cannot happen; with a draft equal to the target all the budget sits
     at full acceptance, so every cut speculation missed (hit rate 0.70 over the shm channel)."""
     target = tiny_pair[0]
-    original = Drafter.begin_round
+    original = TreeDrafter.begin_round
     monkeypatch.setattr(
-        Drafter,
+        TreeDrafter,
         "begin_round",
         lambda self, msg, interrupted=None, stale=None: original(self, msg, _CutAfter(depth), stale),
     )
@@ -152,16 +152,16 @@ def test_cut_speculations_still_hit(tiny_pair, monkeypatch, depth):
 # ---- rounds begun on a prediction ---------------------------------------------------------------
 
 
-def _drafter(tiny_pair, k: int = 4) -> Drafter:
+def _drafter(tiny_pair, k: int = 4) -> TreeDrafter:
     from transformers import AutoModelForCausalLM
 
     from ssd.model.runner import draft_runner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], local_files_only=True).eval()
-    return Drafter(draft_runner(model, "cpu", True), model.config.vocab_size, k)
+    return TreeDrafter(draft_runner(model, "cpu", True), model.config.vocab_size, k)
 
 
-def _snapshot(drafter: Drafter) -> tuple:
+def _snapshot(drafter: TreeDrafter) -> tuple:
     return (
         drafter.cache.valid.clone(),
         [layer.keys[..., : drafter.cache.num_columns, :].clone() for layer in drafter.cache.hf_cache.layers],
@@ -174,17 +174,19 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
     """The draft worker begins the next round on a prediction (after an all-hit reply) before
     the target announces it. When the announcement differs, the round is taken back: cache and
     generator as before, so the real round draws and caches exactly what it would have."""
-    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ResolveMsg
+    from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ResolveMsg
+    from ssd.core.sampling import SequenceSampling
 
     k, fanout = 4, [1, 1, 1, 1, 2]
     runs = []
     for predicted in (False, True):
         drafter = _drafter(tiny_pair, k)
-        drafter.admit(AdmitMsg([1], [list(b"def add(a, b):\n    ret")], [7], [1.0], [0], [1.0]))
+        drafter.admit(AdmitMsg([1], [list(b"def add(a, b):\n    ret")], [7], [SequenceSampling(1.0, 0, 1.0)]))
         first = BeginRoundMsg(1, [1], torch.tensor([[117, 114, 110, 32]]), torch.tensor([4]), fanout)
         assert drafter.begin_round(first)
         resolve = ResolveMsg(1, [1], torch.tensor([4]), torch.tensor([97]), False, fanout)
-        reply = drafter.resolve(resolve)
+        drafter.resolve(resolve)
+        reply = drafter.reply()
         if predicted:
             before = _snapshot(drafter)
             guess = (
@@ -209,10 +211,11 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
 
 
 def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
-    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
+    from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
+    from ssd.core.sampling import SequenceSampling
 
     drafter = _drafter(tiny_pair)
-    drafter.admit(AdmitMsg([1, 2], [[1, 2, 3], [4, 5]], [1, 2], [0.0, 0.0], [0, 0], [1.0, 1.0]))
+    drafter.admit(AdmitMsg([1, 2], [[1, 2, 3], [4, 5]], [1, 2], [SequenceSampling(0.0, 0, 1.0)] * 2))
     tokens, probs = torch.tensor([[5, 6, 7, 8], [9, 9, 0, 0]]), torch.zeros(2, 4, 3)
     hit = SpeculationReply(3, [1, 2], torch.tensor([True, True]), tokens, probs, torch.tensor([4, 2]))
     miss = SpeculationReply(3, [1, 2], torch.tensor([True, False]), tokens, probs, torch.tensor([4, 0]))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
+from ssd.core.sequence import Sequence
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.sequence import Sequence
 from ssd.engine.stopping import StopChecker
 from ssd.model.demo_models import EOS_ID, PAD_ID, build_tokenizer
 

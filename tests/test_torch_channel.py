@@ -10,19 +10,13 @@ import threading
 import time
 
 import pytest
-import torch
+from messages import every_message, same_message
 from workers import Proc
 
-from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.messages import (
-    AdmitMsg,
-    BeginRoundMsg,
-    DrafterCounters,
-    DraftNowMsg,
+from ssd.core.protocol import (
     ReleaseMsg,
-    ResolveMsg,
-    SpeculationReply,
 )
+from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.torch_channel import TorchListener, WorkerBusy, connect_torch, parse_torch_address
 from ssd.transport.wire import ForeignMessage, MsgType
 
@@ -40,11 +34,8 @@ while True:
     print("OPEN", flush=True)
     try:
         while True:
-            kind, msg, ints = channel.recv()
-            if msg is None:
-                channel.send_raw(kind, 0, ints, torch.zeros(0))
-            else:
-                channel.send(msg)
+            kind, msg = channel.recv()
+            channel.send(kind, msg)
     except RuntimeError as err:
         print("END", type(err).__name__, time.monotonic(), flush=True)
 """
@@ -74,57 +65,19 @@ def _end(worker: Proc) -> list[str]:
     return line.split()
 
 
-def _messages():
-    counters = DrafterCounters(rounds=3, cut=1, predicted=2, confirmed=1, taken_back=1, rejected=4)
-    return [
-        AdmitMsg([1, 2], [[5, 6, 7], [8]], [11, 12], [0.0, 0.75], [0, 40], [1.0, 0.5]),  # float32-exact
-        ReleaseMsg([1, 2]),
-        BeginRoundMsg(3, [1, 2], torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2]), [2, 2, 1, 1], [10, 20]),
-        ResolveMsg(3, [1, 2], torch.tensor([2, 0]), torch.tensor([9, 10]), True, [2, 1, 1, 1]),
-        DraftNowMsg(4, [1, 2], [True, False]),
-        SpeculationReply(
-            3,
-            [1, 2],
-            torch.tensor([True, False]),
-            torch.tensor([[1, 2, 3], [4, 5, 6]]),
-            torch.rand(2, 3, 50),
-            torch.tensor([3, 0]),
-            0.25,
-            counters,
-            torch.tensor([True, True]),
-        ),
-    ]
-
-
-def _same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    for name, x in vars(a).items():
-        y = getattr(b, name)
-        if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 def test_every_message_type_round_trips_and_poll_sees_arrival(echo):
     worker, address = echo
     channel = connect_torch(address, FP, 30 * S)
     try:
-        for msg in _messages():
+        for kind, msg in every_message():
             assert not channel.poll()
-            channel.send(msg, 10 * S)
+            channel.send(kind, msg, 10 * S)
             deadline = time.monotonic() + 10
             while not channel.poll() and time.monotonic() < deadline:
                 time.sleep(0.001)
             assert channel.poll(), "the echo arrived but poll() did not see it"
-            kind, back, _ = channel.recv(10 * S)
-            assert _same(msg, back), (msg, back)
-        channel.send_raw(MsgType.READY, 0, torch.tensor([1, 2, 3]), torch.zeros(0), 10 * S)
-        kind, back, ints = channel.recv(10 * S)
-        assert kind == MsgType.READY and back is None and ints.tolist() == [1, 2, 3]
+            back_kind, back = channel.recv(10 * S)
+            assert back_kind == kind and same_message(msg, back), (msg, back)
     finally:
         channel.close()
     assert _end(worker)[1] == "ChannelClosed"
@@ -137,12 +90,12 @@ def test_sessions_in_a_row_and_a_second_target_refused_while_one_is_open(echo):
     with pytest.raises(WorkerBusy, match=f"busy.*{address}|{address}.*busy"):
         connect_torch(address, FP, 30 * S)
     assert time.monotonic() - started < 5
-    first.send(ReleaseMsg([7]), 10 * S)
+    first.send(MsgType.RELEASE, ReleaseMsg([7]), 10 * S)
     assert first.recv(10 * S)[1].seq_ids == [7]
     first.close()
     # The next target right after: the session ended with the first target's close().
     second = connect_torch(address, FP, 30 * S)
-    second.send(ReleaseMsg([8]), 10 * S)
+    second.send(MsgType.RELEASE, ReleaseMsg([8]), 10 * S)
     assert second.recv(10 * S)[1].seq_ids == [8]
     second.close()
     assert _end(worker)[1] == "ChannelClosed"
@@ -159,7 +112,7 @@ def test_a_killed_target_ends_the_workers_session_at_once(echo):
         assert kind == "ChannelClosed" and float(when) - killed < 3
         # ... and the worker takes the next target.
         channel = connect_torch(address, FP, 30 * S)
-        channel.send(ReleaseMsg([9]), 10 * S)
+        channel.send(MsgType.RELEASE, ReleaseMsg([9]), 10 * S)
         assert channel.recv(10 * S)[1].seq_ids == [9]
         channel.close()
     finally:
@@ -175,22 +128,22 @@ def test_a_killed_worker_raises_channel_closed_at_once():
         started = time.monotonic()
         with pytest.raises(ChannelClosed, match="peer is gone"):
             channel.recv(30 * S)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # the recv's timeout is 30 s
         with pytest.raises(ChannelClosed):  # and so does everything after
-            channel.send(ReleaseMsg([1]), 10 * S)
+            channel.send(MsgType.RELEASE, ReleaseMsg([1]), 10 * S)
         channel.close()
     finally:
         worker.kill()
 
 
-def _send_soon(channel, msg) -> list:
-    """Send from a thread of its own (a gloo send completes only once the peer posts its
+def _send_soon(channel, msg: ReleaseMsg) -> list:
+    """Send a RELEASE from a thread of its own (a gloo send completes only once the peer posts its
     receive) -> [the thread, then the exception the send raised, if any]."""
     out: list = []
 
     def send() -> None:
         try:
-            channel.send(msg, 10 * S)
+            channel.send(MsgType.RELEASE, msg, 10 * S)
         except RuntimeError as err:
             out.append(err)
 
@@ -216,7 +169,7 @@ def test_timeouts_end_the_session_for_both_ends():
         started = time.monotonic()
         with pytest.raises(ChannelTimeout):
             target.recv(datetime.timedelta(seconds=0.3))
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 5
         assert target.poll()  # never blocks nor raises: the recv() that follows says what happened
         with pytest.raises(ChannelClosed):
             worker.recv(10 * S)
@@ -306,7 +259,7 @@ def test_nothing_listening_is_reported_at_once():
     started = time.monotonic()
     with pytest.raises(ChannelClosed, match=f"torch://127.0.0.1:{port}"):
         connect_torch(f"torch://127.0.0.1:{port}", FP, 10 * S)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 6  # the connect timeout is 10 s
 
 
 def _resetting_server(hold_first: bool):

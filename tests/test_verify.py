@@ -13,7 +13,7 @@ import pytest
 import torch
 from refimpl import chi_square_p
 
-from ssd.engine.sampling import sample_from
+from ssd.core.sampling import sample_from
 from ssd.engine.verify import verify, verify_reference
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)

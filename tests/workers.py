@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ssd.transport.draft_worker import PROCESS_NAME
+from ssd.worker.main import PROCESS_NAME
 
 
 def live_draft_workers(parent: int | None = None) -> list[int]:

@@ -25,104 +25,112 @@ import time
 SLEEP_BEFORE_IDLE_S = 0.15  # > SPIN_S: the drafter is blocked, not spinning, in the idle arm
 
 
-def _contention(spec: dict) -> dict:
-    import torch
+class _Rig:
+    """The target's runner with a cached context and a draft worker process that has admitted it:
+    what each arm of the A/B drives."""
 
-    from ssd.config import EngineArgs
+    def __init__(self, spec: dict) -> None:
+        import torch
+
+        from ssd.core.config import EngineArgs
+        from ssd.engine.proposers import WORKER_MODULE
+        from ssd.model.loader import load_model, load_tokenizer
+        from ssd.model.runner import target_runner
+        from ssd.transport.spawn import SpawnedWorkers
+
+        self.k = spec["k"]
+        config = EngineArgs(
+            target=spec["target"], draft=spec["draft"], mode="ssd", k=self.k, ssd_budget=spec["contention_budget"],
+            dtype=spec["dtype"], draft_dtype=spec["draft_dtype"], device=spec["device"],
+        ).to_config()  # fmt: skip
+        tokenizer = load_tokenizer(spec["target"])
+        self.runner = target_runner(
+            load_model(spec["target"], spec["dtype"], spec["device"]), spec["device"], True, True
+        )
+        self.vocab = self.runner.vocab_size
+        context: list[int] = []
+        while len(context) < spec["contention_context"]:
+            for p in spec["prompts"]:
+                context.extend(tokenizer(p, add_special_tokens=False).input_ids)
+        self.context = context[: spec["contention_context"]]
+        self.cache = self.runner.new_cache()
+        self.gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            self.runner.forward(self.cache, torch.tensor([self.context[:-1]]))
+        self.workers = SpawnedWorkers(config, self.vocab, WORKER_MODULE)
+        self.link = self.workers.acquire()
+        self.round_id = 0
+
+    def admit(self) -> None:
+        """A fresh drafter context (released first when held): every block starts alike."""
+        from ssd.core.protocol import AdmitMsg, ReleaseMsg
+        from ssd.core.sampling import SequenceSampling
+
+        if self.round_id:
+            self.link.release(ReleaseMsg([0]))
+        self.link.admit(AdmitMsg([0], [self.context], [1], [SequenceSampling(1.0, 0, 1.0)]))
+
+    def verify(self) -> float:
+        """One verification of K+1 tokens over the context -> its seconds."""
+        import torch
+
+        tokens = torch.tensor([[self.context[-1]] + torch.randint(256, (self.k,), generator=self.gen).tolist()])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.runner.forward(self.cache, tokens)
+        elapsed = time.perf_counter() - t0
+        self.cache.drop_last(torch.tensor([self.k + 1]))
+        return elapsed
+
+    def drafted_round(self, fanout: list[int], settle_s: float) -> float:
+        """Announce a round, optionally wait, verify, then send a missing outcome and read the
+        reply (a miss: the drafter does not begin a predicted round) -> the verification's seconds."""
+        import torch
+
+        from ssd.core.protocol import BeginRoundMsg, ResolveMsg
+
+        self.round_id += 1
+        spec_tokens = torch.randint(256, (1, self.k), generator=self.gen)
+        self.link.begin_round(BeginRoundMsg(self.round_id, [0], spec_tokens, torch.tensor([self.k]), fanout))
+        # Busy, not asleep: a core that idled for milliseconds starts the verification slower
+        # (its clock and caches), which would be charged to the drafter.
+        until = time.perf_counter() + settle_s
+        while time.perf_counter() < until:
+            pass
+        elapsed = self.verify()
+        self.link.resolve(ResolveMsg(self.round_id, [0], torch.tensor([0]), torch.tensor([self.vocab - 1]), False))
+        self.link.reply(30.0)
+        return elapsed
+
+    def close(self) -> None:
+        self.workers.discard(self.link, failed=False)
+        self.workers.close()
+
+
+def _contention(spec: dict) -> dict:
     from ssd.drafting.saguaro import uniform_fanout
-    from ssd.model.loader import load_model, load_tokenizer
-    from ssd.model.runner import target_runner
-    from ssd.transport.draft_process import ProcessClient
-    from ssd.transport.messages import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
     from ssd.transport.shm_channel import SPIN_S
 
     assert SLEEP_BEFORE_IDLE_S > SPIN_S
     k, budget, reps, cycles = spec["k"], spec["contention_budget"], spec["contention_reps"], spec["contention_cycles"]
-    config = EngineArgs(
-        target=spec["target"],
-        draft=spec["draft"],
-        mode="ssd",
-        k=k,
-        ssd_budget=budget,
-        dtype=spec["dtype"],
-        draft_dtype=spec["draft_dtype"],
-        device=spec["device"],
-    ).to_config()
-    tokenizer = load_tokenizer(spec["target"])
-    model = load_model(spec["target"], spec["dtype"], spec["device"])
-    runner = target_runner(model, spec["device"], True, True)
-    vocab = runner.vocab_size
-    context: list[int] = []
-    while len(context) < spec["contention_context"]:
-        for p in spec["prompts"]:
-            context.extend(tokenizer(p, add_special_tokens=False).input_ids)
-    context = context[: spec["contention_context"]]
-    cache = runner.new_cache()
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        runner.forward(cache, torch.tensor([context[:-1]]))
-    client = ProcessClient.spawn(config, vocab)
-    round_id = 0
+    rig = _Rig(spec)
     try:
-
-        def admit() -> None:
-            client.admit(AdmitMsg([0], [context], [1], [1.0], [0], [1.0]))
-
-        def verify() -> float:
-            tokens = torch.tensor([[context[-1]] + torch.randint(256, (k,), generator=gen).tolist()])
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                runner.forward(cache, tokens)
-            elapsed = time.perf_counter() - t0
-            cache.drop_last(torch.tensor([k + 1]))
-            return elapsed
-
-        def drafted_round(fanout: list[int], settle_s: float) -> float:
-            """Announce a round, optionally wait, verify, then send a missing outcome and read
-            the reply (a miss: the drafter does not begin a predicted round)."""
-            nonlocal round_id
-            round_id += 1
-            spec_tokens = torch.randint(256, (1, k), generator=gen)
-            client.begin_round(BeginRoundMsg(round_id, [0], spec_tokens, torch.tensor([k]), fanout))
-            # Busy, not asleep: a core that idled for milliseconds starts the verification
-            # slower (its clock and caches), which would be charged to the drafter.
-            until = time.perf_counter() + settle_s
-            while time.perf_counter() < until:
-                pass
-            elapsed = verify()
-            outcome = ResolveMsg(round_id, [0], torch.tensor([0]), torch.tensor([vocab - 1]), False)
-            client.resolve(outcome)
-            client.reply(outcome, 30.0)
-            return elapsed
-
         arms = {
-            "alone": lambda: verify(),
-            "drafting": lambda: drafted_round(uniform_fanout(budget, k), 0.0),
-            "spinning": lambda: drafted_round(uniform_fanout(k + 1, k), spec["contention_settle_ms"] / 1000),
+            "alone": rig.verify,
+            "drafting": lambda: rig.drafted_round(uniform_fanout(budget, k), 0.0),
+            "spinning": lambda: rig.drafted_round(uniform_fanout(k + 1, k), spec["contention_settle_ms"] / 1000),
         }
-        admit()
+        rig.admit()
         for arm in arms.values():  # warm-up
             arm()
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        per_cycle: dict[str, list[float]] = {name: [] for name in arms}
-        shuffle = random.Random(0)
-        for _ in range(cycles):
-            order = list(arms)
-            shuffle.shuffle(order)
-            for name in order:
-                client.release(ReleaseMsg([0]))  # a fresh drafter context per block: every block alike
-                admit()
-                time.sleep(SLEEP_BEFORE_IDLE_S)
-                block = [arms[name]() for _ in range(reps)]
-                times[name].extend(block)
-                per_cycle[name].append(statistics.median(block))
+        times, per_cycle = _run_arms(rig, arms, reps, cycles)
     finally:
-        client.close()
+        rig.close()
     ratios = {name: [c / a for c, a in zip(per_cycle[name], per_cycle["alone"])] for name in arms if name != "alone"}
     return {
         "k": k,
         "budget": budget,
-        "context_tokens": len(context),
+        "context_tokens": len(rig.context),
         "reps_per_block": reps,
         "cycles": cycles,
         "verify_ms_median": {name: round(1000 * statistics.median(t), 4) for name, t in times.items()},
@@ -130,6 +138,24 @@ def _contention(spec: dict) -> dict:
         "ratio_to_alone_median": {name: round(statistics.median(r), 4) for name, r in ratios.items()},
         "ratio_to_alone_range": {name: [round(min(r), 4), round(max(r), 4)] for name, r in ratios.items()},
     }
+
+
+def _run_arms(rig: _Rig, arms: dict, reps: int, cycles: int) -> tuple[dict, dict]:
+    """Every arm `reps` times per block, the arms in a shuffled order per cycle -> (every time per
+    arm, each block's median per arm)."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    per_cycle: dict[str, list[float]] = {name: [] for name in arms}
+    shuffle = random.Random(0)
+    for _ in range(cycles):
+        order = list(arms)
+        shuffle.shuffle(order)
+        for name in order:
+            rig.admit()
+            time.sleep(SLEEP_BEFORE_IDLE_S)
+            block = [arms[name]() for _ in range(reps)]
+            times[name].extend(block)
+            per_cycle[name].append(statistics.median(block))
+    return times, per_cycle
 
 
 def format_contention(stats: dict) -> str:

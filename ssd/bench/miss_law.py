@@ -74,7 +74,8 @@ PREDICTORS = ("law", "law per k", "paper's law", "hits only", "empirical")
 def run_engine(
     plan: MissLawPlan, target: str, draft: str, temperature: float, workers: int, prompts: list[str]
 ) -> DRun:
-    from ssd import LLM, SamplingParams
+    from ssd.core.sampling_params import SamplingParams
+    from ssd.llm import LLM
 
     params = [
         SamplingParams(temperature=temperature, max_tokens=plan.max_tokens, ignore_eos=True, seed=plan.seed + i)

@@ -122,7 +122,7 @@ class EngineRunner:
         )
 
     def generate(self, prompts: list[str], seeds: list[int], temperature: float, max_tokens: int) -> BatchCounters:
-        from ssd.sampling_params import SamplingParams
+        from ssd.core.sampling_params import SamplingParams
 
         params = [
             SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s) for s in seeds

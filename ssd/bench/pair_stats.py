@@ -13,6 +13,8 @@ PAIR_CONTEXT_TOKENS = 128  # context length of the decode-latency measurement
 
 
 def _pair_stats(spec: dict) -> dict:
+    """Decode times of the pair (Hugging Face's forward and the engine's) and the draft's greedy
+    acceptance along the target's greedy path on the held-out prompts."""
     import torch
 
     from ssd.model.loader import load_model, load_tokenizer
@@ -22,72 +24,22 @@ def _pair_stats(spec: dict) -> dict:
     target = load_model(spec["target"], spec["dtype"], spec["device"])
     draft = load_model(spec["draft"], spec["draft_dtype"], spec["device"])
     encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in spec["prompts"]]
-
     # A ~128-token context from the prompts themselves.
     context: list[int] = []
     while len(context) < PAIR_CONTEXT_TOKENS:
         for ids in encoded:
             context.extend(ids)
     context_ids = torch.tensor([context[:PAIR_CONTEXT_TOKENS]], device=device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    @torch.inference_mode()
-    def decode_ms(model) -> float:
-        out = model(input_ids=context_ids, use_cache=True)
-        cache = out.past_key_values
-        nxt = out.logits[:, -1:].argmax(-1)
-        times = []
-        for rep in range(spec["pair_reps"] + 5):
-            sync()
-            t0 = time.perf_counter()
-            model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            sync()
-            if rep >= 5:  # the first few are warm-up
-                times.append(time.perf_counter() - t0)
-            _crop(cache, PAIR_CONTEXT_TOKENS)
-        return 1000 * statistics.median(times)
-
-    target_ms, draft_ms = decode_ms(target), decode_ms(draft)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    target_ms, draft_ms = (_hf_decode_ms(m, context_ids, spec["pair_reps"], sync) for m in (target, draft))
     target_lean_ms = _engine_decode_ms(target, "target", context_ids, spec, sync)
     draft_lean_ms = _engine_decode_ms(draft, "draft", context_ids, spec, sync)
-
-    @torch.inference_mode()
-    def greedy_path(ids: list[int], n: int) -> list[int]:
-        out = target(input_ids=torch.tensor([ids], device=device), use_cache=True)
-        path = []
-        for _ in range(n):
-            nxt = out.logits[:, -1:].argmax(-1)
-            path.append(int(nxt))
-            out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        return path
-
     n, k = spec["max_tokens"], spec["k"]
-    per_prompt, matches_all = [], []
-    sim_rounds = sim_accepted = 0
-    for ids in encoded:
-        # K extra path tokens: the engine drafts a full K even in the last round.
-        full = torch.tensor([ids + greedy_path(ids, n + k)], device=device)
-        start = len(ids) - 1  # logits at positions start.. predict the continuation
-        with torch.inference_mode():
-            t_arg = target(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
-            d_arg = draft(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
-        matches = (t_arg == d_arg).tolist()  # n + k positions
-        per_prompt.append(round(sum(matches[:n]) / n, 4))
-        matches_all.extend(matches[:n])
-        # Greedy SD along this path: a round starting at p accepts the run of matches from p
-        # (at most K) and adds the bonus token; rounds continue until n tokens are out.
-        p = 0
-        while p < n:
-            m = 0
-            while m < k and matches[p + m]:
-                m += 1
-            sim_rounds += 1
-            sim_accepted += m
-            p += m + 1
-    accept = sum(matches_all) / len(matches_all)
+    # K extra path tokens: the engine drafts a full K even in the last round.
+    matches = [_greedy_matches(target, draft, ids, n + k, device) for ids in encoded]  # [prompts][n + k]
+    all_matches = [m for row in matches for m in row[:n]]
+    accept = sum(all_matches) / len(all_matches)
+    rounds, accepted = _greedy_sd(matches, n, k)
     iid = (1 - accept ** (k + 1)) / (1 - accept) if accept < 1 else float(k + 1)
     return {
         "threads": 1,
@@ -103,13 +55,68 @@ def _pair_stats(spec: dict) -> dict:
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "greedy_acceptance": round(accept, 4),
-        "greedy_acceptance_per_prompt": per_prompt,
-        "acceptance_positions": len(matches_all),
+        "greedy_acceptance_per_prompt": [round(sum(row[:n]) / n, 4) for row in matches],
+        "acceptance_positions": len(all_matches),
         "k": k,
-        "greedy_sd_mean_accepted_per_round": round(sim_accepted / sim_rounds, 4),
-        "greedy_sd_tokens_per_round": round(n * len(encoded) / sim_rounds, 4),
+        "greedy_sd_mean_accepted_per_round": round(accepted / rounds, 4),
+        "greedy_sd_tokens_per_round": round(n * len(encoded) / rounds, 4),
         "iid_tokens_per_round": round(iid, 4),
     }
+
+
+def _hf_decode_ms(model, context_ids, reps: int, sync) -> float:
+    """Median single-token decode time through Hugging Face's forward, over a cached context."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=context_ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for rep in range(reps + 5):
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            sync()
+            if rep >= 5:  # the first few are warm-up
+                times.append(time.perf_counter() - t0)
+            _crop(cache, PAIR_CONTEXT_TOKENS)
+    return 1000 * statistics.median(times)
+
+
+def _greedy_matches(target, draft, ids: list[int], length: int, device) -> list[bool]:
+    """Along the target's greedy continuation of `ids` (`length` tokens), whether the draft's
+    greedy choice equals the target's at each position (teacher forcing)."""
+    import torch
+
+    with torch.inference_mode():
+        out = target(input_ids=torch.tensor([ids], device=device), use_cache=True)
+        path = []
+        for _ in range(length):
+            nxt = out.logits[:, -1:].argmax(-1)
+            path.append(int(nxt))
+            out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        full = torch.tensor([ids + path], device=device)
+        start = len(ids) - 1  # logits at positions start.. predict the continuation
+        t_arg = target(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
+        d_arg = draft(input_ids=full[:, :-1]).logits[0, start:].argmax(-1)
+    return (t_arg == d_arg).tolist()
+
+
+def _greedy_sd(matches: list[list[bool]], n: int, k: int) -> tuple[int, int]:
+    """Greedy SD simulated along each path: a round starting at p accepts the run of matches from
+    p (at most K) and adds the bonus token, until n tokens are out -> (rounds, accepted tokens)."""
+    rounds = accepted = 0
+    for row in matches:
+        p = 0
+        while p < n:
+            m = 0
+            while m < k and row[p + m]:
+                m += 1
+            rounds += 1
+            accepted += m
+            p += m + 1
+    return rounds, accepted
 
 
 def _engine_decode_ms(model, role: str, context_ids, spec: dict, sync) -> float:

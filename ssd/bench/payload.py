@@ -125,7 +125,8 @@ def run_case(
     """One engine, one generate() of `batch` requests, its counters."""
     import torch
 
-    from ssd import LLM, SamplingParams
+    from ssd.core.sampling_params import SamplingParams
+    from ssd.llm import LLM
 
     gen = torch.Generator().manual_seed(plan.seed)
     prompts = [

@@ -177,7 +177,7 @@ class BenchPlan:
 
 def demo_pair() -> tuple[str, str]:
     """(target, draft) directories of the bundled demo pair; a clear error if they are missing."""
-    from ssd.config import DEMO_MODELS_DIR
+    from ssd.core.config import DEMO_MODELS_DIR
 
     target, draft = str(DEMO_MODELS_DIR / "target"), str(DEMO_MODELS_DIR / "draft")
     missing = [p for p in (target, draft) if not Path(p).exists()]
@@ -190,29 +190,10 @@ def demo_pair() -> tuple[str, str]:
 
 
 def _plan(args: argparse.Namespace) -> BenchPlan:
+    """The flags, validated (ValueError naming the flag), as a BenchPlan."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 (the CLI may omit optional flags)
-    target, draft = get("target"), get("draft")
-    if target is None:
-        if draft is not None:
-            raise ValueError("--draft was given without --target: pass --target too (or neither for the demo pair)")
-        target, draft = demo_pair()
-    try:
-        temperatures = [float(t) for t in _split(get("temperatures", "0,1"), "temperatures")]
-        batch_sizes = [int(b) for b in _split(get("batch_sizes", "1"), "batch-sizes")]
-    except ValueError as err:
-        raise ValueError(f"--temperatures takes numbers and --batch-sizes integers, comma-separated: {err}") from None
-    if any(not math.isfinite(t) or t < 0 for t in temperatures):
-        raise ValueError(f"temperatures must be finite and >= 0, got {temperatures}")
-    if any(b < 1 for b in batch_sizes):
-        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
-    settings = _split(get("settings", "paper,machine"), "settings")
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}: choose from {list(SETTINGS)}")
-    modes = _split(get("modes", "ar,sd,hf-assisted"), "modes")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
+    target, draft = _models(get)
+    temperatures, batch_sizes, settings, modes = _grid(get)
     if get("contention", False) and draft is None:
         raise ValueError("--contention needs a draft model: pass --draft")
     if draft is None and any(MODES[m].needs_draft for m in modes):
@@ -220,30 +201,11 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
             f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar"
         )
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
-    workers = None
-    if get("draft_workers") is not None:
-        try:
-            workers = [int(d) for d in _split(get("draft_workers"), "draft-workers")]
-        except ValueError as err:
-            raise ValueError(f"--draft-workers takes comma-separated integers >= 1: {err}") from None
-        if any(not 1 <= d <= 64 for d in workers):
-            raise ValueError(f"--draft-workers values must be in [1, 64], got {workers}")
-    transports = None
-    if get("draft_transports") is not None:
-        transports = _split(get("draft_transports"), "draft-transports")
-        unknown = [t for t in transports if t not in ("shm", "gloo", "torch", "grpc")]
-        if unknown:
-            raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
+    workers, transports = _pool_values(get("draft_workers"), get("draft_transports"))
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
     repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
-    for name, value in (
-        ("k", k),
-        ("num-prompts", num_prompts),
-        ("max-tokens", max_tokens),
-        ("pair-reps", reps),
-        ("repeats", repeats),
-        ("contention-cycles", cycles),
-    ):
+    counts = {"k": k, "num-prompts": num_prompts, "max-tokens": max_tokens, "pair-reps": reps, "repeats": repeats}
+    for name, value in {**counts, "contention-cycles": cycles}.items():
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     return BenchPlan(
@@ -272,6 +234,56 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         contention=bool(get("contention", False)),
         contention_cycles=cycles,
     )
+
+
+def _models(get) -> tuple[str, str | None]:
+    """--target and --draft, the demo pair when neither is given."""
+    target, draft = get("target"), get("draft")
+    if target is None:
+        if draft is not None:
+            raise ValueError("--draft was given without --target: pass --target too (or neither for the demo pair)")
+        target, draft = demo_pair()
+    return target, draft
+
+
+def _grid(get) -> tuple[list[float], list[int], list[str], list[str]]:
+    """--temperatures, --batch-sizes, --settings and --modes, validated."""
+    try:
+        temperatures = [float(t) for t in _split(get("temperatures", "0,1"), "temperatures")]
+        batch_sizes = [int(b) for b in _split(get("batch_sizes", "1"), "batch-sizes")]
+    except ValueError as err:
+        raise ValueError(f"--temperatures takes numbers and --batch-sizes integers, comma-separated: {err}") from None
+    if any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be finite and >= 0, got {temperatures}")
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    settings = _split(get("settings", "paper,machine"), "settings")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}: choose from {list(SETTINGS)}")
+    modes = _split(get("modes", "ar,sd,hf-assisted"), "modes")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
+    return temperatures, batch_sizes, settings, modes
+
+
+def _pool_values(workers: str | None, transports: str | None) -> tuple[list[int] | None, list[str] | None]:
+    """--draft-workers and --draft-transports as lists (None when not given), validated."""
+    counts = names = None
+    if workers is not None:
+        try:
+            counts = [int(d) for d in _split(workers, "draft-workers")]
+        except ValueError as err:
+            raise ValueError(f"--draft-workers takes comma-separated integers >= 1: {err}") from None
+        if any(not 1 <= d <= 64 for d in counts):
+            raise ValueError(f"--draft-workers values must be in [1, 64], got {counts}")
+    if transports is not None:
+        names = _split(transports, "draft-transports")
+        unknown = [t for t in names if t not in ("shm", "gloo", "torch", "grpc")]
+        if unknown:
+            raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
+    return counts, names
 
 
 def _ssd_values(saguaro_c: str | None, budgets: str | None) -> tuple[list[float] | None, list[int] | None]:

@@ -15,72 +15,43 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from ssd.config import EngineConfig
-from ssd.drafting.draft_proposer import DraftModelProposer, pad_rows
-from ssd.drafting.speculation import Proposer, RoundOutcome, Source, Speculation
-from ssd.engine.sampling import BatchSampling, process_logits
-from ssd.engine.sequence import CompletionOutput, Sequence, SpecMetrics
+from ssd.core.config import EngineConfig
+from ssd.core.sampling import BatchSampling, process_logits
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.sequence import CompletionOutput, Sequence
+from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
+from ssd.engine.metrics import EngineMetrics
+from ssd.engine.proposers import WorkerProviderFactory, build_proposer
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify
-from ssd.model.runner import draft_runner, target_runner
-from ssd.sampling_params import SamplingParams
+from ssd.model.runner import pad_rows, target_runner
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineMetrics:
-    """Totals over the engine's life (finished and running sequences)."""
-
-    spec: SpecMetrics = field(default_factory=SpecMetrics)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    generated_tokens: int = 0
-    finished_requests: int = 0
-    # Wall time of whole steps (speculate, verify, observe; admission and prefill excluded), and
-    # the same for the steps in which every row's speculation came from the SSD cache: their
-    # tokens per second are Theorem 7's bound with p_hit = 1 at the measured E_hit and T_p.
-    step_seconds: float = 0.0
-    hit_steps: int = 0
-    hit_step_seconds: float = 0.0
-    hit_step_tokens: int = 0
-    extra: dict = field(default_factory=dict)  # proposer-specific figures (SSD: fan-out, backup, ...)
-
-    def as_dict(self) -> dict:
-        rounds = max(self.spec.rounds, 1)
-        return {
-            **({"ssd": self.extra} if self.extra else {}),
-            **self.spec.as_dict(),
-            "generated_tokens": self.generated_tokens,
-            "finished_requests": self.finished_requests,
-            "draft_ms_per_round": round(1000 * self.draft_seconds / rounds, 3),
-            "verify_ms_per_round": round(1000 * self.verify_seconds / rounds, 3),
-            "step_seconds_total": self.step_seconds,
-            "hit_steps": self.hit_steps,
-            "hit_step_tokens": self.hit_step_tokens,
-            "hit_step_seconds_total": self.hit_step_seconds,
-        }
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, target_model, draft_model, tokenizer, max_model_len: int) -> None:
+    """One engine over a loaded model pair: requests in (add_request), a round per step(), outputs
+    out. worker_provider: where SSD's draft pool gets its workers (ssd/engine/proposers.py)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        target_model,
+        draft_model,
+        tokenizer,
+        max_model_len: int,
+        worker_provider: WorkerProviderFactory | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
         self.vocab_size = self.target.vocab_size
         self.cache = self.target.new_cache()
-        self.proposer: Proposer | None = None
-        if config.mode == "sd":
-            self.proposer = DraftModelProposer(
-                draft_runner(draft_model, config.draft_device, config.lean_forward), self.vocab_size
-            )
-        elif config.mode == "ssd":
-            self.proposer = build_ssd_proposer(config, draft_model, self.vocab_size)
+        self.proposer: Proposer | None = build_proposer(config, draft_model, self.vocab_size, worker_provider)
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -185,30 +156,47 @@ class LLMEngine:
         room = min(self.max_model_len - s.num_tokens for s in self.running)
         return max(0, min(self.config.k, room))
 
-    def _sampling(self) -> BatchSampling:
-        params = [s.params for s in self.running]
-        return BatchSampling(
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        )
-
     @torch.inference_mode()
     def step(self) -> list[CompletionOutput]:
         """Run one round; return an output (with deltas) for every sequence that progressed."""
         self._admit()
         if not self.running:
             return []
-        seqs, b = self.running, len(self.running)
         started = time.perf_counter()
-        sampling = self._sampling()
+        sampling = BatchSampling.of([s.sampling for s in self.running])
         k = self._round_k()
-        t0 = time.perf_counter()
-        spec = self.proposer.propose(seqs, k, sampling) if k > 0 else Speculation.empty(b, self.vocab_size)
-        if k > 0 and any(s.max_draft is not None and s.max_draft < k for s in seqs):
+        with self.metrics.timed("draft"):
+            spec = self._speculate(k, sampling)
+        with self.metrics.timed("verify"):
+            outcome = self._verify(spec, sampling)
+        if self.proposer is not None and k > 0:
+            with self.metrics.timed("draft"):  # overlaps the drafter's answer with the bookkeeping below
+                self.proposer.outcome_known(self.running, spec, outcome)
+        with self.metrics.timed("verify"):
+            self.cache.drop_last(spec.num_draft - outcome.num_accepted)
+        seqs = self.running
+        outputs, tokens = self._commit(spec, outcome)
+        if self.proposer is not None and k > 0:
+            with self.metrics.timed("draft"):
+                self.proposer.observe(seqs, spec, outcome)
+        self._retire_finished()
+        self._account(time.perf_counter() - started, spec, tokens)
+        return outputs
+
+    def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
+        """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
+        seqs = self.running
+        if k == 0:
+            return Speculation.empty(len(seqs), self.vocab_size)
+        spec = self.proposer.propose(seqs, k, sampling)
+        if any(s.max_draft is not None and s.max_draft < k for s in seqs):
             caps = torch.tensor([k if s.max_draft is None else min(s.max_draft, k) for s in seqs], dtype=torch.long)
             spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
-        t1 = time.perf_counter()
+        return spec
+
+    def _verify(self, spec: Speculation, sampling: BatchSampling) -> RoundOutcome:
+        """The target's forward over [last token, speculation] and the verification rule."""
+        seqs = self.running
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
         tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
@@ -216,46 +204,41 @@ class LLMEngine:
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
-        outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
-        t2 = time.perf_counter()
-        if self.proposer is not None and k > 0:
-            self.proposer.outcome_known(seqs, spec, outcome)
-        t3 = time.perf_counter()
-        self.cache.drop_last(spec.num_draft - result.num_accepted)
-        self.metrics.draft_seconds += (t1 - t0) + (t3 - t2)
-        self.metrics.verify_seconds += (t2 - t1) + (time.perf_counter() - t3)
+        return RoundOutcome(result.num_accepted, result.bonus_tokens, before)
 
-        accepted = result.num_accepted.tolist()
-        bonus = result.bonus_tokens.tolist()
-        drafted = spec.tokens.tolist()
-        num_draft = spec.num_draft.tolist()
+    def _commit(self, spec: Speculation, outcome: RoundOutcome) -> tuple[list[CompletionOutput], int]:
+        """Append each row's accepted tokens and bonus token under its stop rules; -> an output per
+        row and the tokens appended."""
+        accepted, bonus = outcome.num_accepted.tolist(), outcome.bonus_tokens.tolist()
+        drafted, num_draft = spec.tokens.tolist(), spec.num_draft.tolist()
+        b = len(self.running)
         sources = spec.source.tolist() if spec.source is not None else [int(Source.DRAFT)] * b
         round_metrics = SpecMetrics()
-        outputs = []
-        step_tokens = 0
-        for r, seq in enumerate(seqs):
+        outputs, appended = [], 0
+        for r, seq in enumerate(self.running):
             new_tokens = drafted[r][: accepted[r]] + [bonus[r]]
             for m in (seq.metrics, round_metrics):
                 m.record(num_draft[r], accepted[r], len(new_tokens), sources[r])
-            step_tokens += self.stopper.append(seq, new_tokens)
+            appended += self.stopper.append(seq, new_tokens)
             outputs.append(self._output(seq))
-        self.metrics.generated_tokens += step_tokens
+        self.metrics.generated_tokens += appended
         self.metrics.spec.add(round_metrics)
-        if self.proposer is not None and k > 0:
-            t3 = time.perf_counter()
-            self.proposer.observe(seqs, spec, outcome)
-            self.metrics.draft_seconds += time.perf_counter() - t3
-        keep = [i for i, s in enumerate(seqs) if not s.finished]
-        if len(keep) < b:
-            self.metrics.finished_requests += b - len(keep)
+        return outputs, appended
+
+    def _retire_finished(self) -> None:
+        keep = [i for i, s in enumerate(self.running) if not s.finished]
+        if len(keep) < len(self.running):
+            self.metrics.finished_requests += len(self.running) - len(keep)
             self._keep(keep)
-        elapsed = time.perf_counter() - started
+
+    def _account(self, elapsed: float, spec: Speculation, tokens: int) -> None:
+        """The step's wall time; a step in which every row hit the SSD cache also counts towards
+        Theorem 7's bound (EngineMetrics)."""
         self.metrics.step_seconds += elapsed
-        if k > 0 and all(src == int(Source.CACHE) for src in sources):
+        if spec.k > 0 and spec.source is not None and bool((spec.source == int(Source.CACHE)).all()):
             self.metrics.hit_steps += 1
             self.metrics.hit_step_seconds += elapsed
-            self.metrics.hit_step_tokens += step_tokens
-        return outputs
+            self.metrics.hit_step_tokens += tokens
 
     def engine_metrics(self) -> dict:
         stats = getattr(self.proposer, "stats", None)
@@ -284,72 +267,3 @@ class LLMEngine:
     def close(self) -> None:
         if self.proposer is not None:
             self.proposer.close()
-
-
-def build_ssd_proposer(config: EngineConfig, draft_model, vocab_size: int):
-    from ssd.drafting.drafter import Drafter
-    from ssd.drafting.ssd_proposer import SSDConfig, SSDProposer
-    from ssd.transport.channel import InProcessClient
-
-    ssd_config = SSDConfig(
-        k=config.k,
-        budget=config.ssd_budget,
-        autobudget=config.ssd_autobudget,
-        fanout=config.ssd_fanout,
-        saguaro_c=config.saguaro_c,
-        backup=config.ssd_backup,
-        deadline_s=config.draft_deadline_s,
-        reproducible=config.ssd_reproducible,
-        num_workers=config.draft_workers
-        if config.draft_split == "outcomes"
-        else 1,  # the tree's width: D shares or one
-    )
-    if config.draft_transport == "inprocess":
-        drafter = Drafter(
-            draft_runner(draft_model, config.draft_device, config.lean_forward), vocab_size, config.k, config.saguaro_c
-        )
-        client = InProcessClient(drafter)
-    else:
-        from ssd.transport.pool import DraftPool
-
-        client = DraftPool(
-            draft_worker_source(config, vocab_size), config.draft_workers, config.draft_deadline_s, config.draft_split
-        )
-    return SSDProposer(client, ssd_config, vocab_size)
-
-
-def uses_ray(config: EngineConfig) -> bool:
-    """Whether the draft workers are Ray actors (config.draft_launcher, resolved)."""
-    if config.draft_launcher != "auto":
-        return config.draft_launcher == "ray"
-    if config.draft_transport not in ("torch", "grpc"):
-        return False
-    try:
-        import ray
-    except ImportError:
-        return False
-    return ray.is_initialized()
-
-
-def draft_worker_source(config: EngineConfig, vocab_size: int):
-    """Where the draft pool gets its workers: child processes of this one, or Ray actors leased
-    from the shared pool. The Ray side lives in the top-level `actors` package, which imports
-    ssd (never the reverse): it is looked up by name only when asked for."""
-    if not uses_ray(config):
-        from ssd.transport.draft_process import SpawnedWorkers
-
-        return SpawnedWorkers(config, vocab_size)
-    import importlib
-
-    try:
-        source = importlib.import_module("actors.source")
-    except ImportError as err:
-        raise ValueError(
-            f"draft_launcher='ray' needs the actors package of ssd-serve and Ray installed: {err}"
-        ) from err
-    return source.RayLeasedWorkers(
-        config,
-        vocab_size,
-        start_workers=config.draft_workers if config.draft_start_workers else 0,
-        resources=config.draft_worker_resources,
-    )

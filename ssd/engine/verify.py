@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.engine.sampling import sample_from
+from ssd.core.sampling import sample_from
 
 
 @dataclass(frozen=True)

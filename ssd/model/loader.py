@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ssd.config import EngineConfig
+from ssd.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -107,3 +107,15 @@ def target_runner(model, device: str, lean: bool, pack: bool) -> ModelRunner:
     oneDNN can pack them (CPU): elsewhere fusing would copy the target's weights for nothing."""
     weight = next(model.parameters())
     return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight))
+
+
+def pad_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: -> tokens [b, n], valid [b, n]; n >= 1 (an all-padding column
+    keeps every cache layer initialized even when each row is empty)."""
+    n = max(1, max((len(r) for r in rows), default=0))
+    tokens = torch.zeros(len(rows), n, dtype=torch.long)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        valid[i, : len(r)] = True
+    return tokens, valid

@@ -1,3 +1,4 @@
-"""How the target reaches its drafters: typed messages and their wire format, channels (shared
-memory, torch.distributed), the worker process and its client.
+"""How a target reaches its draft workers: the wire format of the draft protocol's messages,
+channels (shared memory, gloo, torch.distributed, gRPC), the link to one worker, the pool client
+over D of them, spawned workers and leases.
 """

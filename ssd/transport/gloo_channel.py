@@ -1,8 +1,7 @@
-"""The torch transport's same-host layout: the target spawns its worker as a child process and
-both build a gloo pair group from a FileStore in a private directory (no port to choose, none
-fixed). The channel itself is ssd/transport/torch_channel.py's `TorchChannel`; what is left here
-is the start-up rendezvous of that child (ssd/transport/draft_process.py, draft_worker.py).
-A worker on another host listens with `TorchListener` instead.
+"""The gloo transport: the target spawns its worker as a child process (spawn.py) and both build a
+gloo pair group from a FileStore in a private directory (no port to choose, none fixed). The
+channel itself is torch_channel.py's `TorchChannel`; what is here is the start-up rendezvous of
+that child. A worker on another host listens with `TorchListener` instead.
 """
 
 from __future__ import annotations
@@ -13,23 +12,10 @@ import time
 
 import torch.distributed as dist
 
-from ssd.transport.torch_channel import GROUP_TIMEOUT, TorchChannel, new_pair_group
-
-__all__ = [
-    "CONNECT_TIMEOUT",
-    "GROUP_TIMEOUT",
-    "JOINING_KEY",
-    "GlooChannel",
-    "WorkerGone",
-    "await_worker",
-    "pair_group",
-    "pair_store",
-]
+from ssd.transport.torch_channel import new_pair_group
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
 JOINING_KEY = "worker-joining"
-
-GlooChannel = TorchChannel  # the name the child-process path has always used
 
 
 class WorkerGone(RuntimeError):

@@ -43,9 +43,9 @@ from urllib.parse import urlsplit
 import grpc
 import torch
 
-from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.torch_channel import WorkerBusy
-from ssd.transport.wire import MAGIC, MsgType, WireCounts, body_size, encode, unframe
+from ssd.core.protocol import MsgType
+from ssd.transport.channel import ChannelClosed, ChannelTimeout, WorkerBusy
+from ssd.transport.wire import MAGIC, WireCounts, body_size, encode, unframe
 
 try:
     import ssd.transport._proto.ssd_draft_pb2 as pb
@@ -113,16 +113,10 @@ class GrpcChannel:
     def over(self) -> bool:
         return self._closed is not None or self._over is not None
 
-    def send_raw(
-        self,
-        kind: MsgType,
-        round_id: int,
-        ints: torch.Tensor,
-        floats: torch.Tensor,
-        timeout: datetime.timedelta | None = None,
-    ) -> None:
+    def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
         """Queues the frame for the stream; ChannelTimeout when the peer has not taken the frames
         before it in time, ChannelClosed once the session is over."""
+        round_id, ints, floats = encode(kind, msg)
         frame = pb.Frame(
             magic=MAGIC,
             kind=int(kind),
@@ -144,15 +138,12 @@ class GrpcChannel:
             return
         raise ChannelClosed(f"{self.name}: {self._closed or self._over}")
 
-    def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
-        self.send_raw(*encode(msg), timeout=timeout)
-
     def poll(self) -> bool:
         """Whether a frame (or the end of the stream) is waiting; never blocks, takes nothing."""
         return self._closed is not None or not self._in.empty()
 
-    def recv(self, timeout: datetime.timedelta | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints)"""
+    def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
+        """-> (kind, message; None for READY and SHUTDOWN)"""
         if self._closed is not None:
             raise ChannelClosed(f"{self.name} is closed ({self._closed})")
         try:
@@ -168,11 +159,11 @@ class GrpcChannel:
         header = torch.tensor([item.magic, item.kind, item.round_id, n_ints, n_floats, item.fingerprint, 0, 0])
         body_size(header, self.fp)  # ForeignMessage unless the frame is this pair's
         body = bytearray().join((item.ints, item.floats))  # one copy, into memory the message's tensors own
-        message = unframe(
+        kind, msg = unframe(
             header, torch.frombuffer(body, dtype=torch.uint8) if body else torch.zeros(0, dtype=torch.uint8)
         )
-        self.counts.on_receive(message[0], len(body))
-        return message
+        self.counts.on_receive(kind, len(body))
+        return kind, msg
 
     def close(self) -> None:
         """Flushes what was sent, ends the stream, releases the connection (the target's end)."""

@@ -1,8 +1,8 @@
 """Leases on draft workers: which target holds which worker, until when.
 
-A worker registers its address; a target (holder) leases free workers for `ttl_s` seconds and
+A worker registers its address; a target (lessee) leases free workers for `ttl_s` seconds and
 renews its leases while it uses them; a lease not renewed in time expires and frees the worker,
-so a target that dies gives its workers back without anybody noticing it died. A holder releases
+so a target that dies gives its workers back without anybody noticing it died. A lessee releases
 a worker it no longer needs, and reports one that failed under it: that worker is out of the
 pool until it registers again (a restarted worker re-registers by itself).
 
@@ -10,12 +10,12 @@ Workers of different configurations (draft model, K, C, vocabulary: the channel 
 share one table, as two Serve applications on one cluster do: each registers with its
 fingerprint and a target leases only workers of its own.
 
-Invariants: a worker is leased by at most one holder at a time; a worker is only leased to a
-holder asking for its fingerprint; an expired lease is never
-renewed; a re-registration (the worker restarted) ends any lease on it.
+Invariants: a worker is leased by at most one lessee at a time; a worker is only leased to a
+lessee asking for its fingerprint; an expired lease is never renewed; a re-registration (the
+worker restarted) ends any lease on it.
 
-Plain Python: the Ray pool actor (actors/draft_pool.py) wraps one, tests drive one with a fake
-clock.
+Plain Python: a Ray actor of the serving package wraps one (the lease registry), tests drive one
+with a fake clock.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 class Lease:
     worker_id: str
     address: str
-    holder: str
+    lessee: str
     expires_at: float  # on the table's clock
 
 
 @dataclass
 class _Worker:
     address: str
-    fingerprint: int | None = None  # None: leased to any holder (one-configuration pools)
-    holder: str | None = None
+    fingerprint: int | None = None  # None: leased to any lessee (one-configuration pools)
+    lessee: str | None = None
     expires_at: float = 0.0
 
 
@@ -45,13 +45,13 @@ class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.workers: dict[str, _Worker] = {}
-        self.expired = 0  # leases that ran out (their holder stopped renewing)
+        self.expired = 0  # leases that ran out (their lessee stopped renewing)
 
     def _free(self, w: _Worker, now: float) -> bool:
-        if w.holder is not None and w.expires_at <= now:
-            w.holder = None
+        if w.lessee is not None and w.expires_at <= now:
+            w.lessee = None
             self.expired += 1
-        return w.holder is None
+        return w.lessee is None
 
     def register(self, worker_id: str, address: str, fingerprint: int | None = None) -> None:
         """A worker is (again) available at `address`; a lease on its former self ends."""
@@ -66,8 +66,8 @@ class LeaseTable:
     def unregister(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 
-    def lease(self, holder: str, n: int, ttl_s: float, fingerprint: int | None = None) -> list[Lease]:
-        """Up to n free workers for `holder`, for ttl_s seconds (fewer, or none, if fewer are free),
+    def lease(self, lessee: str, n: int, ttl_s: float, fingerprint: int | None = None) -> list[Lease]:
+        """Up to n free workers for `lessee`, for ttl_s seconds (fewer, or none, if fewer are free),
         of the given fingerprint (workers registered without one match any)."""
         if n < 0:
             raise ValueError(f"lease: n must be >= 0, got {n}")
@@ -81,34 +81,34 @@ class LeaseTable:
             if w.fingerprint not in (None, fingerprint) and fingerprint is not None:
                 continue
             if self._free(w, now):
-                w.holder, w.expires_at = holder, now + ttl_s
-                out.append(Lease(worker_id, w.address, holder, w.expires_at))
+                w.lessee, w.expires_at = lessee, now + ttl_s
+                out.append(Lease(worker_id, w.address, lessee, w.expires_at))
         return out
 
-    def renew(self, holder: str, worker_ids: list[str], ttl_s: float) -> list[str]:
-        """Extend `holder`'s leases; -> the ids it still holds (an expired one is lost)."""
+    def renew(self, lessee: str, worker_ids: list[str], ttl_s: float) -> list[str]:
+        """Extend `lessee`'s leases; -> the ids it still holds (an expired one is lost)."""
         if ttl_s <= 0:
             raise ValueError(f"renew: ttl_s must be > 0, got {ttl_s}")
         now = self.clock()
         held = []
         for worker_id in worker_ids:
             w = self.workers.get(worker_id)
-            if w is not None and not self._free(w, now) and w.holder == holder:
+            if w is not None and not self._free(w, now) and w.lessee == lessee:
                 w.expires_at = now + ttl_s
                 held.append(worker_id)
         return held
 
-    def release(self, holder: str, worker_ids: list[str]) -> None:
+    def release(self, lessee: str, worker_ids: list[str]) -> None:
         for worker_id in worker_ids:
             w = self.workers.get(worker_id)
-            if w is not None and w.holder == holder:
-                w.holder = None
+            if w is not None and w.lessee == lessee:
+                w.lessee = None
 
-    def report_failed(self, holder: str, worker_id: str, address: str | None = None) -> None:
-        """`holder` saw the worker at `address` fail: out of the pool until it registers again. A
+    def report_failed(self, lessee: str, worker_id: str, address: str | None = None) -> None:
+        """`lessee` saw the worker at `address` fail: out of the pool until it registers again. A
         worker that has already re-registered (restarted, at a new address) stays."""
         w = self.workers.get(worker_id)
-        if w is not None and w.holder in (holder, None) and address in (None, w.address):
+        if w is not None and w.lessee in (lessee, None) and address in (None, w.address):
             del self.workers[worker_id]
 
     def snapshot(self) -> list[dict]:
@@ -118,8 +118,8 @@ class LeaseTable:
                 "worker_id": i,
                 "address": w.address,
                 "fingerprint": w.fingerprint,
-                "holder": None if self._free(w, now) else w.holder,
-                "expires_in_s": max(w.expires_at - now, 0.0) if w.holder else None,
+                "lessee": None if self._free(w, now) else w.lessee,
+                "expires_in_s": max(w.expires_at - now, 0.0) if w.lessee else None,
             }
             for i, w in self.workers.items()
         ]

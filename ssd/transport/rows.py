@@ -1,8 +1,12 @@
-"""Row subsets of drafter messages and replies: how a pool that splits sequences across its
-workers (draft_split="sequences") sends each worker its own rows and rebuilds the batch.
+"""How a pool's messages are split among its workers and their replies made one again.
+
+draft_split="outcomes": every worker gets the whole batch and builds its shard of each row's
+tree; `merge_shards` takes each row's speculation from the worker whose shard held the hit, else
+from the backup's just-in-time draft. draft_split="sequences": each worker gets its own rows
+(`take`), and `assemble` puts their replies back in the batch's order.
 
 Rows are selected by position in the message's seq_ids (b rows -> the rows listed, in order);
-a reply assembled from parts has the full batch's rows in the message's order, zeros (no
+a reply made from parts has the full batch's rows in the message's order, zeros (no
 speculation, no hit) where no part answered.
 """
 
@@ -12,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ssd.transport.messages import (
+from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
@@ -29,12 +33,7 @@ def take(msg, rows: list[int]):
     ids = [msg.seq_ids[r] for r in rows]
     if isinstance(msg, AdmitMsg):
         return AdmitMsg(
-            ids,
-            [msg.prompts[r] for r in rows],
-            [msg.seeds[r] for r in rows],
-            [msg.temperature[r] for r in rows],
-            [msg.top_k[r] for r in rows],
-            [msg.top_p[r] for r in rows],
+            ids, [msg.prompts[r] for r in rows], [msg.seeds[r] for r in rows], [msg.sampling[r] for r in rows]
         )
     if isinstance(msg, ReleaseMsg):
         return ReleaseMsg(ids)
@@ -76,4 +75,31 @@ def assemble(
         build = max(build, rep.build_seconds)
     return SpeculationReply(
         round_id, list(seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank, answered=bool(parts)
+    )
+
+
+def merge_shards(msg: ResolveMsg, replies: list[SpeculationReply], counters: DrafterCounters) -> SpeculationReply:
+    """One reply for the whole batch from the shards' replies to `msg`: a row's speculation comes
+    from the shard that holds its hit, else from the backup's just-in-time draft (the one shard
+    asked for it), else none (num_draft 0: the target's fast backup)."""
+    if not replies:
+        return SpeculationReply.empty(msg.round_id, msg.seq_ids, counters, answered=False)
+    b = len(msg.seq_ids)
+    tokens, probs = torch.zeros_like(replies[0].tokens), torch.zeros_like(replies[0].probs)
+    num_draft = torch.zeros(b, dtype=torch.long)
+    hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+    rank = torch.full((b,), -1, dtype=torch.long)  # every worker ranks the same whole grid
+    for rep in replies:  # the shards that hold hits
+        covered |= rep.covered if rep.covered is not None else rep.hit
+        if rep.bonus_rank is not None:
+            rank = torch.maximum(rank, rep.bonus_rank)
+        rows = rep.hit & ~hit
+        tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
+        hit |= rows
+    for rep in replies:  # the backup's drafts for rows no shard holds
+        rows = ~hit & (num_draft == 0) & (rep.num_draft > 0) & ~rep.hit
+        tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
+    build = max(rep.build_seconds for rep in replies)
+    return SpeculationReply(
+        msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank
     )

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd.core.protocol import MsgType
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.wire import HEADER, MsgType, WireCounts, body_size, encode, frame, unframe
+from ssd.transport.wire import HEADER, WireCounts, body_size, frame, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
 # is for (a few to a few tens of milliseconds), after which latency no longer matters.
@@ -207,34 +208,24 @@ class ShmChannel:
         self.reader, self.writer = _Reader(inbox, peer_alive, spin_s), _Writer(outbox, peer_alive, spin_s)
         self.counts = WireCounts()
 
-    def send_raw(
-        self,
-        kind: MsgType,
-        round_id: int,
-        ints: torch.Tensor,
-        floats: torch.Tensor,
-        timeout: datetime.timedelta | None = None,
-    ) -> None:
-        header, body = frame(kind, round_id, ints, floats, self.fp)
+    def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
+        header, body = frame(kind, msg, self.fp)
         self.writer.write(torch.cat([header.view(torch.uint8), body]), timeout)
         self.counts.on_send(kind, body.numel())
-
-    def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
-        self.send_raw(*encode(msg), timeout=timeout)
 
     def poll(self) -> bool:
         """Whether the next message has begun to arrive; one non-blocking check."""
         return self.reader.poll()
 
-    def recv(self, timeout: datetime.timedelta | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints)"""
+    def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
+        """-> (kind, message; None for READY and SHUTDOWN)"""
         header = torch.zeros(HEADER, dtype=torch.long)
         self.reader.read_into(header.view(torch.uint8), timeout)
         body = torch.zeros(body_size(header, self.fp), dtype=torch.uint8)
         self.reader.read_into(body, timeout)
-        message = unframe(header, body)
-        self.counts.on_receive(message[0], body.numel())
-        return message
+        kind, msg = unframe(header, body)
+        self.counts.on_receive(kind, body.numel())
+        return kind, msg
 
     def close(self) -> None:
         self.inbox.close()

@@ -41,8 +41,9 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.wire import HEADER, ForeignMessage, MsgType, WireCounts, body_size, encode, frame, unframe
+from ssd.core.protocol import MsgType
+from ssd.transport.channel import ChannelClosed, ChannelTimeout, WorkerBusy
+from ssd.transport.wire import HEADER, ForeignMessage, WireCounts, body_size, frame, unframe
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +62,6 @@ _ABORT_TAG = 1  # never sent on: a receive on it can only time out (see _abort)
 _ABORT_WAIT = datetime.timedelta(milliseconds=1)
 _POLL_S = 0.01  # the listener's check for a claim
 _OWNER, _SESSIONS, _BACKEND, _FREE = "owner", "sessions", "backend", "free"
-
-
-class WorkerBusy(RuntimeError):
-    """The draft worker at this address is serving another target (one session at a time)."""
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -136,24 +133,14 @@ class TorchChannel:
         self._ended: str | None = None  # why it ended
         self.counts = WireCounts()
 
-    def send_raw(
-        self,
-        kind: MsgType,
-        round_id: int,
-        ints: torch.Tensor,
-        floats: torch.Tensor,
-        timeout: datetime.timedelta | None = None,
-    ) -> None:
+    def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
         """Both transfers are posted before waiting (each costs a round trip with the peer). A
         send completes only once the peer posts its receive, so a stalled peer blocks the
         sender: callers that must not hang pass a timeout."""
-        header, body = frame(kind, round_id, ints, floats, self.fp)
+        header, body = frame(kind, msg, self.fp)
         parts = [t.to(self.device) for t in ([header, body] if body.numel() else [header])]
         self._transfer("send", lambda g: [g.send([t], self.peer, _TAG) for t in parts], timeout)
         self.counts.on_send(kind, body.numel())
-
-    def send(self, msg, timeout: datetime.timedelta | None = None) -> None:
-        self.send_raw(*encode(msg), timeout=timeout)
 
     def poll(self) -> bool:
         """Whether the next message's header has arrived (posts its receive on first call). True
@@ -164,8 +151,8 @@ class TorchChannel:
             self._posted = _Posted(self.group, self.peer, self.device)
         return self._posted.arrived()
 
-    def recv(self, timeout: datetime.timedelta | None = None):
-        """-> (MsgType, message or None for bodiless control messages, ints)"""
+    def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
+        """-> (kind, message; None for READY and SHUTDOWN)"""
         if self._posted is not None:
             header = self._take_posted(timeout)
         else:
@@ -180,9 +167,9 @@ class TorchChannel:
         body = torch.zeros(size, dtype=torch.uint8, device=self.device)
         if size:
             self._transfer("receive", lambda g: [g.recv([body], self.peer, _TAG)], timeout)
-        message = unframe(header, body.cpu())
-        self.counts.on_receive(message[0], size)
-        return message
+        kind, msg = unframe(header, body.cpu())
+        self.counts.on_receive(kind, size)
+        return kind, msg
 
     def close(self) -> None:
         self._abort("closed by this end")

@@ -1,53 +1,43 @@
-"""Fixed tensor layout of drafter messages on a torch.distributed pair (no pickle).
+"""The fixed tensor layout of drafter messages on every transport (no pickle).
 
 Each message is a header int64[8] followed by an int64 body and a float32 body whose lengths
 the header gives; the transport carries both bodies as one byte buffer (none when both are
-empty): two transfers on a gloo pair, one byte stream on the shared-memory channel.
-    header = [MAGIC, type, round_id, n_ints, n_floats, fingerprint, 0, 0]
-The fingerprint ties both ends to one configuration (target vocabulary, K, draft model), so a
-message from a foreign or stale peer is refused. Body layouts per type are in _encode/_decode.
+empty): two transfers on a torch.distributed pair, one byte stream on the shared-memory
+channel, two byte fields of a gRPC frame.
+    header = [MAGIC, kind, round_id, n_ints, n_floats, fingerprint, 0, 0]
+The kind (ssd.core.protocol.MsgType) is given by the sender, never inferred from the message;
+the fingerprint ties both ends to one configuration (ssd.core.config.config_fingerprint), so a
+message from a foreign or stale peer is refused. Body layouts per kind are in _CODECS.
 """
 
 from __future__ import annotations
 
-import enum
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ssd.transport.messages import (
+from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
     DraftNowMsg,
+    ErrorMsg,
+    JoinMsg,
+    MsgType,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
 )
+from ssd.core.sampling import SequenceSampling
 
 MAGIC = 0x55D0_0003  # 3: replies carry the bonus token's rank per row (2: the drafter's high-water marks)
 HEADER = 8
 
 
-class MsgType(enum.IntEnum):
-    ADMIT = 1
-    RELEASE = 2
-    BEGIN_ROUND = 3
-    RESOLVE = 4
-    DRAFT_NOW = 5
-    REPLY = 6
-    READY = 7
-    ERROR = 8
-    SHUTDOWN = 9
-    PREDICT = 10  # a BeginRoundMsg the target expects to announce next: begin it, confirm it later
-    JOIN = 11  # ints [shard, num_shards]: which share of the branch grid this worker builds
-    DRAFT_REPLY = 12  # a SpeculationReply answering DRAFT_NOW (REPLY answers RESOLVE; both carry the round id)
-
-
 @dataclass
 class WireCounts:
-    """Frame bytes one channel end has sent and received, by message type (MsgType name): the
+    """Frame bytes one channel end has sent and received, by message kind (MsgType name): the
     64-byte header plus both bodies, i.e. the frame as laid out here, which every transport
     carries (gRPC's own encoding of the header fields and HTTP/2 framing are not counted).
     Counted as frames go out and come in, so a pool's figures are what its data plane moved."""
@@ -63,25 +53,21 @@ class WireCounts:
         name = MsgType(kind).name
         self.received[name] = self.received.get(name, 0) + HEADER * 8 + body_bytes
 
-    def __add__(self, other: "WireCounts") -> "WireCounts":
+    def __add__(self, other: WireCounts) -> WireCounts:
         def merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
             return {name: a.get(name, 0) + b.get(name, 0) for name in sorted(a.keys() | b.keys())}
 
         return WireCounts(merged(self.sent, other.sent), merged(self.received, other.received))
 
 
-def fingerprint(*parts) -> int:
-    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
-
-
 class ForeignMessage(RuntimeError):
     """A header that does not carry this pair's magic and fingerprint."""
 
 
-def frame(
-    kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor, fp: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (header int64 [HEADER], body uint8 [8 n_ints + 4 n_floats])"""
+def frame(kind: MsgType, msg, fp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message of `kind` (None for READY and SHUTDOWN) -> (header int64 [HEADER], body uint8
+    [8 n_ints + 4 n_floats])."""
+    round_id, ints, floats = encode(kind, msg)
     header = torch.tensor([MAGIC, int(kind), round_id, ints.numel(), floats.numel(), fp, 0, 0], dtype=torch.long)
     body = torch.cat([ints.contiguous().view(torch.uint8), floats.contiguous().float().view(torch.uint8)])
     return header, body
@@ -95,15 +81,12 @@ def body_size(header: torch.Tensor, fp: int) -> int:
     return n_ints * 8 + n_floats * 4
 
 
-def unframe(header: torch.Tensor, body: torch.Tensor):
-    """-> (MsgType, message or None for bodiless control messages, ints)"""
+def unframe(header: torch.Tensor, body: torch.Tensor) -> tuple[MsgType, object]:
+    """-> (kind, message; None for READY and SHUTDOWN)"""
     _, kind, round_id, n_ints, _ = header[:5].tolist()
     ints = body[: n_ints * 8].view(torch.long)
     floats = body[n_ints * 8 :].view(torch.float32)
-    kind = MsgType(kind)
-    if kind in (MsgType.READY, MsgType.ERROR, MsgType.SHUTDOWN, MsgType.JOIN):
-        return kind, None, ints
-    return kind, decode(kind, round_id, ints, floats), ints
+    return decode(MsgType(kind), round_id, ints, floats)
 
 
 class _Reader:
@@ -124,59 +107,128 @@ def _i(*parts) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
 
 
-def encode(msg) -> tuple[MsgType, int, torch.Tensor, torch.Tensor]:
-    """-> (type, round_id, ints [n], floats [m])"""
-    none = torch.zeros(0)
-    if isinstance(msg, AdmitMsg):
-        b = len(msg.seq_ids)
-        ints = _i([b], msg.seq_ids, msg.seeds, msg.top_k, [len(p) for p in msg.prompts], *msg.prompts)
-        return MsgType.ADMIT, 0, ints, torch.tensor(list(msg.temperature) + list(msg.top_p), dtype=torch.float32)
-    if isinstance(msg, ReleaseMsg):
-        return MsgType.RELEASE, 0, _i(msg.seq_ids), none
-    if isinstance(msg, BeginRoundMsg):
-        b, k = msg.spec_tokens.shape
-        ints = _i(
-            [b, k],
-            msg.seq_ids,
-            msg.num_draft,
-            [len(msg.fanout)],
-            msg.fanout,
-            [len(msg.committed)],
-            msg.committed,
-            msg.spec_tokens,
-        )
-        return MsgType.BEGIN_ROUND, msg.round_id, ints, none
-    if isinstance(msg, ResolveMsg):
-        ints = _i(
-            [len(msg.seq_ids), int(msg.neural_backup)],
-            msg.seq_ids,
-            msg.num_accepted,
-            msg.bonus_tokens,
-            [len(msg.next_fanout)],
-            msg.next_fanout,
-        )
-        return MsgType.RESOLVE, msg.round_id, ints, none
-    if isinstance(msg, DraftNowMsg):
-        return MsgType.DRAFT_NOW, msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), none
-    if isinstance(msg, SpeculationReply):
-        b, k = msg.tokens.shape
-        covered = msg.hit if msg.covered is None else msg.covered
-        layout, values = pack_probs(msg.probs)
-        rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
-        ints = _i(
-            [b, k, msg.probs.shape[-1]],
-            msg.seq_ids,
-            msg.hit.long(),
-            covered.long(),
-            rank,
-            msg.num_draft,
-            msg.tokens,
-            msg.counters.as_list(),
-            layout,
-        )
-        floats = torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
-        return MsgType.REPLY, msg.round_id, ints, floats
-    raise TypeError(f"not a drafter message: {type(msg).__name__}")
+_NONE = torch.zeros(0)
+_NO_INTS = torch.zeros(0, dtype=torch.long)
+
+
+def encode(kind: MsgType, msg) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """-> (round_id, ints [n] long, floats [m] float32) of a message of `kind`."""
+    encoder, _, cls = _CODECS[kind]
+    if (msg is None) != (cls is None) or (cls is not None and not isinstance(msg, cls)):
+        raise TypeError(f"a {kind.name} message is {cls.__name__ if cls else 'None'}, not {type(msg).__name__}")
+    return encoder(msg)
+
+
+def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor) -> tuple[MsgType, object]:
+    """The inverse of encode: -> (kind, message)."""
+    return kind, _CODECS[kind][1](_Reader(ints), round_id, floats)
+
+
+def _encode_admit(msg: AdmitMsg):
+    b = len(msg.seq_ids)
+    s = msg.sampling
+    ints = _i([b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(p) for p in msg.prompts], *msg.prompts)
+    return 0, ints, torch.tensor([x.temperature for x in s] + [x.top_p for x in s], dtype=torch.float32)
+
+
+def _decode_admit(r: _Reader, round_id: int, floats: torch.Tensor) -> AdmitMsg:
+    b = r.one()
+    seq_ids, seeds, top_k, lens = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
+    prompts = [r.take(n).tolist() for n in lens]
+    temperature, top_p = floats[:b].tolist(), floats[b : 2 * b].tolist()
+    return AdmitMsg(seq_ids, prompts, seeds, [SequenceSampling(*x) for x in zip(temperature, top_k, top_p)])
+
+
+def _encode_round(msg: BeginRoundMsg):
+    b, k = msg.spec_tokens.shape
+    ints = _i(
+        [b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, [len(msg.committed)], msg.committed,
+        msg.spec_tokens,
+    )  # fmt: skip
+    return msg.round_id, ints, _NONE
+
+
+def _decode_round(r: _Reader, round_id: int, floats: torch.Tensor) -> BeginRoundMsg:
+    b, k = r.one(), r.one()
+    seq_ids, num_draft = r.take(b).tolist(), r.take(b).clone()
+    fanout = r.take(r.one()).tolist()
+    committed = r.take(r.one()).tolist()
+    return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout, committed)
+
+
+def _encode_resolve(msg: ResolveMsg):
+    ints = _i(
+        [len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens,
+        [len(msg.next_fanout)], msg.next_fanout,
+    )  # fmt: skip
+    return msg.round_id, ints, _NONE
+
+
+def _decode_resolve(r: _Reader, round_id: int, floats: torch.Tensor) -> ResolveMsg:
+    b, neural = r.one(), bool(r.one())
+    seq_ids, accepted, bonus = r.take(b).tolist(), r.take(b).clone(), r.take(b).clone()
+    return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, r.take(r.one()).tolist())
+
+
+def _encode_draft_now(msg: DraftNowMsg):
+    return msg.round_id, _i([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), _NONE
+
+
+def _decode_draft_now(r: _Reader, round_id: int, floats: torch.Tensor) -> DraftNowMsg:
+    b = r.one()
+    return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])
+
+
+def _encode_reply(msg: SpeculationReply):
+    b, k = msg.tokens.shape
+    covered = msg.hit if msg.covered is None else msg.covered
+    layout, values = pack_probs(msg.probs)
+    rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
+    ints = _i(
+        [b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
+        msg.counters.as_list(), layout,
+    )  # fmt: skip
+    return msg.round_id, ints, torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
+
+
+def _decode_reply(r: _Reader, round_id: int, floats: torch.Tensor) -> SpeculationReply:
+    b, k, v = r.one(), r.one(), r.one()
+    seq_ids, hit, covered = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool()
+    rank, num_draft = r.take(b).clone(), r.take(b).clone()
+    tokens = r.take(b * k).view(b, k).clone()
+    counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
+    probs = unpack_probs(r, floats[1:], b, k, v)
+    rank = None if bool((rank < 0).all()) else rank  # -1: unknown, as None is
+    return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank)
+
+
+def _encode_error(msg: ErrorMsg):
+    return 0, torch.tensor(list(msg.text.encode()[:4000]), dtype=torch.long), _NONE
+
+
+def _decode_error(r: _Reader, round_id: int, floats: torch.Tensor) -> ErrorMsg:
+    return ErrorMsg(bytes(r.ints.tolist()).decode("utf-8", errors="replace"))
+
+
+# kind -> (encode(msg) -> (round_id, ints, floats), decode(reader, round_id, floats) -> msg, message class)
+_CODECS: dict[MsgType, tuple[Callable, Callable, type | None]] = {
+    MsgType.ADMIT: (_encode_admit, _decode_admit, AdmitMsg),
+    MsgType.RELEASE: (lambda m: (0, _i(m.seq_ids), _NONE), lambda r, _, f: ReleaseMsg(r.ints.tolist()), ReleaseMsg),
+    MsgType.JOIN: (
+        lambda m: (0, _i([m.shard, m.num_shards]), _NONE),
+        lambda r, _, f: JoinMsg(r.one(), r.one()),
+        JoinMsg,
+    ),
+    MsgType.BEGIN_ROUND: (_encode_round, _decode_round, BeginRoundMsg),
+    MsgType.PREDICT: (_encode_round, _decode_round, BeginRoundMsg),
+    MsgType.RESOLVE: (_encode_resolve, _decode_resolve, ResolveMsg),
+    MsgType.DRAFT_NOW: (_encode_draft_now, _decode_draft_now, DraftNowMsg),
+    MsgType.REPLY: (_encode_reply, _decode_reply, SpeculationReply),
+    MsgType.DRAFT_REPLY: (_encode_reply, _decode_reply, SpeculationReply),
+    MsgType.ERROR: (_encode_error, _decode_error, ErrorMsg),
+    MsgType.READY: (lambda m: (0, _NO_INTS, _NONE), lambda r, _, f: None, None),
+    MsgType.SHUTDOWN: (lambda m: (0, _NO_INTS, _NONE), lambda r, _, f: None, None),
+}
 
 
 # How a reply row's draft probabilities [K, V] travel (lossless: decoding rebuilds the very
@@ -237,39 +289,3 @@ def unpack_probs(r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int)
         elif form != ZERO:
             raise ValueError(f"unknown probability layout {form} in a reply")
     return probs
-
-
-def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tensor):
-    r = _Reader(ints)
-    if kind == MsgType.ADMIT:
-        b = r.one()
-        seq_ids, seeds, top_k, lens = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
-        prompts = [r.take(n).tolist() for n in lens]
-        return AdmitMsg(seq_ids, prompts, seeds, floats[:b].tolist(), top_k, floats[b : 2 * b].tolist())
-    if kind == MsgType.RELEASE:
-        return ReleaseMsg(ints.tolist())
-    if kind in (MsgType.BEGIN_ROUND, MsgType.PREDICT):
-        b, k = r.one(), r.one()
-        seq_ids, num_draft = r.take(b).tolist(), r.take(b).clone()
-        fanout = r.take(r.one()).tolist()
-        committed = r.take(r.one()).tolist()
-        return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout, committed)
-    if kind == MsgType.RESOLVE:
-        b, neural = r.one(), bool(r.one())
-        seq_ids, accepted, bonus = r.take(b).tolist(), r.take(b).clone(), r.take(b).clone()
-        return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, r.take(r.one()).tolist())
-    if kind == MsgType.DRAFT_NOW:
-        b = r.one()
-        return DraftNowMsg(round_id, r.take(b).tolist(), [bool(x) for x in r.take(b).tolist()])
-    if kind in (MsgType.REPLY, MsgType.DRAFT_REPLY):
-        b, k, v = r.one(), r.one(), r.one()
-        seq_ids, hit, covered = r.take(b).tolist(), r.take(b).bool(), r.take(b).bool()
-        rank, num_draft = r.take(b).clone(), r.take(b).clone()
-        tokens = r.take(b * k).view(b, k).clone()
-        counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
-        probs = unpack_probs(r, floats[1:], b, k, v)
-        rank = None if bool((rank < 0).all()) else rank  # -1: unknown, as None is
-        return SpeculationReply(
-            round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank
-        )
-    raise ValueError(f"unexpected message type {kind!r}")

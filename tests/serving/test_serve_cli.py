@@ -191,14 +191,17 @@ def test_flags_override_the_config_file():
     assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
     assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
     assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "ssd"  # the served default
-    with pytest.raises(ValueError, match="draft_pool_size"):
-        app_config_from(build_parser().parse_args(["serve", "--draft-workers", "2"]))
+    # The pool's size defaults to what the targets lease: target_replicas x engine.draft_workers.
+    for flags, pool in (
+        (["--draft-workers", "2"], 2),
+        (["--target-replicas", "2"], 2),
+        (["--draft-workers", "2", "--target-replicas", "3"], 6),
+    ):
+        assert app_config_from(build_parser().parse_args(["serve", *flags])).to_settings().draft_pool_size == pool
     with pytest.raises(
         ValueError, match=r"draft_pool_size \(1\) is below target_replicas x engine.draft_workers \(2 x 1 = 2\)"
-    ):
-        app_config_from(
-            build_parser().parse_args(["serve", "--target-replicas", "2"])
-        )  # a replica would find no worker
+    ):  # a replica would find no worker
+        app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2", "--draft-pool-size", "1"]))
     assert app_config_from(
         build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "off"])
     )

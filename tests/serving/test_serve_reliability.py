@@ -3,8 +3,8 @@
 1. a draft worker killed while 16 greedy streams run: every stream completes with the text of the
    run without the fault, the pool is whole again within the draft deployment's health-check
    period plus a replica's start, and later requests hit the speculation cache again;
-2. the whole draft pool (every DraftWorker replica) killed while 16 streams run: zero failed
-   requests, same texts, and SSD back once Serve has replaced them (the loss of the pool actor
+2. the whole draft pool (every DraftPool replica) killed while 16 streams run: zero failed
+   requests, same texts, and SSD back once Serve has replaced them (the loss of the lease registry
    itself is tested in tests/test_ray_pool.py);
 3. a target replica whose forward pass raises (a model with remote code that raises on a poison
    token): that request gets a 500 in the OpenAI envelope, the replica reports unhealthy and
@@ -187,14 +187,14 @@ def replicas(app: str, deployment: str) -> dict[str, object]:
 
 
 def pool_actor():
-    from actors.draft_pool import get_or_create_pool
+    from actors.lease_registry import get_or_create_registry
 
-    return get_or_create_pool()
+    return get_or_create_registry()
 
 
 def pool_workers(app: str) -> list[dict]:
-    """The pool actor's entries for the app's live draft replicas."""
-    ids = {f"serve-{tag}" for tag in replicas(app, "DraftWorker")}
+    """The lease registry's entries for the app's live draft replicas."""
+    ids = {f"serve-{tag}" for tag in replicas(app, "DraftPool")}
     return [w for w in ray.get(pool_actor().snapshot.remote()) if w["worker_id"] in ids]
 
 
@@ -220,9 +220,9 @@ def test_draft_worker_killed_under_16_streams(served, apps):
     killed = {}
 
     def kill_leased():
-        leased = [w["worker_id"].removeprefix("serve-") for w in pool_workers("rel") if w["holder"]]
+        leased = [w["worker_id"].removeprefix("serve-") for w in pool_workers("rel") if w["lessee"]]
         assert len(leased) == 1, pool_workers("rel")
-        ray.kill(replicas("rel", "DraftWorker")[leased[0]], no_restart=True)
+        ray.kill(replicas("rel", "DraftPool")[leased[0]], no_restart=True)
         killed["at"], killed["id"] = time.monotonic(), leased[0]
 
     assert stream_all(served, kill_leased) == reference
@@ -240,7 +240,7 @@ def test_whole_draft_pool_killed_under_16_streams(served, apps):
     reference = stream_all(served)
 
     def kill_all():
-        for handle in replicas("rel", "DraftWorker").values():
+        for handle in replicas("rel", "DraftPool").values():
             ray.kill(handle, no_restart=True)
 
     assert stream_all(served, kill_all) == reference  # zero failed, same texts: the backup drafted

@@ -1,15 +1,65 @@
-"""Typed messages between the target (engine) and the drafter, one per protocol step.
+"""The draft protocol: what a target and its drafter say to each other, one message per step.
 
-Every message carries the round id and the sequence ids it is about, so a reply can be matched
-to its request and stale ones dropped. Fields are tensors or small lists of ints with fixed
-meanings; the wire format (ssd/transport/wire.py) is a fixed tensor layout, never pickle.
+A target's SSD proposer talks to a `DraftClient`: the drafter itself in the engine's thread
+(`TreeDrafter`), or a pool of workers (`PoolClient`) whose links carry the same messages over a
+channel. Every message has a kind (`MsgType`), sent explicitly with it; the wire format
+(ssd/transport/wire.py) is a fixed tensor layout per kind, never pickle.
+
+    JOIN         JoinMsg          a worker's shard of the branch grid (before any sequence)
+    ADMIT        AdmitMsg         new sequences join the batch
+    RELEASE      ReleaseMsg       sequences leave it
+    BEGIN_ROUND  BeginRoundMsg    the target verifies these speculations: build the next cache
+    PREDICT      BeginRoundMsg    the round the target will most likely announce next
+    RESOLVE      ResolveMsg       the round's outcomes: answer with the next speculations
+    REPLY        SpeculationReply the answer to RESOLVE
+    DRAFT_NOW    DraftNowMsg      draft just in time for sequences with nothing cached
+    DRAFT_REPLY  SpeculationReply the answer to DRAFT_NOW
+    READY, SHUTDOWN  (no message) a worker is up; the target is done
+    ERROR        ErrorMsg         why a worker gave up
+
+Messages of a round (BEGIN_ROUND, PREDICT, RESOLVE, DRAFT_NOW and the replies) carry its round
+id and the sequence ids they are about, so a reply is matched to its request and stale or
+duplicated ones are dropped; membership messages (JOIN, ADMIT, RELEASE) come between rounds and
+carry no round id.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from ssd.core.sampling import SequenceSampling
+
+
+class MsgType(enum.IntEnum):
+    ADMIT = 1
+    RELEASE = 2
+    BEGIN_ROUND = 3
+    RESOLVE = 4
+    DRAFT_NOW = 5
+    REPLY = 6
+    READY = 7
+    ERROR = 8
+    SHUTDOWN = 9
+    PREDICT = 10
+    JOIN = 11
+    DRAFT_REPLY = 12
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter died, stalled past its deadline, or answered out of protocol."""
+
+
+@dataclass(frozen=True)
+class JoinMsg:
+    """Which shard of every round's branch grid a worker builds: branches n with n mod
+    num_shards = shard (sent once, before any sequence is admitted)."""
+
+    shard: int
+    num_shards: int
 
 
 @dataclass(frozen=True)
@@ -17,11 +67,9 @@ class AdmitMsg:
     """New sequences join the batch (appended in this order)."""
 
     seq_ids: list[int]
-    prompts: list[list[int]]
+    prompts: list[list[int]]  # the tokens committed so far (the prompt, for a new sequence)
     seeds: list[int]  # the drafter's own generator seed per sequence
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
+    sampling: list[SequenceSampling]
 
 
 @dataclass(frozen=True)
@@ -37,12 +85,26 @@ class BeginRoundMsg:
     seq_ids: list[int]
     spec_tokens: torch.Tensor  # [b, K] long
     num_draft: torch.Tensor  # [b] long
-    fanout: list[int]  # [K+1] F_k, shared by the batch: the whole pool's (every worker's share together)
+    fanout: list[int]  # [K+1] F_k, shared by the batch: the whole tree's (every shard's together)
     # [b] tokens committed per sequence before this round, as the target knows them: a worker
     # whose own count differs has missed a message and must not answer from a wrong prefix.
     committed: list[int] = field(default_factory=list)
 
-    def same_round(self, other: "BeginRoundMsg") -> bool:
+    @classmethod
+    def after_all_hit(cls, outcome: ResolveMsg, reply: SpeculationReply, committed: list[int]) -> BeginRoundMsg:
+        """The round a target announces after `outcome` when every row hit: it verifies the
+        branches `reply` carried, with the fan-out the outcome message named. What a worker
+        predicts (PREDICT), and what the pool tells the workers that did not hold the hits."""
+        return cls(
+            outcome.round_id + 1,
+            list(outcome.seq_ids),
+            reply.tokens.clone(),
+            reply.num_draft.clone(),
+            list(outcome.next_fanout),
+            committed,
+        )
+
+    def same_round(self, other: BeginRoundMsg) -> bool:
         """Whether both announce the same round: ids, batch, fan-out and the speculations' real tokens."""
         mine = (self.round_id, list(self.seq_ids), list(self.fanout), list(self.committed))
         if mine != (other.round_id, list(other.seq_ids), list(other.fanout), list(other.committed)):
@@ -79,6 +141,13 @@ class DraftNowMsg:
     need: list[bool]  # [b]
 
 
+@dataclass(frozen=True)
+class ErrorMsg:
+    """Why a worker ended the session (its exception, as text)."""
+
+    text: str
+
+
 @dataclass
 class DrafterCounters:
     """What a drafter did since it started (counts, and two high-water marks; every reply
@@ -109,7 +178,7 @@ class DrafterCounters:
             self.peak_rss_bytes,
         ]
 
-    def __add__(self, other: "DrafterCounters") -> "DrafterCounters":
+    def __add__(self, other: DrafterCounters) -> DrafterCounters:
         summed = [a + b for a, b in zip(self.as_list()[:_COUNTS], other.as_list()[:_COUNTS])]
         peaks = [max(a, b) for a, b in zip(self.as_list()[_COUNTS:], other.as_list()[_COUNTS:])]
         return DrafterCounters(*summed, *peaks)
@@ -146,7 +215,7 @@ class SpeculationReply:
     num_draft: torch.Tensor  # [b] long: 0 where the reply has no speculation for the row
     build_seconds: float = 0.0  # drafter time spent building this round's cache (glue + tree)
     counters: DrafterCounters = field(default_factory=DrafterCounters)  # the drafter's, at reply time
-    # [b] bool: the outcome is in the round's branch grid, whichever worker's share holds it
+    # [b] bool: the outcome is in the round's branch grid, whichever worker's shard holds it
     # (equal to hit for a single drafter). A row covered but not hit is another worker's.
     covered: torch.Tensor | None = None
     # [b] long: the rank of the real bonus token among the round's candidates at its outcome k
@@ -157,3 +226,46 @@ class SpeculationReply:
     # False when no drafter answered at all (every worker of a pool down): nothing to learn from.
     # Never on the wire: only the pool builds such a reply.
     answered: bool = True
+
+    @classmethod
+    def empty(
+        cls, round_id: int, seq_ids: list[int], counters: DrafterCounters, answered: bool = True
+    ) -> SpeculationReply:
+        """A reply with no speculation for any row (num_draft 0: the target's fast backup)."""
+        b = len(seq_ids)
+        return cls(
+            round_id,
+            list(seq_ids),
+            torch.zeros(b, dtype=torch.bool),
+            torch.zeros(b, 0, dtype=torch.long),
+            torch.zeros(b, 0, 0),
+            torch.zeros(b, dtype=torch.long),
+            counters=counters,
+            answered=answered,
+        )
+
+
+class DraftClient(Protocol):
+    """What the SSD proposer calls, in this order per round: begin_round (the round being
+    verified), resolve (its outcome, the moment it is known), reply (the next speculations);
+    draft_now when a row has nothing cached and the neural backup drafts it just in time; admit
+    and release between rounds. Implemented by the drafter itself (TreeDrafter, in the caller's
+    thread) and by a pool of workers (PoolClient), which raises DrafterUnavailable only when it
+    cannot start."""
+
+    def admit(self, msg: AdmitMsg) -> None: ...
+
+    def release(self, msg: ReleaseMsg) -> None: ...
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        """Start building the next cache; returns at once where the drafter runs elsewhere."""
+
+    def resolve(self, msg: ResolveMsg) -> None:
+        """Send the round's outcome; the drafter answers it with reply()."""
+
+    def reply(self, deadline_s: float) -> SpeculationReply:
+        """The answer to the outcome resolve() sent last (waiting at most deadline_s)."""
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply: ...
+
+    def close(self) -> None: ...

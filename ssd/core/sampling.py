@@ -17,6 +17,21 @@ import torch
 
 
 @dataclass(frozen=True)
+class SequenceSampling:
+    """One sequence's sampling settings, as every role that samples for it needs them (the
+    engine, the SD proposer, the SSD drafter; the draft protocol carries them to workers)."""
+
+    temperature: float  # 0 = greedy
+    top_k: int  # 0 = disabled
+    top_p: float  # 1 = disabled
+
+    @classmethod
+    def of(cls, params) -> "SequenceSampling":
+        """From a request's SamplingParams."""
+        return cls(params.temperature, params.top_k, params.top_p)
+
+
+@dataclass(frozen=True)
 class BatchSampling:
     """Per-row sampling settings of one batch, as tensors."""
 
@@ -24,19 +39,17 @@ class BatchSampling:
     top_k: torch.Tensor  # [b] long, 0 = disabled
     top_p: torch.Tensor  # [b] float, 1 = disabled
 
+    @classmethod
+    def of(cls, rows: list[SequenceSampling]) -> "BatchSampling":
+        return cls(
+            torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+            torch.tensor([r.top_k for r in rows], dtype=torch.long),
+            torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+        )
+
     @property
     def greedy(self) -> torch.Tensor:  # [b] bool
         return self.temperature == 0
-
-    def select(self, rows: torch.Tensor) -> "BatchSampling":
-        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows])
-
-    def repeat_interleave(self, counts: torch.Tensor) -> "BatchSampling":
-        return BatchSampling(
-            self.temperature.repeat_interleave(counts),
-            self.top_k.repeat_interleave(counts),
-            self.top_p.repeat_interleave(counts),
-        )
 
 
 def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ssd.sampling_params import MAX_SEED
+from ssd.core.sampling_params import MAX_SEED
 
 MODES = ("ar", "sd", "ssd")
 
 # The bundled demo pair lives beside the package in the source tree (models/ at the repo root).
-DEMO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEMO_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
 
 class EngineArgs(BaseModel):
@@ -93,18 +94,18 @@ class EngineArgs(BaseModel):
     draft_split: Literal["outcomes", "sequences"] = Field(
         "outcomes",
         description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every "
-        "sequence and builds its share of each round's tree (the tree covers draft_workers x ssd_budget "
+        "sequence and builds its shard of each round's tree (the tree covers draft_workers x ssd_budget "
         "branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of "
         "ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, "
         "where one worker cannot build every sequence's tree within a verification.",
     )
     draft_launcher: Literal["auto", "process", "ray"] = Field(
         "auto",
-        description="SSD: who starts the draft workers. process: this process starts them as child "
-        "processes on this host "
-        "(restarting any that die). ray: Ray actors (actors/), leased from a shared pool and placed by Ray's "
-        "scheduler; needs draft_transport torch or grpc. auto: ray when Ray is initialized in this process and "
-        "the transport is torch or grpc, else process.",
+        description="SSD: who starts the draft workers. process: this process starts them as child processes on "
+        "this host (restarting any that die). ray: Ray actors leased from a shared pool and placed by Ray's "
+        "scheduler, through the worker provider the engine is given (LLM(worker_provider=...); ssd serve passes "
+        "it); needs draft_transport torch or grpc. auto: the worker provider when one is given and the transport "
+        "is torch or grpc, else process.",
     )
     draft_worker_resources: dict | None = Field(
         None,
@@ -124,8 +125,8 @@ class EngineArgs(BaseModel):
         ge=1,
         le=64,
         description="SSD: D, the draft workers that share each round's speculation tree: the fan-out covers D times "
-        "ssd_budget branches, each worker builds its share (ssd_budget branches) on its own core or device, and "
-        "the one whose share holds the outcome answers. A worker that fails is replaced without stopping SSD. "
+        "ssd_budget branches, each worker builds its shard (ssd_budget branches) on its own core or device, and "
+        "the one whose shard holds the outcome answers. A worker that fails is replaced without stopping SSD. "
         "Not with draft_transport='inprocess'.",
     )
     draft_spin_ms: float = Field(
@@ -159,6 +160,9 @@ class EngineArgs(BaseModel):
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
 
     def to_config(self) -> "EngineConfig":
+        """The engine's frozen configuration: every field as given, the derived ones resolved here
+        (and nowhere else): the demo pair's paths, the draft's dtype and device, and what
+        ssd_reproducible fixes."""
         if self.target is None and self.draft is not None:
             raise ValueError("draft was given without target: pass target too (or neither for the demo pair)")
         demo = self.target is None
@@ -166,7 +170,7 @@ class EngineArgs(BaseModel):
         draft = str(DEMO_MODELS_DIR / "draft") if demo else self.draft
         if self.mode != "ar" and draft is None:
             raise ValueError(f"mode={self.mode!r} needs a draft model: pass draft=... or use mode='ar'")
-        if self.draft_launcher == "ray" and self.draft_transport not in ("torch", "grpc"):
+        if self.draft_launcher == "ray" and self.draft_transport not in CONNECTABLE_TRANSPORTS:
             raise ValueError(
                 "draft_launcher='ray' places workers on any node: use draft_transport='torch' or 'grpc', not "
                 f"{self.draft_transport!r}"
@@ -176,44 +180,28 @@ class EngineArgs(BaseModel):
                 f"draft_workers={self.draft_workers} needs workers of their own: use the default "
                 "draft_transport, not 'inprocess'"
             )
-        return EngineConfig(
-            target=target,
-            draft=draft if self.mode != "ar" else None,
-            mode=self.mode,
-            k=self.k,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            draft_dtype=self.draft_dtype or self.dtype,
-            device=self.device,
-            draft_device=self.draft_device or self.device,
-            num_threads=self.num_threads,
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-            ssd_budget=self.ssd_budget,
+        derived = {
+            "target": target,
+            "draft": draft if self.mode != "ar" else None,
+            "draft_dtype": self.draft_dtype or self.dtype,
+            "draft_device": self.draft_device or self.device,
             # Reproducible runs keep everything that follows wall-clock timings or the history
             # of other requests fixed (the worker also stops cutting trees short).
-            ssd_autobudget=self.ssd_autobudget and not self.ssd_reproducible,
-            ssd_fanout=self.ssd_fanout,
-            saguaro_c=self.saguaro_c,
-            ssd_backup="neural" if self.ssd_reproducible and self.ssd_backup == "auto" else self.ssd_backup,
-            ssd_reproducible=self.ssd_reproducible,
-            draft_transport=self.draft_transport,
-            draft_workers=self.draft_workers,
-            draft_start_workers=self.draft_start_workers,
-            draft_launcher=self.draft_launcher,
-            draft_split=self.draft_split,
-            draft_worker_resources=self.draft_worker_resources,
-            draft_num_threads=self.draft_num_threads,
-            draft_spin_ms=self.draft_spin_ms,
-            draft_deadline_s=self.draft_deadline_s,
-            lean_forward=self.lean_forward,
-            pack_target_weights=self.pack_target_weights,
-        )
+            "ssd_autobudget": self.ssd_autobudget and not self.ssd_reproducible,
+            "ssd_backup": "neural" if self.ssd_reproducible and self.ssd_backup == "auto" else self.ssd_backup,
+        }
+        return EngineConfig(**{**self.model_dump(), **derived})
+
+
+# Transports a worker listens on, so that a target anywhere can connect (what Ray-placed workers use).
+CONNECTABLE_TRANSPORTS = ("torch", "grpc")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """EngineArgs resolved (EngineArgs.to_config): the same fields, none of them None that has a
+    derived value. It travels to draft worker processes as a dict (dataclasses.asdict)."""
+
     target: str
     draft: str | None
     mode: str
@@ -221,26 +209,44 @@ class EngineConfig:
     max_num_seqs: int
     max_model_len: int | None
     dtype: str
+    draft_dtype: str
     device: str
     draft_device: str
     num_threads: int | None
     seed: int
+    ssd_budget: int
+    ssd_autobudget: bool
+    ssd_fanout: str
+    saguaro_c: float
+    ssd_backup: str
+    ssd_reproducible: bool
+    draft_transport: str
+    draft_split: str
+    draft_launcher: str
+    draft_worker_resources: dict | None
+    draft_start_workers: bool
+    draft_workers: int
+    draft_spin_ms: float
+    draft_num_threads: int
+    draft_deadline_s: float
+    lean_forward: bool
+    pack_target_weights: bool
     trust_remote_code: bool
-    ssd_budget: int = 16
-    ssd_autobudget: bool = True
-    ssd_fanout: str = "geometric"
-    saguaro_c: float = 1.0
-    ssd_backup: str = "auto"
-    ssd_reproducible: bool = False
-    draft_transport: str = "shm"
-    draft_workers: int = 1
-    draft_start_workers: bool = True
-    draft_launcher: str = "auto"
-    draft_split: str = "outcomes"
-    draft_worker_resources: dict | None = None
-    draft_num_threads: int = 1
-    draft_spin_ms: float = 50.0
-    draft_deadline_s: float = 30.0
-    lean_forward: bool = True
-    draft_dtype: str = "float32"
-    pack_target_weights: bool = True
+
+    @property
+    def tree_shards(self) -> int:
+        """Workers that share one sequence's speculation tree: D when they split the outcomes, 1
+        when each drafts whole trees of its own sequences. The tree covers tree_shards x ssd_budget
+        branches (ssd_budget is one worker's share, what the budget sizer sizes)."""
+        return self.draft_workers if self.draft_split == "outcomes" else 1
+
+
+def fingerprint(*parts) -> int:
+    """A 31-bit digest of `parts` (their repr): what ties two ends of a channel together."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+def config_fingerprint(config: EngineConfig, vocab: int) -> int:
+    """Ties both ends of a drafter channel to one configuration: a message from a worker of
+    another draft model, K, dtype, C or vocabulary is refused."""
+    return fingerprint(vocab, config.k, config.draft, config.draft_dtype, config.saguaro_c)

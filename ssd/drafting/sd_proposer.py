@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ssd.drafting.speculation import RoundOutcome, Speculation
-from ssd.engine.sampling import BatchSampling, process_logits, sample_from
-from ssd.engine.sequence import Sequence
-from ssd.model.runner import ModelRunner
+from ssd.core.sampling import BatchSampling, process_logits, sample_from
+from ssd.core.sequence import Sequence
+from ssd.core.speculation import RoundOutcome, Speculation
+from ssd.model.runner import ModelRunner, pad_rows
 
 
-class DraftModelProposer:
+class SDProposer:
     """Keeps a draft KV cache per running sequence and drafts autoregressively.
 
     Invariant between rounds: the draft cache of row r holds the first cache.lengths()[r]
@@ -72,15 +72,3 @@ class DraftModelProposer:
 
     def close(self) -> None:
         self.cache = self.runner.new_cache()
-
-
-def pad_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists: -> tokens [b, n], valid [b, n]; n >= 1 (an all-padding column
-    keeps every cache layer initialized even when each row is empty)."""
-    n = max(1, max((len(r) for r in rows), default=0))
-    tokens = torch.zeros(len(rows), n, dtype=torch.long)
-    valid = torch.zeros(len(rows), n, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        valid[i, : len(r)] = True
-    return tokens, valid

@@ -1,7 +1,8 @@
-"""Draft workers leased from the Ray pool: the `WorkerSource` (ssd/transport/pool.py) a target's
-DraftPool uses when draft_launcher resolves to "ray".
+"""Draft workers leased from the Ray pool: the `WorkerProvider` (ssd/transport/link.py) a
+target's PoolClient uses when the engine is given `leased_workers` as its worker provider (what
+the Serve app does; offline, `LLM(..., worker_provider=leased_workers)` after `ray.init()`).
 
-acquire() leases one free worker from the pool actor and connects to it directly (torch or
+acquire() leases one free worker from the lease registry and connects to it directly (torch or
 grpc); discard() releases the lease, and reports the worker when it failed, so the pool stops
 handing it out until Ray has restarted it and it has registered again. A daemon thread renews
 every held lease each ttl/3; a target that dies stops renewing and its leases expire.
@@ -21,12 +22,11 @@ import uuid
 
 import ray
 
-from actors.draft_pool import call_pool, get_or_create_pool
-from actors.draft_worker import DraftWorkerActor
-from ssd.config import EngineConfig
-from ssd.transport.channel import DrafterUnavailable
-from ssd.transport.draft_process import RemoteClient
-from ssd.transport.draft_worker import config_fingerprint
+from actors.lease_registry import call_registry, get_or_create_registry
+from actors.worker_actor import DraftWorkerActor
+from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, config_fingerprint
+from ssd.core.protocol import DrafterUnavailable
+from ssd.transport.link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,13 @@ def _with_options(options: dict):
 
 
 def start_draft_workers(
-    config: EngineConfig, vocab: int, n: int, pool=None, resources: dict | None = None, timeout_s: float = 300.0
+    config: EngineConfig, vocab: int, n: int, registry=None, resources: dict | None = None, timeout_s: float = 300.0
 ) -> list:
-    """Start n draft worker actors and wait until each has registered with the pool. A worker
-    that fails to start (its draft does not load, say) raises DrafterUnavailable with its error;
-    then none of the n is kept."""
-    pool = pool or get_or_create_pool()
-    spec = {"config": dataclasses.asdict(config), "vocab": vocab, "pool": pool}
+    """Start n draft worker actors and wait until each has registered with the lease registry. A
+    worker that fails to start (its draft does not load, say) raises DrafterUnavailable with its
+    error; then none of the n is kept."""
+    registry = registry or get_or_create_registry()
+    spec = {"config": dataclasses.asdict(config), "vocab": vocab, "registry": registry}
     cls = _with_options(_actor_options(resources))
     actors = [cls.remote(spec) for _ in range(n)]
     try:
@@ -83,58 +83,59 @@ def _kill(actors: list) -> None:
 
 
 class RayLeasedWorkers:
-    """`WorkerSource` of workers leased from the pool actor under the name `holder` (a fresh one
-    per source unless given). Starts `start_workers` worker actors itself (placed with
+    """`WorkerProvider` of workers leased from the lease registry under the name `lessee` (a fresh
+    one per provider unless given). Starts `start_workers` worker actors itself (placed with
     `resources`) when the pool has fewer free ones, and stops those on close()."""
 
     def __init__(
         self,
         config: EngineConfig,
         vocab: int,
-        pool=None,
-        holder: str | None = None,
+        registry=None,
+        lessee: str | None = None,
         lease_ttl_s: float = 30.0,
         start_workers: int = 0,
         resources: dict | None = None,
         acquire_timeout_s: float = 120.0,
     ) -> None:
-        if config.draft_transport not in ("torch", "grpc"):
+        if config.draft_transport not in CONNECTABLE_TRANSPORTS:
             raise ValueError(
                 f"Ray draft workers are reached over draft_transport 'torch' or 'grpc', not {config.draft_transport!r}"
             )
         self.config, self.vocab, self.ttl_s, self.acquire_timeout_s = config, vocab, lease_ttl_s, acquire_timeout_s
-        self.pool = pool or get_or_create_pool()
-        self.holder = holder or f"target-{uuid.uuid4().hex[:12]}"
+        self.registry = registry or get_or_create_registry()
+        self.lessee = lessee or f"target-{uuid.uuid4().hex[:12]}"
         self.fp = config_fingerprint(config, vocab)
         self.held: dict[int, tuple[str, str]] = {}  # id(link) -> (worker id, address)
-        self.actors: list = []  # workers this source started (killed on close)
+        self.actors: list = []  # workers this provider started (killed on close)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         free = sum(
-            w["holder"] is None and w["fingerprint"] in (None, self.fp) for w in ray.get(self.pool.snapshot.remote())
+            w["lessee"] is None and w["fingerprint"] in (None, self.fp)
+            for w in ray.get(self.registry.snapshot.remote())
         )
         if start_workers > free:
-            self.actors = start_draft_workers(config, vocab, start_workers - free, self.pool, resources)
+            self.actors = start_draft_workers(config, vocab, start_workers - free, self.registry, resources)
         self._renewer = threading.Thread(target=self._renew_loop, name="ssd-lease-renewer", daemon=True)
         self._renewer.start()
 
     def _call(self, method: str, *args):
-        """A pool actor method, on a new pool actor (which the workers join at their next
+        """A lease registry method, on a new lease registry (which the workers join at their next
         heartbeat) if this one was lost."""
-        self.pool, out = call_pool(self.pool, method, *args)
+        self.registry, out = call_registry(self.registry, method, *args)
         return out
 
-    def acquire(self) -> RemoteClient:
+    def acquire(self) -> WorkerLink:
         end = time.monotonic() + self.acquire_timeout_s
         while True:
             try:
-                leases = self._call("lease", self.holder, 1, self.ttl_s, self.fp)
+                leases = self._call("lease", self.lessee, 1, self.ttl_s, self.fp)
             except ray.exceptions.RayError as err:  # the pool's refill loop retries DrafterUnavailable
-                raise DrafterUnavailable(f"the draft pool actor did not answer: {type(err).__name__}") from err
+                raise DrafterUnavailable(f"the draft lease registry did not answer: {type(err).__name__}") from err
             if leases:
                 lease = leases[0]
                 try:
-                    link = RemoteClient.connect(
+                    link = WorkerLink.connect(
                         lease.address,
                         self.fp,
                         self.config.draft_deadline_s,
@@ -142,7 +143,9 @@ class RayLeasedWorkers:
                         self.config.draft_device,
                     )
                 except DrafterUnavailable:
-                    self.pool.report_failed.remote(self.holder, lease.worker_id, lease.address)  # no wait: best effort
+                    self.registry.report_failed.remote(
+                        self.lessee, lease.worker_id, lease.address
+                    )  # no wait: best effort
                     raise
                 with self._lock:
                     self.held[id(link)] = (lease.worker_id, lease.address)
@@ -151,7 +154,7 @@ class RayLeasedWorkers:
                 raise DrafterUnavailable(f"no free draft worker in the Ray pool within {self.acquire_timeout_s:.0f} s")
             time.sleep(0.5)
 
-    def discard(self, link: RemoteClient, failed: bool) -> None:
+    def discard(self, link: WorkerLink, failed: bool) -> None:
         link.kill() if failed else link.close()
         with self._lock:
             held = self.held.pop(id(link), None)
@@ -159,9 +162,9 @@ class RayLeasedWorkers:
             worker_id, address = held
             try:
                 if failed:
-                    self._call("report_failed", self.holder, worker_id, address)
+                    self._call("report_failed", self.lessee, worker_id, address)
                 else:
-                    self._call("release", self.holder, [worker_id])
+                    self._call("release", self.lessee, [worker_id])
             except ray.exceptions.RayError as err:  # the lease expires by itself; the round goes on
                 logger.warning("could not tell the pool about draft worker %s: %s", worker_id, err)
 
@@ -172,10 +175,10 @@ class RayLeasedWorkers:
             if not ids:
                 continue
             try:
-                kept = ray.get(self.pool.renew.remote(self.holder, ids, self.ttl_s), timeout=self.ttl_s / 3)
+                kept = ray.get(self.registry.renew.remote(self.lessee, ids, self.ttl_s), timeout=self.ttl_s / 3)
             except ray.exceptions.RayActorError:
-                logger.warning("the draft pool actor is gone; renewing with a new one from now on")
-                self.pool = get_or_create_pool()
+                logger.warning("the draft lease registry is gone; renewing with a new one from now on")
+                self.registry = get_or_create_registry()
                 continue
             except (ray.exceptions.RayError, TimeoutError) as err:  # try again next period; the lease lasts ttl
                 logger.warning("could not renew the leases on draft workers %s: %s", sorted(ids), err)
@@ -190,7 +193,7 @@ class RayLeasedWorkers:
             ids, self.held = [worker_id for worker_id, _ in self.held.values()], {}
         if ids:
             try:
-                ray.get(self.pool.release.remote(self.holder, ids), timeout=30)
+                ray.get(self.registry.release.remote(self.lessee, ids), timeout=30)
             except (ray.exceptions.RayError, TimeoutError) as err:  # unreleased leases expire on their own
                 logger.warning("could not release the leases on draft workers %s: %s", sorted(ids), err)
         if self.actors:
@@ -199,3 +202,11 @@ class RayLeasedWorkers:
             except (ray.exceptions.RayError, TimeoutError) as err:
                 logger.warning("draft worker actors did not all shut down cleanly: %s", err)
             _kill(self.actors)
+
+
+def leased_workers(config: EngineConfig, vocab: int) -> RayLeasedWorkers:
+    """The engine's worker provider (ssd.engine.proposers.WorkerProviderFactory) over the Ray pool:
+    it starts the engine's draft_workers itself when config.draft_start_workers (placed with
+    config.draft_worker_resources), else only leases workers others started."""
+    start = config.draft_workers if config.draft_start_workers else 0
+    return RayLeasedWorkers(config, vocab, start_workers=start, resources=config.draft_worker_resources)

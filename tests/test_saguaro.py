@@ -1,4 +1,4 @@
-"""Unit tests of Saguaro's formulas (ssd/drafting/saguaro.py) and the drafter wire format (ssd/transport/wire.py)."""
+"""Unit tests of Saguaro's formulas (ssd/drafting/saguaro.py): fan-out, sampling, the miss law, Theorems 7 and 17."""
 
 from __future__ import annotations
 
@@ -20,36 +20,39 @@ from ssd.drafting.saguaro import (
     ssd_speedup,
     uniform_fanout,
 )
-from ssd.transport.messages import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg, SpeculationReply
-from ssd.transport.wire import MsgType, decode, encode
-
-# ---- saguaro.py ----------------------------------------------------------------------------
 
 
-def closed_form_fanout(budget: int, k: int, a: float, r: float) -> list[float]:
-    w = [a ** (j / (1 + r)) for j in range(k)] + [a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r))]
-    return [budget * x / sum(w) for x in w]
+def outcome_probs(k: int, a: float) -> list[float]:
+    """The verification outcome's law when each draft token is accepted with probability a:
+    P(j) = a^j (1 - a) for j < K, a^K for j = K."""
+    return [a**j * (1 - a) for j in range(k)] + [a**k]
+
+
+@pytest.mark.parametrize("k,a,r", [(4, 0.7, 0.6), (6, 0.8, 0.3), (3, 0.5, 1.5), (5, 0.9, 0.6), (8, 0.6, 0.4)])
+def test_geometric_fanout_maximizes_the_expected_hit_rate(k, a, r):
+    """Theorem 12 is the optimum of sum_j P(j) p_hit(F_j) under the miss law p_hit = 1 - F^-r at a
+    fixed budget: there, one more branch gains the same at every outcome, P(j) r F_j^(-r-1). Checked
+    from that condition (not the closed form) at a budget where rounding is negligible."""
+    fan = geometric_fanout(10**6, k, a, r)
+    gains = [p * r * f ** (-r - 1) for p, f in zip(outcome_probs(k, a), fan)]
+    assert max(gains) / min(gains) < 1.01, (fan, gains)
 
 
 @pytest.mark.parametrize(
     "budget,k,a,r", [(12, 4, 0.7, 0.6), (16, 6, 0.8, 0.3), (40, 3, 0.5, 1.5), (7, 5, 0.9, 0.6), (64, 8, 0.6, 0.4)]
 )
-def test_geometric_fanout_follows_theorem_12(budget, k, a, r):
+def test_geometric_fanout_is_a_valid_allocation(budget, k, a, r):
     fan = geometric_fanout(budget, k, a, r)
     assert len(fan) == k + 1
     assert sum(fan) == budget
     assert all(isinstance(f, int) and f >= 0 for f in fan)
-    exact = closed_form_fanout(budget, k, a, r)
-    assert all(abs(f - e) < 1 for f, e in zip(fan, exact)), (fan, exact)
     assert all(fan[j] >= fan[j + 1] for j in range(k - 1)), fan  # non-increasing for j < K
 
 
 def test_geometric_fanout_end_weight():
-    # F_K / F_{K-1} = a^(1/(1+r)) (1-a)^(-1/(1+r)): above 1 when a > 1/2, below when a < 1/2.
+    # Full acceptance (j = K) outweighs j = K-1 when a > 1/2 and not when a < 1/2.
     high = geometric_fanout(100, 4, 0.9, 0.5)
     assert high[4] > high[3] and high[4] == max(high), high
-    ratio = 0.9 ** (1 / 1.5) * 0.1 ** (-1 / 1.5)
-    assert high[4] / high[3] == pytest.approx(ratio, rel=0.1)
     low = geometric_fanout(100, 4, 0.3, 0.5)
     assert low[4] < low[3], low
     # a larger r flattens the allocation
@@ -271,150 +274,3 @@ def test_backup_threshold_falls_with_hit_rate():
     # A neural backup as cheap as the fast one and better is never beaten.
     assert backup_threshold(0.9, **{**live, "t_neural": 0.01}) is None
     assert backup_threshold(0.9, **live, max_batch=thresholds[3] - 1) is None
-
-
-# ---- wire.py --------------------------------------------------------------------------------
-
-
-def assert_same_message(a, b) -> None:
-    assert type(a) is type(b)
-    for name in a.__dataclass_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        if isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), name
-        else:
-            assert list(x) == list(y) if isinstance(x, (list, tuple)) else x == y, name
-
-
-def wire_messages():
-    gen = torch.Generator().manual_seed(0)
-    probs = torch.rand(3, 4, 11, generator=gen)
-    return [
-        AdmitMsg(
-            [5, 9, 2],
-            [[1, 2, 3], [7], list(range(40))],
-            [2**62 - 1, 0, 12345],
-            [0.0, 0.5, 1.25],
-            [0, 5, 50],
-            [1.0, 0.75, 0.5],
-        ),
-        ReleaseMsg([3, 1, 4]),
-        ReleaseMsg([]),
-        BeginRoundMsg(
-            17,
-            [5, 9, 2],
-            torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]),
-            torch.tensor([4, 4, 2]),
-            [3, 2, 2, 2, 3],
-        ),
-        ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True),
-        ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3]),
-        DraftNowMsg(19, [2, 5], [True, False]),
-        SpeculationReply(
-            17,
-            [5, 9, 2],
-            torch.tensor([True, False, True]),
-            torch.randint(11, (3, 4), generator=gen),
-            probs,
-            torch.tensor([4, 0, 4]),
-            covered=torch.tensor([True, True, True]),
-            bonus_rank=torch.tensor([0, 128, -1]),
-        ),
-        SpeculationReply(
-            20,
-            [1],
-            torch.tensor([False]),
-            torch.zeros(1, 4, dtype=torch.long),
-            probs[:1],
-            torch.tensor([0]),
-            build_seconds=0.125,
-            covered=torch.tensor([False]),
-        ),
-        BeginRoundMsg(
-            21,
-            [5, 9, 2],
-            torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]),
-            torch.tensor([4, 4, 2]),
-            [3, 2, 2, 2, 3],
-            [10, 20, 5],
-        ),
-        SpeculationReply(
-            22,
-            [1, 2, 3, 4],
-            torch.tensor([True, False, False, False]),
-            torch.randint(11, (4, 4), generator=gen),
-            mixed_layout_probs(gen),
-            torch.tensor([3, 4, 0, 4]),
-            covered=torch.tensor([True, True, False, False]),
-        ),
-    ]
-
-
-def mixed_layout_probs(gen: torch.Generator) -> torch.Tensor:
-    """[4, 4, 11]: a greedy row (one-hot, its last position empty), a top-2 row (sparse), a row
-    with no speculation (zeros) and a full-support row (dense)."""
-    probs = torch.zeros(4, 4, 11)
-    probs[0, torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
-    top = torch.rand(4, 2, generator=gen)
-    probs[1].scatter_(
-        1, torch.randint(11, (4, 1), generator=gen) % 5 + torch.tensor([[0, 5]]), top / top.sum(1, keepdim=True)
-    )
-    probs[3] = torch.softmax(torch.randn(4, 11, generator=gen), -1)
-    return probs
-
-
-def test_reply_probabilities_travel_in_their_smallest_exact_form():
-    """At a 128k vocabulary a dense row is 3 MB per round: greedy rows carry token ids only,
-    top-k rows their support, and decoding rebuilds the exact tensor."""
-    vocab, k = 128_256, 6
-    gen = torch.Generator().manual_seed(1)
-    greedy = torch.zeros(1, k, vocab)
-    greedy[0, torch.arange(k), torch.randint(vocab, (k,), generator=gen)] = 1.0
-    topk = torch.zeros(1, k, vocab)
-    values, ids = torch.rand(k, 50, generator=gen), torch.randperm(vocab, generator=gen)[:50].expand(k, 50)
-    topk[0].scatter_(1, ids, values / values.sum(1, keepdim=True))
-    dense = torch.softmax(torch.randn(1, k, vocab, generator=gen), -1)
-    sizes = {}
-    for name, probs in (("greedy", greedy), ("top50", topk), ("dense", dense)):
-        reply = SpeculationReply(
-            3, [1], torch.tensor([True]), torch.zeros(1, k, dtype=torch.long), probs, torch.tensor([k])
-        )
-        kind, round_id, ints, floats = encode(reply)
-        sizes[name] = ints.numel() * 8 + floats.numel() * 4
-        assert torch.equal(decode(kind, round_id, ints, floats).probs, probs), name
-    assert sizes["greedy"] < 400 and sizes["top50"] < k * 50 * 12 + 400, sizes
-    assert sizes["dense"] >= k * vocab * 4, sizes
-
-
-@pytest.mark.parametrize("index", range(11))
-def test_wire_round_trip(index):
-    msg = wire_messages()[index]
-    kind, round_id, ints, floats = encode(msg)
-    assert ints.dtype == torch.long and floats.dtype == torch.float32
-    assert kind in set(MsgType)
-    back = decode(kind, round_id, ints.clone(), floats.clone())
-    assert_same_message(msg, back)
-
-
-def test_wire_refuses_non_messages():
-    with pytest.raises(TypeError):
-        encode({"seq_ids": [1]})
-    with pytest.raises(ValueError):
-        decode(MsgType.SHUTDOWN, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0))
-
-
-def test_begin_round_messages_compare_real_tokens_only():
-    """same_round (the drafter's check of a predicted round against the target's announcement)
-    looks at ids, batch, fan-out and each row's real tokens, not the padding."""
-    a = BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([2, 1]), [1, 1, 1, 1])
-    assert a.same_round(
-        BeginRoundMsg(4, [1, 2], torch.tensor([[5, 6, 9], [7, 3, 3]]), torch.tensor([2, 1]), [1, 1, 1, 1])
-    )
-    for other in (
-        BeginRoundMsg(5, [1, 2], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),
-        BeginRoundMsg(4, [2, 1], a.spec_tokens, a.num_draft, [1, 1, 1, 1]),
-        BeginRoundMsg(4, [1, 2], a.spec_tokens, a.num_draft, [2, 1, 1, 0]),
-        BeginRoundMsg(4, [1, 2], a.spec_tokens, torch.tensor([2, 2]), [1, 1, 1, 1]),
-        BeginRoundMsg(4, [1, 2], torch.tensor([[5, 8, 0], [7, 0, 0]]), a.num_draft, [1, 1, 1, 1]),
-    ):
-        assert not a.same_round(other)

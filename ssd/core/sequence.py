@@ -1,0 +1,86 @@
+"""One request's state inside the engine, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.core.detokenizer import IncrementalDetokenizer
+from ssd.core.sampling import SequenceSampling
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.speculation import SpecMetrics
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_text: str | None = None  # the stop string that ended it, if any
+    truncated_text: str | None = None  # output text cut before that stop string
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    # Most draft tokens this request's rounds verify (a per-request cap below the engine's K; 0
+    # decodes it without speculation); None = the engine's K. Truncating a speculation keeps
+    # verification exact: fewer proposals, same rules.
+    max_draft: int | None = None
+    # Streaming bookkeeping: how much of the output was already handed out.
+    sent_tokens: int = 0
+    sent_text: int = 0
+    # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sampling(self) -> SequenceSampling:
+        return SequenceSampling.of(self.params)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens_from(self, start: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n :]
+        return self.prompt_ids[start:] + self.output_ids
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """What a finished (or, when streaming, partial) request returns; shaped like vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: dict
+    # Streaming only: the tokens and text added since the previous output of this request.
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,145 @@
+"""The hand-off between a proposer (whatever drafts) and the target's verification."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ssd.core.sampling import BatchSampling
+
+if TYPE_CHECKING:  # annotations only: a Sequence holds SpecMetrics, defined here
+    from ssd.core.sequence import Sequence
+
+
+class Source(enum.IntEnum):
+    """Where a row's speculation came from."""
+
+    DRAFT = 0  # ordinary SD: drafted just in time
+    CACHE = 1  # SSD: a speculation-cache hit (no drafting latency)
+    NEURAL = 2  # SSD backup: the draft model, just in time
+    FAST = 3  # SSD backup: n-gram lookup / random tokens
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """K proposed tokens per running sequence and the distributions they were drawn from."""
+
+    tokens: torch.Tensor  # [b, K] long (entries past num_draft are padding)
+    probs: torch.Tensor  # [b, K, V] float32, V = the target's vocabulary size
+    num_draft: torch.Tensor  # [b] long, real proposals per row (<= K)
+    source: torch.Tensor | None = field(default=None)  # [b] long Source; None = all DRAFT
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int, vocab: int) -> "Speculation":
+        return Speculation(
+            torch.zeros(batch, 0, dtype=torch.long),
+            torch.zeros(batch, 0, vocab),
+            torch.zeros(batch, dtype=torch.long),
+        )
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What verification decided, per row of the batch that was verified."""
+
+    num_accepted: torch.Tensor  # [b] long, k in 0..num_draft
+    bonus_tokens: torch.Tensor  # [b] long
+    tokens_before: torch.Tensor  # [b] long, committed length of each row before this round
+
+
+@dataclass
+class SpecMetrics:
+    """Speculation counters of one sequence (or, summed, of the engine)."""
+
+    rounds: int = 0
+    draft_tokens: int = 0  # speculated tokens offered to the target
+    accepted_tokens: int = 0  # of which accepted
+    emitted_tokens: int = 0  # accepted + bonus, before stop truncation
+    # SSD only: rows served from the speculation cache, and by each backup.
+    cache_hits: int = 0
+    backup_neural: int = 0
+    backup_fast: int = 0
+    accepted_on_hit: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per round (0..K)."""
+        return self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted_tokens / self.rounds if self.rounds else 0.0
+
+    def record(self, drafted: int, accepted: int, emitted: int, source: Source) -> None:
+        """One round of one sequence, whose speculation came from `source`."""
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        if source == Source.CACHE:
+            self.cache_hits += 1
+            self.accepted_on_hit += accepted
+        elif source == Source.NEURAL:
+            self.backup_neural += 1
+        elif source == Source.FAST:
+            self.backup_fast += 1
+
+    def add(self, other: "SpecMetrics") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict:
+        out = {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_per_round": round(self.mean_accepted, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_round": round(self.tokens_per_round, 4),
+        }
+        ssd_rounds = self.cache_hits + self.backup_neural + self.backup_fast
+        if ssd_rounds:
+            misses = ssd_rounds - self.cache_hits
+            out.update(
+                cache_hits=self.cache_hits,
+                cache_hit_rate=round(self.cache_hits / ssd_rounds, 4),
+                mean_accepted_on_hit=round(self.accepted_on_hit / max(self.cache_hits, 1), 4),
+                mean_accepted_on_miss=round((self.accepted_tokens - self.accepted_on_hit) / max(misses, 1), 4),
+                backup_neural_rounds=self.backup_neural,
+                backup_fast_rounds=self.backup_fast,
+            )
+        return out
+
+
+class Proposer(Protocol):
+    """Drafting for the rows of the engine's running batch, in batch order.
+
+    The engine calls add() for newly admitted sequences (appended at the end of the batch),
+    propose() once per round, outcome_known() as soon as verification has decided (before the
+    engine's bookkeeping, which a proposer waiting on another process overlaps with that wait),
+    observe() after the bookkeeping (the sequences already hold the new tokens), and keep()
+    with the rows that stay after finished ones leave.
+    """
+
+    def add(self, seqs: list[Sequence]) -> None: ...
+
+    def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation: ...
+
+    def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
+
+    def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
+
+    def keep(self, rows: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...

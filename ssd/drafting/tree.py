@@ -1,0 +1,104 @@
+"""One round's speculation tree on the draft side: the fork that picks each outcome's bonus
+candidates, the attention mask that lets every branch see only its own history, and the cache
+of finished branches (`SpeculationTree`) that the outcome is looked up in.
+
+Shapes: b sequences, K speculation length, N branches per sequence (the whole grid) or N_own
+(this drafter's shard of it), V the target's vocabulary, R = RANK_DEPTH (or V, if smaller).
+Branches are numbered by outcome, then by rank: branch n of row r belongs to outcome j and
+starts with the j-th outcome's candidate of that rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.core.protocol import RANK_DEPTH
+from ssd.model.kv_cache import additive_mask
+
+
+@dataclass
+class SpeculationTree:
+    """The speculation cache of one round: this drafter's shard of every row's branches."""
+
+    seq_ids: list[int]
+    spec_tokens: list[list[int]]  # s_T per row (real tokens only)
+    branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n of the whole grid
+    tokens: torch.Tensor  # [b, N_own, depth]: this shard's branches, branch n at n // num_shards
+    probs: torch.Tensor  # [b, N_own, depth, V]
+    fanout: list[int] = field(default_factory=list)
+    # [b, K+1, R] the candidates of each outcome in the draft's order: the bonus token's rank is
+    # its place here
+    ranked: torch.Tensor | None = None
+    build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
+    depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
+    # A round begun on a prediction: how to take it back (generator states, committed columns
+    # the glue added per row) if the target's announcement turns out different.
+    undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Fork:
+    """The branch grid of a round, as every shard computes it alike."""
+
+    candidates: torch.Tensor  # [b, N] long: branch n's first token (its bonus candidate)
+    outcome: torch.Tensor  # [b, N] long: the outcome j (accepted tokens) branch n stands for
+    branch_index: list[dict[tuple[int, int], int]]  # per row: (j, candidate) -> branch n
+    ranked: torch.Tensor  # [b, K+1, R] long: each outcome's first R candidates, in order
+
+
+def fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[int]], row_fan: list[list[int]]) -> Fork:
+    """Bonus candidates: for each row r and outcome j, the top row_fan[r][j] tokens of the glue
+    distribution at j (raw draft logits), never the drafted token s_T[j] (had it been right,
+    more tokens would have been accepted).
+
+    glue_logits [b, K+1, V], spec_tokens [b, K] (padded), spec the real tokens per row,
+    row_fan [b][K+1] the fan-out per row (ssd.drafting.saguaro.row_fanout)."""
+    b, k1, vocab = glue_logits.shape
+    k = k1 - 1
+    lens = torch.tensor([len(x) for x in spec])
+    drafted = torch.zeros(b, k1, vocab, dtype=torch.bool)
+    real = (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1)  # [b, K, 1]
+    drafted[:, :k].scatter_(-1, spec_tokens[:, :k].long().unsqueeze(-1), real)
+    widest = max(max(f) for f in row_fan)
+    ranked = glue_logits.masked_fill(drafted, float("-inf")).topk(min(max(widest, RANK_DEPTH), vocab), dim=-1).indices
+    top = ranked[..., :widest].tolist()  # [b][K+1][widest]
+    cand, branch_index = [], []
+    for r in range(b):
+        row, index = [], {}
+        for j, f in enumerate(row_fan[r]):
+            for t in top[r][j][:f]:
+                index[(j, t)] = len(row)
+                row.append(t)
+        cand.append(row)
+        branch_index.append(index)
+    outcome = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)
+    return Fork(torch.tensor(cand, dtype=torch.long), outcome, branch_index, ranked[..., :RANK_DEPTH])
+
+
+def tree_mask(
+    valid: torch.Tensor,
+    glue_start: int,
+    base: torch.Tensor,
+    spec_lens: torch.Tensor,
+    outcome: torch.Tensor,
+    depth: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The additive attention mask of the whole tree decode, [b, 1, N, L + depth N]: depth d
+    attends to its first L + (d+1) N columns (every depth appends N columns and every branch
+    sees its own columns of all depths), so one mask, built once per round, serves every depth.
+
+    valid [b, L]: the cache's valid columns before the tree (the glue's included); the glue's
+    columns start at glue_start, and row r's speculation s_T sits from glue_start + base[r] + 1
+    on, spec_lens[r] of them; outcome [b, N]: the outcome each branch stands for. A branch of
+    outcome j sees the committed tokens and s_T[:j], never the drafts it rejects."""
+    b, n = outcome.shape
+    col = torch.arange(valid.shape[1])
+    rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
+    is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
+    glue_vis = ~is_spec | (rel < outcome.unsqueeze(-1))  # [b, N, L]
+    own = torch.eye(n, dtype=torch.bool).repeat(b, 1, depth)  # [b, N, depth N]
+    allowed = torch.cat([glue_vis & valid.unsqueeze(1), own], dim=-1)
+    return additive_mask(allowed, dtype).unsqueeze(1)

@@ -1,0 +1,379 @@
+"""The draft side of SSD: build the speculation cache while the target verifies.
+
+For each round the target announces the speculation s_T it is verifying (`begin_round`). The
+drafter then, for every sequence of the batch:
+  1. glue-decodes [tokens committed since last round, s_T] in one forward, which gives its
+     K+1 next-token distributions, one per possible number k of accepted tokens;
+  2. forks: at each k takes the top F_k tokens (by raw draft logits) as bonus candidates,
+     excluding s_T[k] (had it been right, k would be larger);
+  3. tree-decodes all B = sum F_k branches together, K forwards of B tokens each, every branch
+     attending to the committed prefix, s_T[:k], its candidate and its own earlier tokens only;
+  4. keeps each branch's K tokens and draft distributions under (k, candidate). When the outcome
+     arrives before the tree is done, the tree stops at the depth reached and the branches
+     hold that many tokens (a shorter speculation beats making the target wait).
+When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
+answered just in time by the draft (neural backup) or left to the target's fast backup.
+
+Shards: D drafters (a pool) split each round's branch grid. The round's fan-out is the whole
+tree's; every drafter glue-decodes and forks the whole grid (the same top-F_k candidates, so all
+agree on which outcomes are covered), then tree-decodes only its shard, the branches n with
+n mod D = its shard index (branches are numbered by outcome, then rank, so every shard mixes
+outcomes). On resolve, the drafter whose shard holds the outcome answers with the branch; the
+others report the row covered but not theirs. Each drafter keeps its own KV cache of every
+sequence and its own generators (seeded apart), so no two drafters ever share a random draw.
+After a reply in which every row hit, the next announcement is known but for its arrival
+(`predict_round`): a drafter in its own process begins that round at once and takes it back
+whole if the announcement differs (`begin_round(stale=...)`, `abandon_round`).
+
+Shapes: b sequences, N = B branches per sequence, K speculation length, V target vocab.
+The drafter keeps its own KV cache of committed tokens only; tree columns live for one round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ssd.core.protocol import (
+    RANK_DEPTH,
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DraftNowMsg,
+    JoinMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
+from ssd.core.sampling import BatchSampling, SequenceSampling, sample_from
+from ssd.core.speculation import Speculation
+from ssd.drafting.saguaro import row_fanout, saguaro_probs
+from ssd.drafting.sd_proposer import SDProposer
+from ssd.drafting.tree import SpeculationTree, fork, tree_mask
+from ssd.model.runner import ModelRunner, pad_rows
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int]  # committed tokens (prompt + output) as the drafter knows them
+    generator: torch.Generator
+    sampling: SequenceSampling
+
+
+class _DraftView:
+    """A sequence as SDProposer.propose reads it, for the neural backup: its committed tokens and
+    the generator its draws come from."""
+
+    def __init__(self, state: _SeqState, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.num_tokens = len(state.tokens)
+        self._tokens = state.tokens
+
+    def tokens_from(self, start: int) -> list[int]:
+        return self._tokens[start:]
+
+
+@dataclass(frozen=True)
+class _Glue:
+    """What the glue forward gave for a round (step 1)."""
+
+    logits: torch.Tensor  # [b, K+1, V] the draft's next-token logits after accepting j tokens
+    start: int  # the cache column where the glue's columns begin
+    base: torch.Tensor  # [b] the glue column (relative to start) of each row's last committed token
+    columns: torch.Tensor  # [b] columns the glue added: pending committed tokens + s_T
+    pending: torch.Tensor  # [b] of which committed tokens (what a take-back keeps)
+
+
+class TreeDrafter:
+    """The drafter of one draft process (no Ray, no channel: a worker session or the engine's
+    own thread drives it). It implements the draft protocol (ssd.core.protocol.DraftClient)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab: int,
+        k: int,
+        saguaro_c: float = 1.0,
+        shard: int = 0,
+        num_shards: int = 1,
+    ) -> None:
+        assert 0 <= shard < num_shards
+        self.runner = runner
+        self.k = k
+        self.saguaro_c = saguaro_c
+        self.shard, self.num_shards = shard, num_shards
+        self.jit = SDProposer(runner, target_vocab)  # the neural backup; shares the cache and probs handling
+        self.cache = self.jit.cache
+        self.states: dict[int, _SeqState] = {}
+        self.order: list[int] = []  # seq id of each cache row
+        self.round: SpeculationTree | None = None
+        self.counters = DrafterCounters()
+        self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
+
+    @classmethod
+    def load(cls, cfg, vocab: int) -> TreeDrafter:
+        """The draft model of `cfg` (an EngineConfig), loaded onto its draft device."""
+        from ssd.model.loader import load_model
+        from ssd.model.runner import draft_runner
+
+        model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
+        return cls(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def join(self, msg: JoinMsg) -> None:
+        """Build shard msg.shard of msg.num_shards from now on (before any sequence is admitted)."""
+        assert not self.order, "a drafter joins a pool before any sequence is admitted"
+        self.shard, self.num_shards = int(msg.shard), int(msg.num_shards)
+
+    @torch.inference_mode()
+    def admit(self, msg: AdmitMsg) -> None:
+        for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
+            self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
+        cache = self.runner.new_cache()
+        tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
+        self.runner.forward(cache, tokens, valid)
+        self.cache.extend(cache)
+        self.order.extend(msg.seq_ids)
+
+    @torch.inference_mode()
+    def release(self, msg: ReleaseMsg) -> None:
+        gone = set(msg.seq_ids)
+        keep = [i for i, s in enumerate(self.order) if s not in gone]
+        self.cache.select(torch.tensor(keep, dtype=torch.long))
+        self.order = [self.order[i] for i in keep]
+        for s in gone:
+            self.states.pop(s, None)
+
+    def reset(self) -> None:
+        """Forget every sequence, the shard and the counters (a worker's next target session)."""
+        self.release(ReleaseMsg(list(self.order)))
+        self.round, self._reply = None, None
+        self.shard, self.num_shards = 0, 1
+        self.counters = DrafterCounters()
+
+    def held(self) -> dict:
+        """What this drafter holds for its target: sequences and rows of its KV cache."""
+        return {"sequences": len(self.states), "cache_rows": self.cache.batch_size}
+
+    def _rows(self, seq_ids: list[int]) -> None:
+        """Bring the cache rows into the order of seq_ids (the target's running batch)."""
+        if seq_ids != self.order:
+            index = {s: i for i, s in enumerate(self.order)}
+            assert set(seq_ids) == set(self.order), "drafter and target disagree on the batch"
+            self.cache.select(torch.tensor([index[s] for s in seq_ids], dtype=torch.long))
+            self.order = list(seq_ids)
+
+    def _sampling(self, seq_ids: list[int]) -> BatchSampling:
+        return BatchSampling.of([self.states[s].sampling for s in seq_ids])
+
+    # ---- the round ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def begin_round(
+        self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None, stale: Callable[[], bool] | None = None
+    ) -> bool:
+        """Glue decode, fork and tree decode for every row; fills the speculation cache.
+
+        `interrupted` is polled after each tree depth: once it is true (the outcome has
+        arrived), the tree stops at that depth and the cache holds shorter speculations.
+        `stale` is given for a round begun on a prediction (predict_round) before the target
+        announced it; it is polled after the glue and each depth, and once it is true the round
+        is taken back: cache and generators are as before the call. Returns whether the round
+        was built."""
+        started = time.perf_counter()
+        seq_ids = list(msg.seq_ids)
+        self._rows(seq_ids)
+        undo = [self.states[s].generator.get_state() for s in seq_ids] if stale is not None else []
+        # This drafter's shard of the grid (the same for every row: row_fanout keeps the sum).
+        shard = torch.arange(self.shard, sum(msg.fanout), self.num_shards)
+        assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
+        spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
+        glue = self._glue(seq_ids, spec)
+        if stale is not None and stale():
+            self._take_back(seq_ids, undo, glue.columns)
+            return False
+        row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
+        grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
+        tree = self._tree_decode(seq_ids, spec, msg.fanout, grid.candidates[:, shard], grid.outcome[:, shard], glue,
+                                 undo, interrupted, stale)  # fmt: skip
+        if tree is None:
+            return False
+        tokens, probs, tree_started = tree
+        depth = tokens.shape[-1]
+        now = time.perf_counter()
+        self.round = SpeculationTree(
+            seq_ids, spec, grid.branch_index, tokens, probs, list(msg.fanout), grid.ranked,
+            (tree_started - started) + (now - tree_started) * self.k / depth, depth,
+            (undo, glue.pending) if stale is not None else None,
+        )  # fmt: skip
+        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
+        return True
+
+    def _glue(self, seq_ids: list[int], spec: list[list[int]]) -> _Glue:
+        """Step 1: one forward over [committed tokens the cache lacks, s_T] per row."""
+        synced = self.cache.lengths().tolist()
+        pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
+        assert all(pending), "the last committed token is always pending"
+        tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
+        start = self.cache.num_columns
+        logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
+        # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
+        base = torch.tensor([len(p) - 1 for p in pending])
+        cols = base.unsqueeze(1) + torch.arange(self.k + 1).unsqueeze(0)  # [b, K+1]
+        last = torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1)
+        cols = torch.minimum(cols, last)
+        glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
+        pending_lens = torch.tensor([len(p) for p in pending])
+        return _Glue(glue_logits[..., : self.jit.target_vocab], start, base, valid.sum(1), pending_lens)
+
+    def _tree_decode(
+        self,
+        seq_ids: list[int],
+        spec: list[list[int]],
+        fanout: list[int],
+        cand: torch.Tensor,
+        outcome: torch.Tensor,
+        glue: _Glue,
+        undo: list[torch.Tensor],
+        interrupted: Callable[[], bool] | None,
+        stale: Callable[[], bool] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
+        depth], probs [b, N_own, depth, V], when the tree began), or None when the round went
+        stale and was taken back. The tree's columns are rolled back before returning."""
+        b, n = cand.shape
+        k = self.k
+        committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
+        spec_lens = torch.tensor([len(s) for s in spec])
+        tree_start = self.cache.num_columns
+        mask = tree_mask(self.cache.valid, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
+        sampling = self._sampling(seq_ids)
+        uniforms = torch.stack([torch.rand(k, n, generator=self.states[s].generator) for s in seq_ids])
+        one_hot = bool(sampling.greedy.all())
+        fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
+        feed, out_tokens, out_probs = cand, [], []
+        tree_started = time.perf_counter()
+        for d in range(k):
+            positions = committed.view(b, 1) + outcome + d
+            step = self.runner.forward(
+                self.cache, feed, positions=positions, attn_mask=mask[..., : tree_start + (d + 1) * n]
+            )
+            probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
+            if self.saguaro_c < 1:
+                probs = saguaro_probs(probs, fan_t[d].expand(b, n), self.saguaro_c)
+            feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
+            out_tokens.append(feed)
+            out_probs.append(probs)
+            if stale is not None and stale():
+                self._take_back(seq_ids, undo, glue.columns + (d + 1) * n)
+                return None
+            if d < k - 1 and interrupted is not None and interrupted():
+                break
+        self.cache.drop_last(spec_lens + len(out_tokens) * n)
+        return torch.stack(out_tokens, -1), torch.stack(out_probs, 2), tree_started
+
+    def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
+        """Undo a predicted round: drop the `columns` [b] it added (glue, tree) and rewind the
+        generators, so the next round draws exactly what it would have drawn without it."""
+        self.cache.drop_last(columns)
+        for s, state in zip(seq_ids, states):
+            self.states[s].generator.set_state(state)
+        self.round = None
+
+    @torch.inference_mode()
+    def abandon_round(self) -> None:
+        """Take back a predicted round that was built but not announced: the target sent
+        something else. Only rounds begun with `stale` can be taken back."""
+        rnd = self.round
+        assert rnd is not None and rnd.undo is not None, "only a predicted round can be abandoned"
+        states, pending_lens = rnd.undo
+        self._take_back(rnd.seq_ids, states, pending_lens)
+
+    def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply) -> BeginRoundMsg | None:
+        """The round the target will most likely announce next, so that its build can start
+        before the announcement arrives: after a round in which every row hit (here), the
+        target verifies the branches it was just sent. None when that cannot be known (a miss:
+        the target's backup decides that row's speculation)."""
+        if not resolve.next_fanout or not bool(reply.hit.all()):
+            return None
+        committed = [len(self.states[s].tokens) for s in reply.seq_ids]  # resolve() has added the round's tokens
+        return BeginRoundMsg.after_all_hit(resolve, reply, committed)
+
+    # ---- answers --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def resolve(self, msg: ResolveMsg) -> None:
+        """Record the outcome of every row; the answer (reply()) holds cached branches for hits
+        and, when asked, neural-backup speculations for misses."""
+        rnd = self.round
+        seq_ids = list(msg.seq_ids)
+        b, k = len(seq_ids), self.k
+        hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+        rank = torch.full((b,), -1, dtype=torch.long)
+        tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, self.jit.target_vocab)
+        for r, s in enumerate(seq_ids):
+            if rnd is None or s not in rnd.seq_ids:
+                continue
+            i, acc, bonus = rnd.seq_ids.index(s), int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
+            self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
+            n = rnd.branch_index[i].get((acc, bonus))
+            covered[r] = n is not None
+            place = (rnd.ranked[i, acc] == bonus).nonzero()
+            rank[r] = int(place[0, 0]) if place.numel() else RANK_DEPTH
+            if n is not None and n % self.num_shards == self.shard:
+                hit[r] = True
+                tokens[r, : rnd.depth] = rnd.tokens[i, n // self.num_shards]
+                probs[r, : rnd.depth] = rnd.probs[i, n // self.num_shards]
+        num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
+        if rnd is not None:
+            self.counters.rounds += 1
+            self.counters.cut += int(rnd.depth < k)
+        self.round = None
+        # The neural backup drafts the rows no shard holds (a row another drafter holds is
+        # answered by that one); the pool asks one drafter per round.
+        if msg.neural_backup and not bool(covered.all()):
+            spec = self._draft_just_in_time(seq_ids, (~covered).tolist())
+            tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
+            num_draft = torch.where(covered, num_draft, k)
+        self._reply = SpeculationReply(
+            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, rnd.build_seconds if rnd is not None else 0.0,
+            dataclasses.replace(self.counters), covered, rank,
+        )  # fmt: skip
+
+    def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
+        """The answer to the last resolve() (computed there: nothing to wait for)."""
+        assert self._reply is not None, "reply() without its resolve()"
+        out, self._reply = self._reply, None
+        return out
+
+    @torch.inference_mode()
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+        """Speculations drafted just in time for the rows in msg.need (sequences with no cached one)."""
+        spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
+        b = len(msg.seq_ids)
+        return SpeculationReply(
+            msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), spec.tokens, spec.probs, spec.num_draft,
+            counters=dataclasses.replace(self.counters),
+        )  # fmt: skip
+
+    def _draft_just_in_time(self, seq_ids: list[int], need: list[bool]) -> Speculation:
+        """Neural backup: ordinary just-in-time drafting. The batch forward covers every row,
+        but only rows in `need` draw from their own generators (the others draw from a
+        scratch one and their drafts are discarded), so a seeded sequence's draws do not
+        depend on which other sequences missed."""
+        self._rows(seq_ids)
+        scratch = torch.Generator()
+        views = [_DraftView(self.states[s], self.states[s].generator if n else scratch) for s, n in zip(seq_ids, need)]
+        spec = self.jit.propose(views, self.k, self._sampling(seq_ids))
+        # Keep only committed tokens in the cache: the drafts are rolled back at once.
+        committed = torch.tensor([v.num_tokens for v in views])
+        self.cache.drop_last(self.cache.lengths() - committed + 1)
+        return spec
+
+    def close(self) -> None:
+        """Nothing to release: the drafter lives as long as its process."""

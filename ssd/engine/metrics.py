@@ -1,0 +1,53 @@
+"""The engine's totals, and the clock that splits a round's time between drafting and verifying."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ssd.core.speculation import SpecMetrics
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over the engine's life (finished and running sequences)."""
+
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    draft_seconds: float = 0.0  # proposing, sending the outcome to the drafter, taking its reply
+    verify_seconds: float = 0.0  # the target's forward, the verification rule, the cache rollback
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    # Wall time of whole steps (speculate, verify, observe; admission and prefill excluded), and
+    # the same for the steps in which every row's speculation came from the SSD cache: their
+    # tokens per second are Theorem 7's bound with p_hit = 1 at the measured E_hit and T_p.
+    step_seconds: float = 0.0
+    hit_steps: int = 0
+    hit_step_seconds: float = 0.0
+    hit_step_tokens: int = 0
+    extra: dict = field(default_factory=dict)  # proposer-specific figures (SSD: fan-out, backup, ...)
+
+    @contextmanager
+    def timed(self, what: str):
+        """Add the time spent inside the block to draft_seconds or verify_seconds (what)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"{what}_seconds"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+
+    def as_dict(self) -> dict:
+        rounds = max(self.spec.rounds, 1)
+        return {
+            **({"ssd": self.extra} if self.extra else {}),
+            **self.spec.as_dict(),
+            "generated_tokens": self.generated_tokens,
+            "finished_requests": self.finished_requests,
+            "draft_ms_per_round": round(1000 * self.draft_seconds / rounds, 3),
+            "verify_ms_per_round": round(1000 * self.verify_seconds / rounds, 3),
+            "step_seconds_total": self.step_seconds,
+            "hit_steps": self.hit_steps,
+            "hit_step_tokens": self.hit_step_tokens,
+            "hit_step_seconds_total": self.hit_step_seconds,
+        }

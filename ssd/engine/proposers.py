@@ -1,0 +1,58 @@
+"""The engine's proposer for its mode: none (ar), the SD proposer, or SSD's, whose drafter is in
+this thread (draft_transport="inprocess") or a pool of workers from a worker provider.
+
+The provider is injected: `worker_provider(config, vocab) -> WorkerProvider` is what the caller
+passes (LLM(worker_provider=...); the serving package passes its Ray one). Without one, the
+engine starts worker processes of its own (ssd/transport/spawn.py) running `python -m
+ssd.worker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig
+from ssd.core.speculation import Proposer
+from ssd.drafting.sd_proposer import SDProposer
+from ssd.drafting.ssd_proposer import SSDProposer
+from ssd.drafting.tree_drafter import TreeDrafter
+from ssd.model.runner import draft_runner
+from ssd.transport.link import WorkerProvider
+from ssd.transport.pool_client import PoolClient
+from ssd.transport.spawn import SpawnedWorkers
+
+# (engine config, the target's vocabulary size) -> where the draft pool gets its workers.
+WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
+
+# The draft worker's entry point: what spawned worker processes run (`python -m WORKER_MODULE`).
+WORKER_MODULE = "ssd.worker"
+
+
+def build_proposer(
+    config: EngineConfig, draft_model, vocab: int, worker_provider: WorkerProviderFactory | None = None
+) -> Proposer | None:
+    if config.mode == "sd":
+        return SDProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab)
+    if config.mode != "ssd":
+        return None
+    if config.draft_transport == "inprocess":
+        drafter = TreeDrafter(
+            draft_runner(draft_model, config.draft_device, config.lean_forward), vocab, config.k, config.saguaro_c
+        )
+        return SSDProposer(drafter, config, vocab)
+    provider = resolve_provider(config, worker_provider)(config, vocab)
+    return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)
+
+
+def resolve_provider(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerProviderFactory:
+    """config.draft_launcher, resolved: process -> worker processes of this one; ray -> the given
+    provider (required); auto -> the given provider when there is one and the transport can cross
+    hosts, else processes."""
+    if config.draft_launcher == "ray" and given is None:
+        raise ValueError(
+            "draft_launcher='ray' needs a worker provider that leases Ray actors: pass worker_provider=... "
+            "(the serving package's Ray layer provides one), or use draft_launcher='process'"
+        )
+    if given is not None and config.draft_launcher != "process" and config.draft_transport in CONNECTABLE_TRANSPORTS:
+        return given
+    return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE)

@@ -1,0 +1,242 @@
+"""The target's end of one draft worker: the draft protocol over one channel.
+
+A `WorkerLink` is what a PoolClient holds per shard. It may own the worker's process (a worker
+this process started: spawn.py) or only the connection (a worker that listens, started by Ray,
+an operator or spawn.py for the torch and grpc transports).
+
+Protocol safety: a reply is owed from each resolve() until reply() reads it (`owed`, the only
+record of an outstanding outcome). If the caller never read it (an exception between the two,
+e.g. Ctrl-C during a stop-string check), the next request first drains it, so a stale reply is
+never mistaken for the answer to a later request.
+
+Faults: errors, deadlines and broken channels become DrafterUnavailable (the pool replaces the
+worker); the link is then closed and its process, if it owns one, killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from ssd.core.protocol import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterUnavailable,
+    DraftNowMsg,
+    JoinMsg,
+    MsgType,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
+from ssd.transport.channel import Channel
+from ssd.transport.connect import connect_channel
+from ssd.transport.wire import WireCounts
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
+
+
+def await_ready(channel: Channel, what: str, timeout: datetime.timedelta = CONNECT_TIMEOUT) -> None:
+    """Wait for the worker's READY; DrafterUnavailable with its error when it sends ERROR."""
+    kind, msg = channel.recv(timeout)
+    if kind == MsgType.ERROR:
+        raise DrafterUnavailable(f"{what} failed to start: {msg.text}")
+    if kind != MsgType.READY:
+        raise DrafterUnavailable(f"{what} sent {kind.name} instead of READY")
+
+
+class WorkerLink:
+    """The draft protocol to one worker over `channel`. process: the worker's process when this
+    process started it (killed with the link), else None; exits_on_shutdown: SHUTDOWN ends the
+    worker (a listening worker waits for its next target instead); cleanup: called once the
+    link is closed (a private rendezvous directory, say)."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        name: str,
+        deadline_s: float,
+        process: subprocess.Popen | None = None,
+        exits_on_shutdown: bool = True,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
+        self.channel, self.name, self.process = channel, name, process
+        self.deadline = datetime.timedelta(seconds=deadline_s)
+        self.exits_on_shutdown = exits_on_shutdown
+        self._cleanup = cleanup
+        self.closed = False
+        self.rejected = 0  # stale or duplicated replies read and dropped
+        self.owed: ResolveMsg | None = None  # the outcome sent whose reply was not read yet
+        atexit.register(self.close)
+
+    @classmethod
+    def connect(
+        cls, address: str, fp: int, deadline_s: float, name: str = "", device: str = "cpu", process=None
+    ) -> WorkerLink:
+        """A link to the worker listening at `address` (torch:// or grpc://), once it is READY."""
+        try:
+            channel = connect_channel(address, fp, CONNECT_TIMEOUT, device)
+        except (RuntimeError, OSError) as err:
+            raise DrafterUnavailable(f"cannot reach the draft worker at {address}: {err}") from err
+        try:
+            await_ready(channel, f"the draft worker at {address}")
+        except RuntimeError as err:  # DrafterUnavailable, or the channel broke
+            channel.close()
+            raise DrafterUnavailable(f"the draft worker at {address} did not become ready: {err}") from err
+        return cls(channel, name or address, deadline_s, process, exits_on_shutdown=False)
+
+    @property
+    def wire(self) -> WireCounts:
+        return self.channel.counts
+
+    def is_alive(self) -> bool:
+        return not self.closed and (self.process is None or self.process.poll() is None)
+
+    # ---- the protocol ---------------------------------------------------------------------------
+
+    def join(self, msg: JoinMsg) -> None:
+        """Which shard of the branch grid this worker builds (before any sequence is admitted)."""
+        self._guard(lambda: self._send(MsgType.JOIN, msg))
+
+    def admit(self, msg: AdmitMsg) -> None:
+        self._guard(lambda: self._send(MsgType.ADMIT, msg))
+
+    def release(self, msg: ReleaseMsg) -> None:
+        self._guard(lambda: self._send(MsgType.RELEASE, msg))
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        self._guard(lambda: self._send(MsgType.BEGIN_ROUND, msg))
+
+    def predict(self, msg: BeginRoundMsg) -> None:
+        """The round the target expects to announce next: the worker may begin it now."""
+        self._guard(lambda: self._send(MsgType.PREDICT, msg))
+
+    def resolve(self, msg: ResolveMsg) -> None:
+        def send() -> None:
+            self._send(MsgType.RESOLVE, msg)
+            self.owed = msg
+
+        self._guard(send)
+
+    def reply(self, deadline_s: float) -> SpeculationReply:
+        """The answer to the outcome resolve() sent last."""
+
+        def read() -> SpeculationReply:
+            owed, self.owed = self.owed, None
+            assert owed is not None, "reply() without its resolve()"
+            return self._read_reply(owed.round_id, owed.seq_ids, deadline_s)
+
+        return self._guard(read)
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+        def request() -> SpeculationReply:
+            self._send(MsgType.DRAFT_NOW, msg)
+            return self._read_reply(msg.round_id, msg.seq_ids, self.deadline.total_seconds(), MsgType.DRAFT_REPLY)
+
+        return self._guard(request)
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _guard(self, fn):
+        if self.closed:
+            raise DrafterUnavailable(f"draft worker {self.name} was closed")
+        try:
+            return fn()
+        except DrafterUnavailable:
+            self.kill()
+            raise
+        except RuntimeError as err:  # peer gone, deadline passed, foreign frame
+            self.kill()
+            state = "stalled" if self.process is None or self.process.poll() is None else "exited"
+            raise DrafterUnavailable(f"draft worker {self.name} {state}: {err}") from err
+        except BaseException:
+            # Interrupted mid-message (Ctrl-C inside a send or receive): the stream's position is
+            # unknown, so nothing more can be read from this channel.
+            self.kill()
+            raise
+
+    def _send(self, kind: MsgType, msg) -> None:
+        """Send a request, after draining a reply still owed."""
+        self._drain_owed()
+        self.channel.send(kind, msg, self.deadline)
+
+    def _drain_owed(self) -> None:
+        """Read and drop a reply still owed for an earlier outcome."""
+        if self.owed is not None:
+            owed, self.owed = self.owed, None
+            self._read_reply(owed.round_id, owed.seq_ids, self.deadline.total_seconds())
+            logger.info("dropped the unread reply to round %d", owed.round_id)
+
+    def _read_reply(
+        self, round_id: int, seq_ids: list[int], deadline_s: float | None, expect: MsgType = MsgType.REPLY
+    ) -> SpeculationReply:
+        """The `expect` reply (REPLY to a resolve, DRAFT_REPLY to a draft_now) of `round_id`. A
+        reply to an earlier round or to the other request (a duplicate, or one a lost request
+        left behind) is counted and dropped; anything else out of order is a broken worker
+        (DrafterUnavailable)."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        replies = (MsgType.REPLY, MsgType.DRAFT_REPLY)
+        while True:
+            left = None if end is None else datetime.timedelta(seconds=max(end - time.monotonic(), 0.0))
+            kind, reply = self.channel.recv(left)
+            if kind == MsgType.ERROR:
+                raise DrafterUnavailable(f"draft worker error: {reply.text}")
+            if kind in replies and (reply.round_id < round_id or (kind != expect and reply.round_id == round_id)):
+                self.rejected += 1
+                logger.warning(
+                    "dropped a stale %s of round %d while waiting for the %s of round %d",
+                    kind.name, reply.round_id, expect.name, round_id,
+                )  # fmt: skip
+                continue
+            if kind != expect or reply.round_id != round_id or reply.seq_ids != list(seq_ids):
+                raise DrafterUnavailable(f"out-of-protocol reply {kind.name} for round {round_id}")
+            return reply
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """End the link now: kill the process it owns, close the channel."""
+        self.closed = True
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                logger.error("draft worker pid %d did not exit after SIGKILL", self.process.pid)
+        self.channel.close()
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
+
+    def close(self) -> None:
+        """End the session cleanly: drain an owed reply, SHUTDOWN, wait for an owned process."""
+        if self.closed:
+            return
+        try:
+            self._drain_owed()
+            self.channel.send(MsgType.SHUTDOWN, None, self.deadline)
+            if self.exits_on_shutdown and self.process is not None:
+                self.process.wait(10)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            logger.warning("draft worker did not take the shutdown message: %s", err)
+        self.kill()
+
+
+class WorkerProvider(Protocol):
+    """Where a PoolClient gets its workers."""
+
+    def acquire(self) -> WorkerLink:
+        """A ready worker (blocks while one starts or is leased); DrafterUnavailable if none can be had."""
+
+    def discard(self, link: WorkerLink, failed: bool) -> None:
+        """Give a worker back: closed or killed, its lease released (and, if failed, reported)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,399 @@
+"""A target's client over its D draft workers: one `DraftClient` (ssd.core.protocol) that the SSD
+proposer talks to as to one drafter.
+
+Glossary:
+    shard     one of the D places of the pool; shard w's worker builds shard w of every round's
+              branch grid (branches n with n mod D = w, ssd/drafting/tree_drafter.py)
+    link      the target's end of one worker (`WorkerLink`, link.py)
+    provider  where links come from (`WorkerProvider`): worker processes this process starts
+              (spawn.py), or workers leased from a shared pool (a provider passed in); acquire()
+              blocks, discard() gives one back (killed, or its lease released and reported)
+
+Every message goes to every attached shard, except the neural backup's requests (one shard per
+round answers the rows no shard holds) and PREDICT hints. After a round in which every row hit,
+each shard that did not hold all of them is sent the next round as the target will announce it
+(PREDICT), so it starts that build now, as the worker holding every hit does on its own.
+
+Faults: a link that fails (its worker died, errored, stalled past the deadline or sent a foreign
+frame) is discarded at once and its shard counts as misses: the hits it held are lost, the
+backup speculates, the output stays exact. A replacement is acquired in a background thread and
+attached at the next round boundary: JOIN (its shard), ADMIT of every running sequence with the
+tokens committed so far and seeds of its own, then the round. SSD never stays off for good.
+
+Random streams: a sequence's drafter seed is mixed with the shard and the shard's incarnation,
+so no two workers (nor a worker and its replacement) ever draw the same numbers; shard 0's first
+worker keeps the seed unchanged, so a pool of one reproduces a single drafter exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ssd.core.protocol import (
+    AdmitMsg,
+    BeginRoundMsg,
+    DrafterCounters,
+    DrafterUnavailable,
+    DraftNowMsg,
+    JoinMsg,
+    ReleaseMsg,
+    ResolveMsg,
+    SpeculationReply,
+)
+from ssd.core.sampling import SequenceSampling
+from ssd.transport.link import WorkerLink, WorkerProvider
+from ssd.transport.rows import assemble, merge_shards, take
+from ssd.transport.wire import WireCounts
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+CLOSE_REFILL_WAIT_S = 120.0  # a worker being started when the pool closes: its model load, then READY
+
+
+def shard_seed(seed: int, shard: int, incarnation: int) -> int:
+    """A seed for the drafter of `shard` that no other shard or incarnation shares (splitmix64)."""
+    if shard == 0 and incarnation == 0:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15 * (1 + shard + (incarnation << 20))) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 2  # 62 bits, like the seeds the proposer draws
+
+
+@dataclass
+class _SeqView:
+    """What a replacement worker needs to take a sequence over."""
+
+    tokens: list[int]  # committed, as the drafters know them
+    seed: int
+    sampling: SequenceSampling
+
+
+@dataclass
+class _Shard:
+    link: WorkerLink | None = None
+    incarnation: int = 0  # workers this shard has had (seeds differ per incarnation)
+    refilling: bool = False
+    answered: bool = False  # its current worker has delivered a reply
+    backoff_s: float = 0.0  # wait before acquiring the next worker (grows while workers fail at once)
+
+
+class PoolClient:
+    """`DraftClient` over D workers from a `WorkerProvider` (D = 1 is the default engine's drafter)."""
+
+    def __init__(
+        self,
+        provider: WorkerProvider,
+        num_workers: int,
+        split: str = "outcomes",
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        assert num_workers >= 1 and split in ("outcomes", "sequences")
+        self.provider, self.d, self.split = provider, num_workers, split
+        self.owner: dict[int, int] = {}  # split="sequences": the shard that drafts each sequence
+        self.shards = [_Shard() for _ in range(num_workers)]
+        self.seqs: dict[int, _SeqView] = {}
+        self.order: list[int] = []
+        self.round: BeginRoundMsg | None = None  # the round being verified
+        self.outcome: ResolveMsg | None = None  # its outcome, once resolve() sent it
+        self._ready: list[tuple[int, WorkerLink]] = []  # replacements waiting for a round boundary
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closing = threading.Event()  # wakes refills that are waiting to retry
+        # close() waits for them: a worker one starts must not outlive the pool
+        self._refills: list[threading.Thread] = []
+        self.failures = 0  # links lost since the start
+        self.replacements = 0  # links attached after a failure
+        self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
+        self._retired = DrafterCounters()  # counters of links that are gone
+        self._retired_wire = WireCounts()  # frame bytes of links that are gone
+        self._latest: dict[int, DrafterCounters] = {}  # per shard, as of its latest reply
+        self.shard_hits = [0] * num_workers  # rows whose hit each shard held
+        self.hints = 0  # PREDICT messages sent
+        self._on_event = on_event or (lambda _e: None)
+        try:
+            for w in range(num_workers):
+                self._attach(w, provider.acquire())
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- shards ---------------------------------------------------------------------------------
+
+    def _attach(self, w: int, link: WorkerLink) -> None:
+        """Make `link` shard w's worker and bring it up to date (between rounds only)."""
+        shard = self.shards[w]
+        shard.link, shard.answered = link, False
+        # By sequence, a worker builds whole trees: every one is shard 0 of 1.
+        link.join(JoinMsg(w, self.d) if self.split == "outcomes" else JoinMsg(0, 1))
+        mine = [s for s in self.order if self.split == "outcomes" or self.owner[s] == w]
+        if mine:
+            views = [self.seqs[s] for s in mine]
+            seeds = [shard_seed(v.seed, w, shard.incarnation) for v in views]
+            link.admit(AdmitMsg(mine, [list(v.tokens) for v in views], seeds, [v.sampling for v in views]))
+
+    def _fail(self, w: int, err: BaseException) -> None:
+        shard = self.shards[w]
+        link, shard.link = shard.link, None
+        if link is None:
+            return
+        self.failures += 1
+        # A worker that fails before its first reply will likely fail again: back off.
+        shard.backoff_s = 0.0 if shard.answered else min(max(0.5, 2 * shard.backoff_s), 30.0)
+        self.rejected_replies += link.rejected
+        self._retired_wire = self._retired_wire + link.wire
+        self._retired = self._retired + self._latest.pop(w, DrafterCounters())
+        logger.warning(
+            "draft worker %s (shard %d of %d) lost: %s; its shard counts as misses until a replacement joins",
+            link.name, w, self.d, err,
+        )  # fmt: skip
+        self._on_event(f"lost shard {w}")
+        try:
+            self.provider.discard(link, failed=True)
+        except (RuntimeError, OSError) as discard_err:
+            logger.error("could not discard draft worker %s: %s", link.name, discard_err)
+        self._refill(w)
+
+    def _refill(self, w: int) -> None:
+        shard = self.shards[w]
+        if shard.refilling or self._closed:
+            return
+        shard.refilling = True
+        thread = threading.Thread(target=self._acquire, args=(w,), name=f"ssd-draft-refill-{w}", daemon=True)
+        self._refills.append(thread)
+        thread.start()
+
+    def _acquire(self, w: int) -> None:
+        """A refill thread: a new worker for shard w, retried with backoff, handed over at the next
+        round boundary (or discarded if the pool closed meanwhile)."""
+        if self._closing.wait(self.shards[w].backoff_s):
+            return
+        delay = 0.5
+        while not self._closed:
+            try:
+                link = self.provider.acquire()
+            except DrafterUnavailable as err:
+                logger.warning("no replacement for draft shard %d yet (%s); retrying in %.1f s", w, err, delay)
+                if self._closing.wait(delay):
+                    return
+                delay = min(delay * 2, 30.0)
+                continue
+            with self._lock:
+                if self._closed:
+                    self.provider.discard(link, failed=False)
+                else:
+                    self._ready.append((w, link))
+            return
+
+    def _attach_ready(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for w, link in ready:
+            shard = self.shards[w]
+            shard.refilling = False
+            shard.incarnation += 1
+            try:
+                self._attach(w, link)
+            except DrafterUnavailable as err:
+                shard.link = link
+                self._fail(w, err)
+                continue
+            self.replacements += 1
+            self._on_event(f"attached shard {w}")
+            logger.info("draft worker %s joined shard %d of %d", link.name, w, self.d)
+
+    def _each(self, fn: Callable[[int, WorkerLink], None]) -> None:
+        for w, shard in enumerate(self.shards):
+            if shard.link is not None:
+                try:
+                    fn(w, shard.link)
+                except DrafterUnavailable as err:
+                    self._fail(w, err)
+
+    def _send_parts(self, msg, send: Callable[[WorkerLink, object], None]) -> None:
+        """send(link, part) to every live shard with a part of msg (_part)."""
+
+        def each(w: int, link: WorkerLink) -> None:
+            part = self._part(w, msg)
+            if part is not None:
+                send(link, part)
+
+        self._each(each)
+
+    def live(self) -> int:
+        return sum(s.link is not None for s in self.shards)
+
+    def _part(self, w: int, msg):
+        """What shard w is sent of `msg`: all of it when the pool splits outcomes, its own rows when
+        it splits sequences (None: no row of its own)."""
+        if self.split == "outcomes":
+            return msg
+        rows = [r for r, s in enumerate(msg.seq_ids) if self.owner.get(s) == w]
+        return take(msg, rows) if rows else None
+
+    def _backup_shard(self) -> int | None:
+        """The shard that answers this round's neural-backup requests: the first live one."""
+        return next((w for w, s in enumerate(self.shards) if s.link is not None), None)
+
+    # ---- DraftClient ----------------------------------------------------------------------------
+
+    def admit(self, msg: AdmitMsg) -> None:
+        for s, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
+            self.seqs[s] = _SeqView(list(prompt), int(seed), sampling)
+            if self.split == "sequences":  # the least loaded shard, dead or alive: a replacement takes its rows over
+                load = [0] * self.d
+                for owner in self.owner.values():
+                    load[owner] += 1
+                self.owner[s] = load.index(min(load))
+        self.order.extend(msg.seq_ids)
+
+        def send(w: int, link: WorkerLink) -> None:
+            part, inc = self._part(w, msg), self.shards[w].incarnation
+            if part is not None:
+                link.admit(dataclasses.replace(part, seeds=[shard_seed(int(x), w, inc) for x in part.seeds]))
+
+        self._each(send)
+
+    def release(self, msg: ReleaseMsg) -> None:
+        self._send_parts(msg, lambda link, part: link.release(part))
+        gone = set(msg.seq_ids)
+        self.order = [s for s in self.order if s not in gone]
+        for s in gone:
+            self.seqs.pop(s, None)
+            self.owner.pop(s, None)
+
+    def begin_round(self, msg: BeginRoundMsg) -> None:
+        self._attach_ready()
+        self.round, self.outcome = msg, None
+        self._send_parts(msg, lambda link, part: link.begin_round(part))
+
+    def resolve(self, msg: ResolveMsg) -> None:
+        rnd = self.round
+        assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
+        for r, s in enumerate(msg.seq_ids):  # the committed tokens, as every drafter records them
+            acc = int(msg.num_accepted[r])
+            self.seqs[s].tokens.extend(rnd.spec_tokens[r, :acc].tolist() + [int(msg.bonus_tokens[r])])
+        self.outcome = msg
+        backup = self._backup_shard()
+
+        def send(w: int, link: WorkerLink) -> None:
+            part = self._part(w, msg)
+            if part is None:
+                return
+            # Split by outcome, one shard drafts the rows no shard covers; by sequence, each its own.
+            if w != backup and self.split == "outcomes":
+                part = dataclasses.replace(part, neural_backup=False)
+            link.resolve(part)
+
+        self._each(send)
+
+    def reply(self, deadline_s: float) -> SpeculationReply:
+        """Every live shard's answer to the outcome resolve() sent, made one (rows.py)."""
+        msg = self.outcome
+        assert msg is not None, "reply() without its resolve()"
+        replies: dict[int, SpeculationReply] = {}
+        end = time.monotonic() + deadline_s
+        for w, shard in enumerate(self.shards):
+            if shard.link is None or shard.link.owed is None:  # no part this round, or lost since
+                continue
+            try:
+                replies[w] = shard.link.reply(max(end - time.monotonic(), 0.0))
+            except DrafterUnavailable as err:
+                self._fail(w, err)
+        for w, rep in replies.items():
+            self._latest[w] = rep.counters
+            self.shards[w].answered = True
+            self.shard_hits[w] += int(rep.hit.sum())
+        if len(replies) == 1 and self.d == 1:
+            return next(iter(replies.values()))
+        if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
+            return self._assemble(msg.round_id, msg.seq_ids, replies)
+        merged = merge_shards(msg, list(replies.values()), self.counters())
+        self._hint(msg, merged, replies)
+        return merged
+
+    def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
+        """After an all-hit round, tell each shard that did not hold every hit which round comes
+        next (a shard that held every hit predicts it itself), so all begin building at once."""
+        if self.round is None or not msg.next_fanout or not bool(merged.hit.all()):
+            return
+        nxt = BeginRoundMsg.after_all_hit(msg, merged, [len(self.seqs[s].tokens) for s in msg.seq_ids])
+
+        def send(w: int, link: WorkerLink) -> None:
+            if w in replies and not bool(replies[w].hit.all()):
+                link.predict(nxt)
+                self.hints += 1
+
+        self._each(send)
+
+    def _assemble(self, round_id: int, seq_ids: list[int], replies: dict[int, SpeculationReply]) -> SpeculationReply:
+        rows = {s: r for r, s in enumerate(seq_ids)}
+        parts = [([rows[s] for s in rep.seq_ids], rep) for rep in replies.values()]
+        k = max((rep.tokens.shape[1] for rep in replies.values()), default=0)
+        return assemble(round_id, list(seq_ids), parts, k, self.counters())
+
+    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+        self._attach_ready()
+        if self.split == "sequences":
+            replies = {}
+            for w, shard in enumerate(self.shards):
+                part = self._part(w, msg) if shard.link is not None else None
+                if part is not None and any(part.need):
+                    try:
+                        replies[w] = shard.link.draft_now(part)
+                    except DrafterUnavailable as err:
+                        self._fail(w, err)
+            return self._assemble(msg.round_id, msg.seq_ids, replies)
+        while (w := self._backup_shard()) is not None:
+            try:
+                return self.shards[w].link.draft_now(msg)
+            except DrafterUnavailable as err:
+                self._fail(w, err)
+        return SpeculationReply.empty(msg.round_id, msg.seq_ids, self.counters())
+
+    # ---- figures and lifetime -------------------------------------------------------------------
+
+    def counters(self) -> DrafterCounters:
+        total = self._retired
+        for c in self._latest.values():
+            total = total + c
+        return total
+
+    def stats(self) -> dict:
+        wire = sum((s.link.wire for s in self.shards if s.link is not None), self._retired_wire)
+        return {
+            "draft_workers": self.d,
+            "draft_workers_live": self.live(),
+            "draft_worker_failures": self.failures,
+            "draft_worker_replacements": self.replacements,
+            "draft_shard_hits": list(self.shard_hits),
+            "draft_predict_hints": self.hints,
+            "rejected_replies": self.rejected_replies + sum(s.link.rejected for s in self.shards if s.link is not None),
+            # Frame bytes (ssd/transport/wire.py WireCounts) to and from the workers, by message kind.
+            "wire_bytes_sent": wire.sent,
+            "wire_bytes_received": wire.received,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._closing.set()
+        for thread in self._refills:  # a refill that is starting a worker discards it once started
+            thread.join(CLOSE_REFILL_WAIT_S)
+            if thread.is_alive():
+                logger.error("a draft worker refill did not finish within %.0f s of close()", CLOSE_REFILL_WAIT_S)
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for _, link in ready:
+            self.provider.discard(link, failed=False)
+        for shard in self.shards:
+            link, shard.link = shard.link, None
+            if link is not None:
+                self.provider.discard(link, failed=False)
+        self.provider.close()

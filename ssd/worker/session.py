@@ -1,0 +1,213 @@
+"""One target's session with a draft worker: a `TreeDrafter` driven by the messages of a `Channel`.
+
+`WorkerSession.serve()` dispatches each message by its kind (_HANDLERS):
+    JOIN, ADMIT, RELEASE   membership
+    BEGIN_ROUND            glue, fork and tree decode; the next message (the outcome) cuts the tree
+    PREDICT                the same, for a round not announced yet
+    RESOLVE                answer with the cached branches (and neural backups when asked)
+    DRAFT_NOW              just-in-time speculations
+    SHUTDOWN               return
+After a reply in which every row hit, the next announcement is known but for its arrival
+(TreeDrafter.predict_round): the worker begins that round at once and takes it back whole if
+the announcement differs (_build_predicted).
+
+Round messages must come in order: a BEGIN_ROUND or PREDICT for a round not after the last one
+begun, or a RESOLVE for a round other than the one built, is a duplicate or a stale copy; it is
+counted (`rejected`) and dropped unanswered, so it cannot change a speculation. A round whose
+committed lengths differ from the worker's own raises OutOfSync: the target replaces the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ssd.core.protocol import BeginRoundMsg, ErrorMsg, MsgType
+from ssd.drafting.tree_drafter import TreeDrafter
+from ssd.transport.channel import Channel
+
+logger = logging.getLogger(__name__)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), 0 where /proc is unavailable. Not
+    getrusage's ru_maxrss: in a process started by subprocess it also counts the parent's peak,
+    which the child held until its exec."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # no /proc (not Linux): nothing to report
+        pass
+    return 0
+
+
+def send_error(channel: Channel, err: BaseException, timeout=None) -> None:
+    """Tell the target why this worker gives up (ERROR), if it is still there to hear it."""
+    try:
+        channel.send(MsgType.ERROR, ErrorMsg(f"{type(err).__name__}: {err}"), timeout)
+    except RuntimeError as send_err:
+        logger.info("the target is gone; the worker's error was not delivered: %s", send_err)
+
+
+class OutOfSync(RuntimeError):
+    """The target's view of a sequence differs from this worker's: a message was lost."""
+
+
+class _NextRound:
+    """Reads the channel while the drafter builds a round it predicted: the target's
+    announcement confirms the round when it matches (then the outcome's arrival cuts the tree
+    as usual); anything else makes the round stale and is kept for the session to handle."""
+
+    def __init__(self, channel: Channel, predicted: BeginRoundMsg) -> None:
+        self.channel, self.predicted = channel, predicted
+        self.confirmed = False
+        self.other: tuple | None = None  # (kind, message) that superseded the prediction
+
+    def _read(self, block: bool) -> None:
+        if self.confirmed or self.other is not None or not (block or self.channel.poll()):
+            return
+        kind, msg = self.channel.recv()
+        if kind == MsgType.BEGIN_ROUND and msg.same_round(self.predicted):
+            self.confirmed = True
+        else:
+            self.other = (kind, msg)
+
+    def stale(self) -> bool:
+        self._read(block=False)
+        return self.other is not None
+
+    def outcome_arrived(self) -> bool:
+        self._read(block=False)
+        return self.confirmed and self.channel.poll()
+
+    def settle(self) -> None:
+        """After the build: wait for the announcement if it has not come yet."""
+        self._read(block=True)
+
+
+class WorkerSession:
+    """Serves one target over one channel. cut_trees=False builds every tree to depth K whatever
+    the timing (reproducible output, at the cost of waiting for the whole build)."""
+
+    def __init__(self, drafter: TreeDrafter, channel: Channel, cut_trees: bool = True) -> None:
+        self.drafter, self.channel, self.cut_trees = drafter, channel, cut_trees
+        self.last_begun = 0  # round id of the last round begun (announced or predicted)
+
+    def serve(self) -> None:
+        """Until SHUTDOWN: each message to its handler, which may return a message it read while
+        building a predicted round (to handle next)."""
+        queued = None
+        while True:
+            kind, msg = queued if queued is not None else self.channel.recv()
+            if kind == MsgType.SHUTDOWN:
+                return
+            handler = _HANDLERS.get(kind)
+            if handler is None:
+                raise ValueError(f"draft worker got unexpected {kind.name}")
+            queued = handler(self, msg)
+
+    # ---- handlers: each -> a message to handle next, or None ------------------------------------
+
+    def _join(self, msg):
+        if self.drafter.order:
+            raise OutOfSync("JOIN after sequences were admitted")
+        self.drafter.join(msg)
+
+    def _admit(self, msg):
+        if any(s in self.drafter.states for s in msg.seq_ids):
+            return self._reject(MsgType.ADMIT, 0)
+        self.drafter.admit(msg)
+
+    def _release(self, msg):
+        self.drafter.release(msg)
+
+    def _begin_round(self, msg: BeginRoundMsg):
+        if not self._begin(MsgType.BEGIN_ROUND, msg):
+            return None
+        # The next message (the round's outcome) cuts the tree decode short: the target is
+        # waiting, and branches of the depth reached are still usable speculations.
+        self.drafter.begin_round(msg, interrupted=self.channel.poll if self.cut_trees else None)
+
+    def _predict(self, msg: BeginRoundMsg):
+        return self._build_predicted(msg) if self._begin(MsgType.PREDICT, msg) else None
+
+    def _resolve(self, msg):
+        if msg.round_id != self.last_begun or self.drafter.round is None:
+            return self._reject(MsgType.RESOLVE, msg.round_id)
+        self.drafter.resolve(msg)
+        reply = self.drafter.reply()
+        self.channel.send(MsgType.REPLY, reply)
+        self._note_memory()
+        predicted = self.drafter.predict_round(msg, reply)
+        if predicted is None:
+            return None
+        self.last_begun = predicted.round_id
+        return self._build_predicted(predicted)
+
+    def _draft_now(self, msg):
+        self.channel.send(MsgType.DRAFT_REPLY, self.drafter.draft_now(msg))
+        self._note_memory()
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def _begin(self, kind: MsgType, msg: BeginRoundMsg) -> bool:
+        """Whether a round message is in order (else it is rejected); checks the committed lengths."""
+        if msg.round_id <= self.last_begun:
+            self._reject(kind, msg.round_id)
+            return False
+        self._check_committed(msg)
+        self.last_begun = msg.round_id
+        return True
+
+    def _note_memory(self) -> None:
+        """After a reply is sent, so the target never waits for it (the next reply carries it)."""
+        self.drafter.counters.peak_rss_bytes = peak_rss_bytes()
+
+    def _reject(self, kind: MsgType, round_id: int) -> None:
+        self.drafter.counters.rejected += 1
+        logger.warning(
+            "dropped a duplicated or stale %s (round %d; last begun %d)", kind.name, round_id, self.last_begun
+        )
+
+    def _check_committed(self, msg: BeginRoundMsg) -> None:
+        if not msg.committed:
+            return
+        mine = [len(self.drafter.states[s].tokens) if s in self.drafter.states else -1 for s in msg.seq_ids]
+        if mine != list(msg.committed):
+            raise OutOfSync(
+                f"round {msg.round_id}: the target has {msg.committed} committed tokens, this worker {mine}"
+            )
+
+    def _build_predicted(self, predicted: BeginRoundMsg):
+        """Build the round predicted after an all-hit reply while the target is still finishing
+        its step (bookkeeping, the next proposal, the announcement). The announcement confirms
+        it, or the round is taken back (cache and generators as before, so outputs do not
+        depend on the prediction) and the message that came instead is handled as usual.
+        -> a message to handle first, or None."""
+        counters = self.drafter.counters
+        counters.predicted += 1
+        watch = _NextRound(self.channel, predicted)
+        built = self.drafter.begin_round(
+            predicted, interrupted=watch.outcome_arrived if self.cut_trees else None, stale=watch.stale
+        )
+        watch.settle()
+        if watch.other is None:
+            counters.confirmed += 1
+            return None
+        counters.taken_back += 1
+        self.last_begun = predicted.round_id - 1  # the announcement that came instead may reuse its id
+        if built:
+            self.drafter.abandon_round()
+        return watch.other
+
+
+_HANDLERS = {
+    MsgType.JOIN: WorkerSession._join,
+    MsgType.ADMIT: WorkerSession._admit,
+    MsgType.RELEASE: WorkerSession._release,
+    MsgType.BEGIN_ROUND: WorkerSession._begin_round,
+    MsgType.PREDICT: WorkerSession._predict,
+    MsgType.RESOLVE: WorkerSession._resolve,
+    MsgType.DRAFT_NOW: WorkerSession._draft_now,
+}
