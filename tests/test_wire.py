@@ -8,7 +8,9 @@ import pytest
 import torch
 from messages import every_message, same_message
 
+from ssd import LLM, SamplingParams
 from ssd.core.protocol import BeginRoundMsg, MsgType, ReleaseMsg, SpeculationReply
+from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.transport.wire import ForeignMessage, body_size, decode, encode, frame, unframe
 
 FP = 99
@@ -73,6 +75,51 @@ def test_reply_probabilities_travel_in_their_smallest_exact_form():
         assert torch.equal(unframe(header, body)[1].probs, probs), name
     assert sizes["greedy"] < 400 and sizes["top50"] < k * 50 * 12 + 400, sizes
     assert sizes["dense"] >= k * vocab * 4, sizes
+
+
+def test_rows_known_one_hot_travel_as_their_tokens_without_their_probs_being_read():
+    """A reply's one_hot rows are packed from the drafted tokens in O(K): their probabilities are
+    never read (NaN here), positions past num_draft travel as none, and a row with nothing
+    drafted as nothing; the other rows are still found by scanning."""
+    vocab, k = 128_256, 6
+    tokens = torch.tensor([[5, 7, 9, 11, 13, 15], [1, 2, 3, 4, 5, 6], [8, 8, 8, 8, 8, 8]])
+    probs = torch.full((3, k, vocab), float("nan"))
+    probs[2] = 0.0
+    probs[2, torch.arange(k), torch.tensor([3, 1, 4, 1, 5, 9])] = 1.0  # one-hot, not flagged: scanned
+    reply = SpeculationReply(
+        4, [1, 2, 3], torch.tensor([True, False, True]), tokens, probs, torch.tensor([4, 0, 6]),
+        one_hot=torch.tensor([True, True, False]),
+    )  # fmt: skip
+    header, body = frame(MsgType.REPLY, reply, FP)
+    back = unframe(header, body)[1].probs
+    expected = torch.zeros(3, k, vocab)
+    expected[0, torch.arange(4), tokens[0, :4]] = 1.0
+    expected[2] = probs[2]
+    assert torch.equal(back, expected)
+    assert body.numel() < 800  # ids only: no row was sent dense
+
+
+def test_a_drafters_greedy_rows_are_one_hot_at_their_tokens(tiny_pair, monkeypatch):
+    """What the drafter claims with one_hot holds: in a batch mixing greedy and sampled rows,
+    with Saguaro's scaling on, every greedy row's distribution is one-hot at its drafted token,
+    in cached speculations and just-in-time ones alike."""
+    seen: list[SpeculationReply] = []
+    for name in ("reply", "draft_now"):
+        original = getattr(TreeDrafter, name)
+        monkeypatch.setattr(TreeDrafter, name, lambda self, *a, _f=original: seen.append(_f(self, *a)) or seen[-1])
+    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=1.0, seed=3, max_tokens=24)]
+    with LLM(*tiny_pair, mode="ssd", k=4, draft_transport="inprocess", saguaro_c=0.5, ssd_backup="neural") as llm:
+        llm.generate(["def add(a, b):", "import os"], params)
+    greedy_rows = 0
+    for reply in seen:
+        assert reply.one_hot is not None and reply.one_hot.shape == reply.num_draft.shape
+        for r in reply.one_hot.nonzero().flatten().tolist():
+            n = int(reply.num_draft[r])
+            one_hot = torch.zeros(n, reply.probs.shape[-1])
+            one_hot[torch.arange(n), reply.tokens[r, :n]] = 1.0
+            assert torch.equal(reply.probs[r, :n], one_hot)
+            greedy_rows += n > 0
+    assert greedy_rows > 5 and any(not bool(rep.one_hot.all()) for rep in seen)
 
 
 def test_begin_round_messages_compare_real_tokens_only():

@@ -223,6 +223,10 @@ class SpeculationReply:
     # capped at RANK_DEPTH (= "that or beyond"); -1 where the round built no tree for the row.
     # What the miss law is fitted on: one rank tells the hit at every fan-out.
     bonus_rank: torch.Tensor | None = None
+    # [b] bool: rows whose draft distributions are one-hot at their drafted tokens (greedy rows),
+    # so the wire packs them from `tokens` in O(K) instead of scanning K x V probabilities.
+    # None: not known (the wire finds one-hot rows by scanning). Never on the wire itself.
+    one_hot: torch.Tensor | None = None
     # False when no drafter answered at all (every worker of a pool down): nothing to learn from.
     # Never on the wire: only the pool builds such a reply.
     answered: bool = True

@@ -171,6 +171,11 @@ class TreeDrafter:
     def _sampling(self, seq_ids: list[int]) -> BatchSampling:
         return BatchSampling.of([self.states[s].sampling for s in seq_ids])
 
+    def _greedy(self, seq_ids: list[int]) -> torch.Tensor:
+        """[b] bool: greedy rows, whose every draft distribution (just in time, in the tree, with
+        Saguaro's scaling, which keeps a one-hot row one-hot) is one-hot at its drafted token."""
+        return torch.tensor([self.states[s].sampling.temperature == 0 for s in seq_ids], dtype=torch.bool)
+
     # ---- the round ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -342,7 +347,7 @@ class TreeDrafter:
             num_draft = torch.where(covered, num_draft, k)
         self._reply = SpeculationReply(
             msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, rnd.build_seconds if rnd is not None else 0.0,
-            dataclasses.replace(self.counters), covered, rank,
+            dataclasses.replace(self.counters), covered, rank, self._greedy(seq_ids),
         )  # fmt: skip
 
     def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
@@ -358,7 +363,7 @@ class TreeDrafter:
         b = len(msg.seq_ids)
         return SpeculationReply(
             msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), spec.tokens, spec.probs, spec.num_draft,
-            counters=dataclasses.replace(self.counters),
+            counters=dataclasses.replace(self.counters), one_hot=self._greedy(msg.seq_ids),
         )  # fmt: skip
 
     def _draft_just_in_time(self, seq_ids: list[int], need: list[bool]) -> Speculation:

@@ -182,7 +182,7 @@ def _decode_draft_now(r: _Reader, round_id: int, floats: torch.Tensor) -> DraftN
 def _encode_reply(msg: SpeculationReply):
     b, k = msg.tokens.shape
     covered = msg.hit if msg.covered is None else msg.covered
-    layout, values = pack_probs(msg.probs)
+    layout, values = pack_probs(msg.probs, msg.tokens, msg.num_draft, msg.one_hot)
     rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
     ints = _i(
         [b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
@@ -236,34 +236,61 @@ _CODECS: dict[MsgType, tuple[Callable, Callable, type | None]] = {
 ZERO, ONE_HOT, SPARSE, DENSE = 0, 1, 2, 3
 
 
-def pack_probs(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_probs(
+    probs: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    num_draft: torch.Tensor | None = None,
+    one_hot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [b, K, V] float32 -> (layout ints, values float32), per row the smallest exact form:
         ZERO      no speculation in the row (all zeros): nothing
         ONE_HOT   greedy rows: each position is 0 or a single 1.0: K token ids (-1 = none)
         SPARSE    top-k / top-p rows: K support sizes, the support's ids, their probabilities
         DENSE     the K x V probabilities
-    layout = per row [form, then its ints]."""
+    layout = per row [form, then its ints].
+
+    one_hot [b] bool (with tokens [b, K] and num_draft [b]) names rows the sender knows to be
+    one-hot at their drafted tokens: those are packed from the tokens without reading probs
+    (O(K), where finding the form by scanning costs O(K V): milliseconds per row at V = 128k).
+    Positions past num_draft are packed as none: no verification reads them."""
     b, k, vocab = probs.shape
     ints: list[torch.Tensor] = []
     vals: list[torch.Tensor] = []
-    for row in probs.float():
-        nonzero = row > 0  # [K, V]
-        counts = nonzero.sum(-1)  # [K]
-        widest = int(counts.max()) if k else 0
-        if widest == 0:
-            ints.append(torch.tensor([ZERO]))
-        elif widest == 1 and bool((row[nonzero] == 1.0).all()):
-            ids = torch.where(counts > 0, row.argmax(-1), -1)
-            ints.append(torch.cat([torch.tensor([ONE_HOT]), ids]))
-        elif int(counts.sum()) * 3 < k * vocab:  # 8-byte id + 4-byte value per entry beats 4 bytes per entry
-            pos, ids = nonzero.nonzero(as_tuple=True)
-            ints.append(torch.cat([torch.tensor([SPARSE]), counts, ids]))
-            vals.append(row[pos, ids])
-        else:
-            ints.append(torch.tensor([DENSE]))
-            vals.append(row.reshape(-1))
+    known = [False] * b if one_hot is None else one_hot.tolist()
+    for r in range(b):
+        if known[r]:
+            ints.append(_one_hot_layout(tokens[r], int(num_draft[r])))
+            continue
+        form_ints, form_vals = _pack_row(probs[r].float(), k, vocab)
+        ints.append(form_ints)
+        if form_vals is not None:
+            vals.append(form_vals)
     layout = torch.cat(ints).long() if ints else torch.zeros(0, dtype=torch.long)
     return layout, torch.cat(vals) if vals else torch.zeros(0)
+
+
+def _one_hot_layout(tokens: torch.Tensor, num_draft: int) -> torch.Tensor:
+    """The layout of a row known to be one-hot at its first num_draft tokens [K]."""
+    if num_draft == 0:
+        return torch.tensor([ZERO])
+    ids = tokens.clone()
+    ids[num_draft:] = -1
+    return torch.cat([torch.tensor([ONE_HOT]), ids])
+
+
+def _pack_row(row: torch.Tensor, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One row [K, V] in its smallest exact form, found by scanning it: (ints, values or None)."""
+    nonzero = row > 0  # [K, V]
+    counts = nonzero.sum(-1)  # [K]
+    widest = int(counts.max()) if k else 0
+    if widest == 0:
+        return torch.tensor([ZERO]), None
+    if widest == 1 and bool((row[nonzero] == 1.0).all()):
+        return torch.cat([torch.tensor([ONE_HOT]), torch.where(counts > 0, row.argmax(-1), -1)]), None
+    if int(counts.sum()) * 3 < k * vocab:  # 8-byte id + 4-byte value per entry beats 4 bytes per entry
+        pos, ids = nonzero.nonzero(as_tuple=True)
+        return torch.cat([torch.tensor([SPARSE]), counts, ids]), row[pos, ids]
+    return torch.tensor([DENSE]), row.reshape(-1)
 
 
 def unpack_probs(r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""Host time of a reply on the wire at a real vocabulary (`python -m ssd.bench.pack_time`): how
+long framing (the worker's side) and unframing (the target's) one REPLY takes per row, for each
+form a row's draft distributions travel in (ssd/transport/wire.py pack_probs).
+
+Rows: greedy with one_hot known (what a drafter sends: packed from the tokens), greedy found by
+scanning (a reply without one_hot), top-50 support, dense. Median of --repeats frames of a batch
+of --batch rows, divided by the batch. One thread, as a draft worker runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _replies(vocab: int, k: int, b: int):
+    import torch
+
+    from ssd.core.protocol import SpeculationReply
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (b, k), generator=gen)
+    one_hot = torch.zeros(b, k, vocab)
+    one_hot.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+    top50 = torch.zeros(b, k, vocab)
+    values, ids = torch.rand(b, k, 50, generator=gen), torch.randint(vocab, (b, k, 50), generator=gen)
+    top50.scatter_(-1, ids, values)
+    top50 /= top50.sum(-1, keepdim=True)
+    dense = torch.softmax(torch.randn(b, k, vocab, generator=gen), -1)
+    hit, num_draft = torch.ones(b, dtype=torch.bool), torch.full((b,), k)
+
+    def reply(probs, known=None):
+        return SpeculationReply(1, list(range(b)), hit, tokens, probs, num_draft, one_hot=known)
+
+    return {
+        "greedy, one_hot known": reply(one_hot, torch.ones(b, dtype=torch.bool)),
+        "greedy, scanned": reply(one_hot),
+        "top-50": reply(top50),
+        "dense": reply(dense),
+    }
+
+
+def measure(vocab: int, k: int, batch: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """form -> (frame ms per row, unframe ms per row), medians over repeats."""
+    import torch
+
+    from ssd.core.protocol import MsgType
+    from ssd.transport.wire import frame, unframe
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, reply in _replies(vocab, k, batch).items():
+        enc, dec = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            header, body = frame(MsgType.REPLY, reply, 1)
+            framed = time.perf_counter()
+            unframe(header, body)
+            enc.append(framed - started)
+            dec.append(time.perf_counter() - framed)
+        out[name] = (1e3 * statistics.median(enc) / batch, 1e3 * statistics.median(dec) / batch)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ssd.bench.pack_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=128_256, help="vocabulary size V")
+    p.add_argument("--k", type=int, default=6, help="speculation length K")
+    p.add_argument("--batch", type=int, default=4, help="rows per reply")
+    p.add_argument("--repeats", type=int, default=20, help="frames timed per form (median)")
+    args = p.parse_args(argv)
+    sys.stdout.write(f"V {args.vocab}, K {args.k}, {args.batch} rows per reply, median of {args.repeats}\n")
+    sys.stdout.write("| row form | frame ms per row | unframe ms per row |\n|---|---|---|\n")
+    for name, (enc, dec) in measure(args.vocab, args.k, args.batch, args.repeats).items():
+        sys.stdout.write(f"| {name} | {enc:.3f} | {dec:.3f} |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
