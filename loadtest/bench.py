@@ -1,8 +1,9 @@
-"""Load benchmark: SSD vs SD vs plain decoding (off) at several concurrent user counts, against a
-running server that serves all three (`.venv/bin/ssd serve --extra-modes sd off` in another
-terminal).
+"""Load benchmark: the speculation modes (auto, ssd, sd, plain decoding: off) at several
+concurrent user counts, against a running server that serves them (in another terminal, e.g.
+`.venv/bin/ssd serve --extra-modes sd off` for auto, sd and off; a config file with
+`extra_modes: [ssd, sd, "off"]` for all four, docs/serving.md).
 
-    python -m loadtest.bench --users 1,4,16 --duration 30 --modes ssd,sd,off
+    python -m loadtest.bench --users 1,4,16 --duration 30 --modes auto,ssd,sd,off
 
 Each (mode, users) cell is one headless Locust run of loadtest/locustfile.py in which every
 request asks for that speculation mode (greedy, the prompt mix, 75% streamed). Reported per cell:

@@ -37,7 +37,7 @@ def _arguments(parser) -> None:
     parser.add_argument(
         "--spec-modes",
         default="ssd",
-        help="Comma-separated speculation modes to draw from (ssd, sd, off; 'default' = none sent).",
+        help="Comma-separated speculation modes to draw from (auto, ssd, sd, off; 'default' = none sent).",
     )
     parser.add_argument("--model", default="ssd-demo", help="The model id the server serves.")
     parser.add_argument("--stream-fraction", type=float, default=0.75, help="Share of requests sent with stream: true.")

@@ -48,7 +48,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     config = parse_config(args)
     settings = config.to_settings()
     pool = None
-    if "ssd" in settings.engine_modes:
+    if settings.draft_pool_size:
         resources = dict(config.engine.draft_worker_resources or {"num_cpus": 1})
         pool = DraftPoolDeployment.options(num_replicas=settings.draft_pool_size, ray_actor_options=resources).bind(
             settings

@@ -19,11 +19,13 @@ from ssd.core.config import EngineArgs
 # has to be written into a Serve config file or a KubeRay manifest).
 API_KEY_ENV = "SSD_API_KEY"
 # Per-request speculation modes a client may ask for, and the engine mode that serves each.
-REQUEST_MODES = {"ssd": "ssd", "sd": "sd", "off": "ar"}
+REQUEST_MODES = {"auto": "auto", "ssd": "ssd", "sd": "sd", "off": "ar"}
+# Engine modes whose engine leases draft workers of its own from the pool.
+WORKER_MODES = ("ssd", "auto")
 
 
 # Where a served engine differs from EngineArgs' defaults (offline: sd over shared memory).
-SERVE_ENGINE_DEFAULTS = {"mode": "ssd", "draft_transport": "torch"}
+SERVE_ENGINE_DEFAULTS = {"mode": "auto", "draft_transport": "torch"}
 
 
 class AppConfig(BaseModel):
@@ -44,7 +46,7 @@ class AppConfig(BaseModel):
         "name (or 'ssd-demo' for "
         "the demo pair).",
     )
-    extra_modes: list[Literal["ssd", "sd", "off"]] = Field(
+    extra_modes: list[Literal["auto", "ssd", "sd", "off"]] = Field(
         default_factory=lambda: ["off"],
         description="Per-request speculation modes served besides engine.mode (each is one more "
         "engine on the same loaded "
@@ -63,8 +65,8 @@ class AppConfig(BaseModel):
         ge=0,
         le=4096,
         description="Draft deployment replicas: the shared pool of draft workers that target replicas lease from "
-        "(mode ssd). Each target replica leases engine.draft_workers of them, so the pool needs at least "
-        "target_replicas x engine.draft_workers; None = exactly that many.",
+        "(modes ssd and auto). Each target replica's ssd or auto engine leases engine.draft_workers of them, so "
+        "the pool needs at least target_replicas x engine.draft_workers x those engines; None = exactly that many.",
     )
     max_queue: int = Field(
         64,
@@ -129,14 +131,17 @@ class AppConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         self.engine.to_config()  # the engine's own checks, with its messages
-        ssd = "ssd" in (self.engine.mode, *self.extra_modes)
-        needed = self.target_replicas * self.engine.draft_workers
+        leasing = self._leasing_engines()
+        ssd = leasing > 0
+        needed = self.target_replicas * self.engine.draft_workers * leasing
         if ssd and self.draft_pool_size is not None and self.draft_pool_size < needed:
             # A replica that finds no free worker waits for one and then fails to start.
+            engines = f" x {leasing} engines (ssd and auto)" if leasing > 1 else ""
             raise ValueError(
-                f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers "
-                f"({self.target_replicas} x {self.engine.draft_workers} = {needed}): each target replica leases "
-                "engine.draft_workers workers of its own; raise draft_pool_size"
+                f"draft_pool_size ({self.draft_pool_size}) is below target_replicas x engine.draft_workers{engines} "
+                f"({self.target_replicas} x {self.engine.draft_workers}{f' x {leasing}' if leasing > 1 else ''} = "
+                f"{needed}): each target replica's ssd or auto engine leases engine.draft_workers workers of its "
+                "own; raise draft_pool_size"
             )
         if ssd and self.engine.draft_transport not in ("torch", "grpc"):
             raise ValueError(
@@ -144,6 +149,11 @@ class AppConfig(BaseModel):
                 "reached over 'torch' or 'grpc'"
             )
         return self
+
+    def _leasing_engines(self) -> int:
+        """Engines per target replica that lease draft workers (ssd and auto each do)."""
+        modes = {self.engine.mode, *(REQUEST_MODES[m] for m in self.extra_modes)}
+        return sum(m in WORKER_MODES for m in modes)
 
     def to_settings(self) -> "ServeSettings":
         """Every derived value, computed here once."""
@@ -154,7 +164,7 @@ class AppConfig(BaseModel):
         pool = (
             self.draft_pool_size
             if self.draft_pool_size is not None
-            else self.target_replicas * self.engine.draft_workers
+            else self.target_replicas * self.engine.draft_workers * self._leasing_engines()
         )
         return ServeSettings(
             engine=self.engine,
@@ -172,7 +182,7 @@ class AppConfig(BaseModel):
             default_max_tokens=self.default_max_tokens,
             chat_template=self.chat_template,
             max_grpc_message_bytes=self.max_grpc_message_bytes,
-            draft_pool_size=pool if "ssd" in engine_modes else 0,
+            draft_pool_size=pool if self._leasing_engines() else 0,
         )
 
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.config import API_KEY_ENV, ServeSettings
+from serve_app.config import API_KEY_ENV, WORKER_MODES, ServeSettings
 from serve_app.drain import DrainReporter
 from serve_app.engine_loop import EngineLoop, build_engines
 from serve_app.errors import APIError, overloaded
@@ -93,8 +93,8 @@ class TargetDeployment:
             yield chunk
             if chunk.finish_reason:
                 self.metrics.finished(chunk)
-                if chunk.mode == "ssd":
-                    self.metrics.engine(self.loop.engine_metrics("ssd"))
+                if chunk.mode in WORKER_MODES:
+                    self._engine_metrics(chunk.mode)
 
     def stats(self) -> dict:
         out = self.loop.stats()
@@ -109,11 +109,18 @@ class TargetDeployment:
         self.metrics.target_sequences.set(
             sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines)
         )
-        if "ssd" in self.loop.engines:  # also when idle: a lost worker shows without traffic
-            try:
-                self.metrics.engine(self.loop.engine_metrics("ssd"))
-            except (AttributeError, KeyError, RuntimeError) as err:  # read across threads: a slot changing mid-read
-                logger.warning("target metrics not updated this health check: %s", err)
+        for mode in WORKER_MODES:  # also when idle: a lost worker shows without traffic
+            if mode in self.loop.engines:
+                try:  # read across threads: a shard may change mid-read
+                    self._engine_metrics(mode)
+                except (AttributeError, KeyError, RuntimeError) as err:
+                    logger.warning("target metrics not updated this health check: %s", err)
+
+    def _engine_metrics(self, mode: str) -> None:
+        """The gauges and counters of the engine serving `mode` (one that leases draft workers)."""
+        figures = self.loop.engine_metrics(mode)
+        self.metrics.engine(figures)
+        self.metrics.auto(figures)
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -87,8 +87,8 @@ class GrpcFrontend:
             raise from_validation(err) from None
         spec = request.speculation
         mode = spec.mode or None
-        if mode not in (None, "ssd", "sd", "off"):
-            raise APIError(400, "speculation.mode must be ssd, sd or off", "speculation.mode", "invalid_value")
+        if mode not in (None, "auto", "ssd", "sd", "off"):
+            raise APIError(400, "speculation.mode must be auto, ssd, sd or off", "speculation.mode", "invalid_value")
         k = spec.k if spec.HasField("k") else None
         if k is not None and k > 32:
             raise APIError(400, "speculation.k must be at most 32", "speculation.k", "invalid_value")
@@ -104,6 +104,7 @@ class GrpcFrontend:
             tokens_per_round=s.get("tokens_per_round", 0.0),
             cache_hits=s.get("cache_hits", 0),
             cache_hit_rate=s.get("cache_hit_rate", 0.0),
+            rounds_by_mode=s.get("rounds_by_mode", {}),
         )
 
     @staticmethod

@@ -25,6 +25,7 @@ Names and meanings (the README's metrics reference lists the same):
 
 from __future__ import annotations
 
+import threading
 import time
 
 from ray.serve import metrics
@@ -43,6 +44,9 @@ PROMETHEUS_NAMES = (
     "ray_ssd_cache_misses_total",
     "ray_ssd_backup_rounds_total",
     "ray_ssd_rounds_total",
+    "ray_ssd_auto_switches_total",
+    "ray_ssd_mode_seconds_total",
+    "ray_ssd_mode_tokens_total",
     "ray_ssd_draft_workers_live",
     "ray_ssd_data_plane_wait_ms",
     "ray_ssd_target_retries_total",
@@ -112,6 +116,17 @@ class ServeMetrics:
         self.rounds = metrics.Counter(
             "ssd_rounds_total", "Verification rounds of generations, by engine mode.", tag_keys=("mode",)
         )
+        self.switches = metrics.Counter("ssd_auto_switches_total", "Mode switches of mode-auto engines.")
+        self.mode_seconds = metrics.Counter(
+            "ssd_mode_seconds_total",
+            "Seconds of mode-auto engines' rounds, by the mode they ran in.",
+            tag_keys=("mode",),
+        )
+        self.mode_tokens = metrics.Counter(
+            "ssd_mode_tokens_total", "Tokens committed by mode-auto engines' rounds, by mode.", tag_keys=("mode",)
+        )
+        self._auto_seen: dict[str, float] = {}  # the totals of auto engines already exported
+        self._auto_lock = threading.Lock()  # generate() and check_health() both export them
         self.live = metrics.Gauge("ssd_draft_workers_live", "Draft workers a target replica holds leases on.")
         self.wait_ms = metrics.Gauge(
             "ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers."
@@ -142,8 +157,9 @@ class ServeMetrics:
         rounds = s.get("rounds", 0)
         if not rounds:  # Ray's counters refuse inc(0)
             return
-        self.rounds.inc(rounds, tags={"mode": chunk.mode})
-        if chunk.mode != "ar":
+        for mode, n in s.get("rounds_by_mode", {}).items():  # auto: the mode each round ran in
+            self.rounds.inc(n, tags={"mode": mode})
+        if s.get("rounds_by_mode", {}).get("ar", 0) < rounds:  # some round speculated
             self.accepted.observe(s.get("mean_accepted_per_round", 0.0))
         counts = [
             (self.hits, s.get("cache_hits", 0), None),
@@ -154,6 +170,27 @@ class ServeMetrics:
         for metric, value, tags in counts:
             if value:
                 metric.inc(value, tags=tags)
+
+    def auto(self, engine_metrics: dict) -> None:
+        """Counters from a mode-auto engine's figures (LLMEngine.engine_metrics()["auto"]): what
+        grew since the last call."""
+        auto = engine_metrics.get("auto")
+        if auto is None:
+            return
+        totals = {"switches": auto["switches"]}
+        for mode, figures in auto["modes"].items():
+            totals[f"seconds.{mode}"], totals[f"tokens.{mode}"] = figures["seconds"], figures["tokens"]
+        with self._auto_lock:
+            grown_by = {key: value - self._auto_seen.get(key, 0) for key, value in totals.items()}
+            self._auto_seen.update(totals)
+        for key, grown in grown_by.items():
+            if grown <= 0:  # Ray's counters refuse inc(0)
+                continue
+            what, _, mode = key.partition(".")
+            if what == "switches":
+                self.switches.inc(grown)
+            else:
+                (self.mode_seconds if what == "seconds" else self.mode_tokens).inc(grown, tags={"mode": mode})
 
     def engine(self, engine_metrics: dict) -> None:
         """Gauges from an SSD engine's figures (LLMEngine.engine_metrics())."""

@@ -24,8 +24,10 @@ class Speculation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["ssd", "sd", "off"] | None = Field(
-        None, description="ssd, sd or off (plain decoding); None = the server's default."
+    mode: Literal["auto", "ssd", "sd", "off"] | None = Field(
+        None,
+        description="auto (the fastest of the three, as measured), ssd, sd or off (plain decoding); None = the "
+        "server's default.",
     )
     k: int | None = Field(
         None,

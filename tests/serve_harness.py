@@ -2,8 +2,8 @@
 module: a local Ray cluster, Serve's HTTP and gRPC proxies on ports the OS picked, and two
 applications:
 
-- "main" at /: SSD over the torch data plane on the tiny pair, with sd and off served too, an
-  API key, room for 32 concurrent streams;
+- "main" at /: SSD over the torch data plane on the tiny pair, with sd, off and auto served too,
+  an API key, room for 32 concurrent streams;
 - "small" at /small: plain SD with a batch of 1 and a queue of 1 answering 429, for backpressure.
 """
 
@@ -23,13 +23,13 @@ MAIN = {
         "draft_transport": "torch",
         "max_num_seqs": 8,
     },
-    "extra_modes": ["sd", "off"],
+    "extra_modes": ["sd", "off", "auto"],
     "max_queue": 64,
     "api_key": API_KEY,
     "max_n": 3,
     "max_body_bytes": 65536,
     "model_name": "tiny",
-    "draft_pool_size": 1,
+    "draft_pool_size": 2,  # the ssd engine's worker and the auto engine's
     "target_num_cpus": 1,
 }
 SMALL = {

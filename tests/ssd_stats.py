@@ -73,7 +73,7 @@ def sample_with_sources(
     last: dict[str, tuple[int, int, int]] = {}
     for out in llm.generate_stream([prompt_ids] * n, plist):
         m = out.metrics
-        now = (m["rounds"], m["backup_neural_rounds"], m["backup_fast_rounds"])
+        now = (m["rounds"], m.get("backup_neural_rounds", 0), m.get("backup_fast_rounds", 0))  # none: no ssd round yet
         before = last.get(out.request_id, (0, 0, 0))
         assert now[0] == before[0] + 1, (before, now)
         source = "neural" if now[1] > before[1] else "fast" if now[2] > before[2] else "cache"

@@ -115,10 +115,10 @@ class EngineRunner:
             dtype=ctx.dtype,
             draft_dtype=ctx.draft_dtype,
             device=ctx.device,
-            # SSD's draft process takes one core of the setting's budget for itself.
-            num_threads=max(1, ctx.num_threads - 1) if mode == "ssd" else ctx.num_threads,
+            # SSD's draft process (auto runs one too) takes one core of the setting's budget for itself.
+            num_threads=max(1, ctx.num_threads - 1) if mode in ("ssd", "auto") else ctx.num_threads,
             seed=ctx.seed,
-            **{**llm_kwargs, **(ctx.ssd_options if mode == "ssd" else {})},
+            **{**llm_kwargs, **(ctx.ssd_options if mode in ("ssd", "auto") else {})},
         )
 
     def generate(self, prompts: list[str], seeds: list[int], temperature: float, max_tokens: int) -> BatchCounters:
@@ -151,7 +151,7 @@ class EngineRunner:
                 for key, value in after.items()
                 if isinstance(value, int) and not isinstance(value, bool)
             },
-            gauges=dict(after.get("ssd", {})),
+            gauges={**after.get("ssd", {}), **({"auto": after["auto"]} if "auto" in after else {})},
         )
 
     def close(self) -> None:
@@ -325,6 +325,9 @@ register_mode(
     BenchMode(
         "ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd"), ssd=True
     )
+)
+register_mode(
+    BenchMode("auto", "each round in the fastest of ssd, sd and ar, as measured (this engine)", engine_mode("auto"))
 )
 register_mode(
     BenchMode(

@@ -26,10 +26,22 @@ class EngineArgs(BaseModel):
     draft: str | None = Field(
         None, description="Draft model (same vocabulary). None = bundled demo draft (when the target is the demo too)."
     )
-    mode: Literal["ar", "sd", "ssd"] = Field(
+    mode: Literal["ar", "sd", "ssd", "auto"] = Field(
         "sd",
         description="ar: target only; sd: ordinary speculative decoding; ssd: speculative "
-        "speculative decoding (Saguaro).",
+        "speculative decoding (Saguaro); auto: each round in whichever of ssd, sd and ar gives the most "
+        "tokens per second at the current batch size, as this engine measures them (ssd/engine/autopilot.py).",
+    )
+    auto_explore_every: int = Field(
+        512,
+        ge=1,
+        description="mode='auto': after this many rounds, each mode not in use is measured again for "
+        "auto_probe_rounds rounds, so an estimate that went stale is renewed.",
+    )
+    auto_probe_rounds: int = Field(
+        12,
+        ge=1,
+        description="mode='auto': measured rounds of each probe of a mode not in use (after one warm-up round).",
     )
     k: int = Field(6, ge=1, le=32, description="Speculation length K: draft tokens verified per round.")
     max_num_seqs: int = Field(16, ge=1, description="Most sequences decoded together (continuous batching).")
@@ -205,6 +217,8 @@ class EngineConfig:
     target: str
     draft: str | None
     mode: str
+    auto_explore_every: int
+    auto_probe_rounds: int
     k: int
     max_num_seqs: int
     max_model_len: int | None

@@ -67,6 +67,10 @@ class SpecMetrics:
     backup_neural: int = 0
     backup_fast: int = 0
     accepted_on_hit: int = 0
+    # Rounds by the mode they ran in (mode auto mixes them; any other mode has one).
+    ar_rounds: int = 0
+    sd_rounds: int = 0
+    ssd_rounds: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -81,9 +85,11 @@ class SpecMetrics:
     def tokens_per_round(self) -> float:
         return self.emitted_tokens / self.rounds if self.rounds else 0.0
 
-    def record(self, drafted: int, accepted: int, emitted: int, source: Source) -> None:
-        """One round of one sequence, whose speculation came from `source`."""
+    def record(self, drafted: int, accepted: int, emitted: int, source: Source, mode: str = "sd") -> None:
+        """One round of one sequence, run in `mode` (ar, sd, ssd), whose speculation came from
+        `source`."""
         self.rounds += 1
+        setattr(self, f"{mode}_rounds", getattr(self, f"{mode}_rounds") + 1)
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
@@ -107,6 +113,7 @@ class SpecMetrics:
             "mean_accepted_per_round": round(self.mean_accepted, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_round": round(self.tokens_per_round, 4),
+            "rounds_by_mode": {m: n for m in ("ssd", "sd", "ar") if (n := getattr(self, f"{m}_rounds"))},
         }
         ssd_rounds = self.cache_hits + self.backup_neural + self.backup_fast
         if ssd_rounds:

@@ -101,6 +101,24 @@ class SSDProposer:
         if gone:
             self.client.release(ReleaseMsg(gone))
 
+    def rejoin(self, seqs: list[Sequence]) -> None:
+        """The running sequences gained tokens in rounds of another mode (mode auto): the drafters
+        drop their state of them and are admitted them again with every committed token (one
+        prefill each), and what was prepared for them is stale."""
+        ids = [s.seq_id for s in seqs]
+        assert ids == self.order, "rejoin() with the batch the proposer holds"
+        self.prepared.clear()
+        self.next_fanout = []
+        self.client.release(ReleaseMsg(ids))
+        self.client.admit(
+            AdmitMsg(
+                ids,
+                [s.tokens_from(0) for s in seqs],
+                [int(torch.randint(2**62, (1,), generator=self.backup_rng[i])) for i in ids],
+                [s.sampling for s in seqs],
+            )
+        )
+
     def close(self) -> None:
         self.client.close()
 

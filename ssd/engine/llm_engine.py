@@ -5,8 +5,9 @@ A round, for the b running sequences:
     target forward over [last token, speculation]  -> target_probs [b, K+1, V]
     verify(...)                                 -> num_accepted [b], bonus_tokens [b]
     roll back rejected columns of the target cache; append accepted + bonus under stop rules
-Mode ar has no proposer (K = 0: the "bonus" is the next token). Between rounds the target cache
-of every running sequence holds all its tokens but the last one.
+Mode ar has no proposer (K = 0: the "bonus" is the next token); mode auto runs each round in
+ar, sd or ssd as its ModeChooser decides (autopilot.py). Between rounds the target cache of every
+running sequence holds all its tokens but the last one.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from ssd.core.sampling import BatchSampling, process_logits
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
+from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.metrics import EngineMetrics
-from ssd.engine.proposers import WorkerProviderFactory, build_proposer
+from ssd.engine.proposers import WorkerProviderFactory, build_proposers
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify
 from ssd.model.runner import pad_rows, target_runner
@@ -51,7 +53,14 @@ class LLMEngine:
         self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
         self.vocab_size = self.target.vocab_size
         self.cache = self.target.new_cache()
-        self.proposer: Proposer | None = build_proposer(config, draft_model, self.vocab_size, worker_provider)
+        self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
+        # Mode auto chooses each round's mode; any other mode is every round's.
+        self.chooser = None
+        if config.mode == "auto":
+            self.chooser = ModeChooser(AUTO_MODES, config.auto_explore_every, config.auto_probe_rounds)
+        self.mode = AUTO_MODES[0] if self.chooser is not None else config.mode  # of the round being run
+        self.proposer: Proposer | None = self.proposers.get(self.mode)
+        self._ssd_behind = False  # rounds ran in another mode since SSD's last: its drafters must rejoin
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -138,15 +147,15 @@ class LLMEngine:
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in new])
         self.target.forward(cache, tokens, valid)
         self.cache.extend(cache)
-        if self.proposer is not None:
-            self.proposer.add(new)
+        for proposer in self.proposers.values():
+            proposer.add(new)
         self.running.extend(new)
 
     def _keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long)
         self.cache.select(index)
-        if self.proposer is not None:
-            self.proposer.keep(index)
+        for proposer in self.proposers.values():
+            proposer.keep(index)
         self.running = [self.running[i] for i in rows]
 
     def _round_k(self) -> int:
@@ -163,6 +172,7 @@ class LLMEngine:
         if not self.running:
             return []
         started = time.perf_counter()
+        self._choose_mode()
         sampling = BatchSampling.of([s.sampling for s in self.running])
         k = self._round_k()
         with self.metrics.timed("draft"):
@@ -179,9 +189,23 @@ class LLMEngine:
         if self.proposer is not None and k > 0:
             with self.metrics.timed("draft"):
                 self.proposer.observe(seqs, spec, outcome)
+        batch = len(seqs)
         self._retire_finished()
-        self._account(time.perf_counter() - started, spec, tokens)
+        self._account(time.perf_counter() - started, spec, tokens, batch)
         return outputs
+
+    def _choose_mode(self) -> None:
+        """Mode auto: this round's mode and proposer; SSD's drafters rejoin first when rounds in
+        another mode added tokens they have not seen (ssd/engine/autopilot.py)."""
+        if self.chooser is None:
+            return
+        self.mode = self.chooser.choose(len(self.running))
+        self.proposer = self.proposers.get(self.mode)
+        if self.mode != "ssd":
+            self._ssd_behind = True
+        elif self._ssd_behind:
+            self.proposers["ssd"].rejoin(self.running)
+            self._ssd_behind = False
 
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
         """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
@@ -218,7 +242,7 @@ class LLMEngine:
         for r, seq in enumerate(self.running):
             new_tokens = drafted[r][: accepted[r]] + [bonus[r]]
             for m in (seq.metrics, round_metrics):
-                m.record(num_draft[r], accepted[r], len(new_tokens), sources[r])
+                m.record(num_draft[r], accepted[r], len(new_tokens), sources[r], self.mode)
             appended += self.stopper.append(seq, new_tokens)
             outputs.append(self._output(seq))
         self.metrics.generated_tokens += appended
@@ -231,20 +255,25 @@ class LLMEngine:
             self.metrics.finished_requests += len(self.running) - len(keep)
             self._keep(keep)
 
-    def _account(self, elapsed: float, spec: Speculation, tokens: int) -> None:
+    def _account(self, elapsed: float, spec: Speculation, tokens: int, batch: int) -> None:
         """The step's wall time; a step in which every row hit the SSD cache also counts towards
-        Theorem 7's bound (EngineMetrics)."""
+        Theorem 7's bound (EngineMetrics); mode auto learns from every step."""
         self.metrics.step_seconds += elapsed
+        if self.chooser is not None:
+            self.chooser.record(self.mode, batch, elapsed, tokens)
         if spec.k > 0 and spec.source is not None and bool((spec.source == int(Source.CACHE)).all()):
             self.metrics.hit_steps += 1
             self.metrics.hit_step_seconds += elapsed
             self.metrics.hit_step_tokens += tokens
 
     def engine_metrics(self) -> dict:
-        stats = getattr(self.proposer, "stats", None)
-        if stats is not None:
-            self.metrics.extra = stats()
-        return self.metrics.as_dict()
+        ssd = self.proposers.get("ssd")
+        if ssd is not None:
+            self.metrics.extra = ssd.stats()
+        out = self.metrics.as_dict()
+        if self.chooser is not None:
+            out["auto"] = self.chooser.stats(max(1, len(self.running)))
+        return out
 
     def _output(self, seq: Sequence) -> CompletionOutput:
         text = self.stopper.text(seq)  # incremental: no full decode per round
@@ -265,5 +294,5 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        if self.proposer is not None:
-            self.proposer.close()
+        for proposer in self.proposers.values():
+            proposer.close()

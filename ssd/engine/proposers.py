@@ -1,5 +1,5 @@
-"""The engine's proposer for its mode: none (ar), the SD proposer, or SSD's, whose drafter is in
-this thread (draft_transport="inprocess") or a pool of workers from a worker provider.
+"""The engine's proposers for its mode: none (ar), the SD proposer, SSD's, or both (auto). SSD's
+drafter is in this thread (draft_transport="inprocess") or a pool of workers from a worker provider.
 
 The provider is injected: `worker_provider(config, vocab) -> WorkerProvider` is what the caller
 passes (LLM(worker_provider=...); the serving package passes its Ray one). Without one, the
@@ -28,13 +28,20 @@ WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
 WORKER_MODULE = "ssd.worker"
 
 
-def build_proposer(
+def build_proposers(
     config: EngineConfig, draft_model, vocab: int, worker_provider: WorkerProviderFactory | None = None
-) -> Proposer | None:
-    if config.mode == "sd":
-        return SDProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab)
-    if config.mode != "ssd":
-        return None
+) -> dict[str, Proposer]:
+    """The proposer of every mode the engine may run a round in (ar has none): auto runs both."""
+    modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
+    proposers: dict[str, Proposer] = {}
+    if "sd" in modes:
+        proposers["sd"] = SDProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab)
+    if "ssd" in modes:
+        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
+    return proposers
+
+
+def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
     if config.draft_transport == "inprocess":
         drafter = TreeDrafter(
             draft_runner(draft_model, config.draft_device, config.lean_forward), vocab, config.k, config.saguaro_c

@@ -76,7 +76,7 @@ def test_ssd_serve_starts_answers_and_stops_clean():
         curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60)
         body = json.loads(out.stdout)
-        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["speculation"][0]["mode"] == "ssd"
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["speculation"][0]["mode"] == "auto"
         assert requests.get(f"http://127.0.0.1:{http}/health", timeout=10).status_code == 200
         drained = drain_under_load(proc, f"http://127.0.0.1:{http}")
     finally:
@@ -190,7 +190,7 @@ def test_flags_override_the_config_file():
     config = app_config_from(args)
     assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
     assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
-    assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "ssd"  # the served default
+    assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "auto"  # the served default
     # The pool's size defaults to what the targets lease: target_replicas x engine.draft_workers.
     for flags, pool in (
         (["--draft-workers", "2"], 2),

@@ -31,14 +31,15 @@ def scrape(url: str) -> dict[str, float]:
 
 def test_every_metric_is_exported_and_follows_the_traffic(served):
     headers = {"Authorization": f"Bearer {served.api_key}"}
-    for _ in range(2):
+    for mode in ("ssd", "auto"):  # the default engine, and the auto one's counters
+        # 96 tokens: enough rounds for the auto engine to probe past its first mode (a switch)
+        tokens = 24 if mode == "ssd" else 96
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
         r = requests.post(
-            served.http + "/v1/completions",
-            headers=headers,
-            timeout=60,
-            json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+            served.http + "/v1/completions", headers=headers, timeout=60, json={**body, "speculation": {"mode": mode}}
         )
         assert r.status_code == 200
+        assert sum(r.json()["speculation"][0]["rounds_by_mode"].values()) == r.json()["speculation"][0]["rounds"]
     deadline = time.monotonic() + 90
     while True:
         values = scrape(served.metrics)

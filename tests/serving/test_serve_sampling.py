@@ -1,5 +1,6 @@
-"""Sampling through the default served path is exact: SSD with Ray draft worker replicas over
-the torch data plane, behind the OpenAI endpoint. Thousands of seeded samples of one prompt at
+"""Sampling through the default served path is exact: mode auto (rounds in ssd, sd and ar, its
+switches forced every few rounds) with Ray draft worker replicas over the torch data plane,
+behind the OpenAI endpoint. Thousands of seeded samples of one prompt at
 temperature 1 (requests of 50 choices each, batched continuously in the target replica) are
 grouped by the context each token followed and tested by chi-square against the target's exact
 next-token distribution (tests/ssd_stats.py, whose check is shown to fail on a drafter that
@@ -26,12 +27,21 @@ PER_REQUEST = 50
 
 @pytest.fixture(scope="module")
 def stat_app(served, tmp_path_factory):
-    """A third application on the session's cluster: the peaked pair, SSD, its own draft worker."""
+    """A third application on the session's cluster: the peaked pair, mode auto switching every
+    few rounds, its own draft worker."""
     from serve_app.app import build_app
 
     target, draft = save_peaked_pair(tmp_path_factory.mktemp("peaked_serve"))
     config = {
-        "engine": {"target": target, "draft": draft, "mode": "ssd", "k": STAT_K, "max_num_seqs": 256},
+        "engine": {
+            "target": target,
+            "draft": draft,
+            "mode": "auto",
+            "auto_explore_every": 2,
+            "auto_probe_rounds": 1,
+            "k": STAT_K,
+            "max_num_seqs": 256,
+        },
         "extra_modes": [],
         "max_n": PER_REQUEST,
         "max_queue": N,
@@ -43,7 +53,7 @@ def stat_app(served, tmp_path_factory):
     serve.delete("stat")
 
 
-def test_served_ssd_samples_follow_the_target_distribution(served, stat_app):
+def test_served_auto_samples_follow_the_target_distribution(served, stat_app):
     client = openai.AsyncOpenAI(base_url=served.http + "/stat/v1", api_key=served.api_key, max_retries=0, timeout=600)
 
     async def sample():
@@ -66,6 +76,8 @@ def test_served_ssd_samples_follow_the_target_distribution(served, stat_app):
     assert len(samples) == N and all(len(s) == STAT_MAX_TOKENS for s in samples)
     hits = sum(s.get("cache_hits", 0) for r in responses for s in r.model_extra["speculation"])
     assert hits > 0  # the speculation cache served rounds
+    for mode in ("ssd", "sd", "ar"):  # and every mode served some
+        assert sum(s["rounds_by_mode"].get(mode, 0) for r in responses for s in r.model_extra["speculation"]) > 50
     prompt_ids = AutoTokenizer.from_pretrained(stat_app).encode(STAT_PROMPT, add_special_tokens=False)
     target = AutoModelForCausalLM.from_pretrained(stat_app).eval()
     p, tested, df = check_conditionals(target, prompt_ids, samples, SamplingParams(temperature=1.0))["all"]

@@ -1,0 +1,217 @@
+"""Mode `auto`: each round, the decoding mode (ssd, sd or ar) that gives the most tokens per
+second now, judged from this engine's own measurements.
+
+What is measured: for each mode and batch-size bucket (1, 2, 3-4, 5-8, ...), moving averages of
+a round's wall time and of the tokens it committed (every row's accepted tokens plus its bonus
+token). Their ratio is the mode's tokens per second at that batch size: it holds every term of
+Theorem 7 and of the SD round it competes with (hit rate, acceptance, draft and verify times,
+the batch's all-rows-hit condition) as they are on this hardware now, without a model of them.
+
+Granularity: a round, for the whole batch (one target forward serves every row, so a round has
+one mode). Switching is lossless because every mode is exact. What a switch costs: into sd,
+nothing but one draft forward over the tokens the draft's cache missed (SDProposer catches up);
+into ar, nothing; into ssd after rounds in another mode, the draft workers' state is rebuilt
+(SSDProposer.rejoin: their rows released and admitted again with the committed tokens), and its
+first rounds have no cache to hit. So the first `warmup` rounds after a switch (one more for
+ssd) are counted in the totals but not in the estimates, and a switch needs the other mode to
+be better by `margin`. The mode in use updates its estimate every round over a long window
+(`weight`); a probe moves its mode's estimate `probe_weight` of the way to the probe's mean,
+but replaces a mode's first estimate, which a cold engine measured (workers just spawned,
+kernels used for the first time).
+
+Exploration, bounded: every mode is probed once at the start (`probe_rounds` measured rounds
+each); then each other mode is probed again, the one measured longest ago first, after
+`first_period` rounds, then twice as late each time up to every `explore_every` rounds, so an
+estimate that went stale is measured again; a mode far behind the one in use (below `far` x),
+only every `far_every`-th time. A bucket not measured in every mode is judged by the
+nearest one that is, and probed once the batch has stayed in it for `settle_rounds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+AUTO_MODES = ("ssd", "sd", "ar")  # the modes auto chooses among
+
+
+def bucket_of(batch: int) -> int:
+    """The batch-size bucket: the smallest power of two >= batch (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+@dataclass
+class _Estimate:
+    """Moving averages of one (mode, bucket): seconds and tokens per round."""
+
+    seconds: float
+    tokens: float
+    measured_at: int  # the chooser's round count at the last measurement
+    # Made by the mode's first probe since the engine started: it paid one-time costs (workers
+    # just spawned, kernels used for the first time), so the next probe replaces it.
+    cold: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+@dataclass
+class _Totals:
+    rounds: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ModeChooser:
+    """Chooses each round's mode (choose) and learns from what the round did (record)."""
+
+    modes: tuple[str, ...] = AUTO_MODES
+    explore_every: int = 512
+    probe_rounds: int = 12
+    warmup: int = 1
+    margin: float = 0.05
+    # Of a new round in the moving averages of the mode in use: SSD's rounds are bimodal (a hit
+    # costs little, a miss a backup round; at batch 1 each new request starts with a miss), so the
+    # window is long (~1/weight rounds). A probe instead moves its mode's estimate half way to
+    # what the probe measured.
+    weight: float = 1 / 128
+    probe_weight: float = 0.5
+    current: str = ""
+    switches: int = 0
+    rounds: int = 0
+    _since_switch: int = 0  # rounds in the current mode (the first `warmup` are not measured)
+    _since_explore: int = 0
+    _period: int = 0  # rounds between explorations: first_period, doubling up to explore_every
+    first_period: int = 64  # early estimates come from a cold start (new workers, first batches)
+    far: float = 0.7  # a mode below far x the one in use is probed every far_every-th exploration
+    far_every: int = 4
+    _explorations: int = 0
+    settle_rounds: int = 16  # rounds at a bucket not measured in every mode before it is probed
+    _unjudged: dict[int, int] = field(default_factory=dict)  # bucket -> rounds chosen from another's
+    _probe_left: int = 0  # measured rounds the current probe still needs (0: not probing)
+    _probe_sum: tuple[float, float, int] = (0.0, 0.0, 0)  # the probe's seconds, tokens, rounds so far
+    _probes: list[str] = field(default_factory=list)  # modes still to probe, in order
+    _estimates: dict[tuple[str, int], _Estimate] = field(default_factory=dict)
+    _totals: dict[str, _Totals] = field(default_factory=dict)
+    _warm: set[str] = field(default_factory=set)  # modes probed since the engine started
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.modes[0]
+        self._totals = {m: _Totals() for m in self.modes}
+        self._period = min(self.first_period, self.explore_every)
+
+    def choose(self, batch: int) -> str:
+        """The mode of the next round for a batch of `batch` rows."""
+        bucket = bucket_of(batch)
+        if self._probe_left > 0:
+            return self.current
+        if self._probes:
+            return self._switch(self._probes.pop(0), probe=True)
+        if self._since_explore >= self._period:
+            return self._explore(bucket)
+        judged_at = self._judged_at(bucket)
+        if judged_at != bucket:
+            # A cold start, or a bucket the batch stayed in: measure its unmeasured modes.
+            self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
+            if judged_at is None or self._unjudged[bucket] > self.settle_rounds:
+                unmeasured = [m for m in self.modes if (m, bucket) not in self._estimates]
+                self._probes = unmeasured[1:]
+                return self._switch(unmeasured[0], probe=True)
+        return self._switch(self._best(judged_at), probe=False)
+
+    def _explore(self, bucket: int) -> str:
+        """Probe the other modes at this bucket, the unmeasured first, then the one measured
+        longest ago; a mode far behind (below `far` x the mode in use) only every `far_every`-th
+        exploration, as its probe costs the most and is least likely to change the choice. The
+        next exploration comes twice as late, up to explore_every."""
+        self._explorations += 1
+        est = {m: self._estimates.get((m, bucket)) for m in self.modes}
+        now = est[self.current].tokens_per_second if est[self.current] is not None else 0.0
+        due = self._explorations % self.far_every == 0
+
+        def worth(m: str) -> bool:
+            return est[m] is None or est[m].cold or due or est[m].tokens_per_second >= self.far * now
+
+        others = [m for m in self.modes if m != self.current and worth(m)]
+        self._probes = sorted(others, key=lambda m: -1 if est[m] is None else est[m].measured_at)
+        self._since_explore, self._period = 0, min(2 * self._period, self.explore_every)
+        if not self._probes:
+            return self.current
+        return self._switch(self._probes.pop(0), probe=True)
+
+    def _judged_at(self, bucket: int) -> int | None:
+        """The bucket whose estimates judge this one: itself when every mode was measured there,
+        else the nearest such bucket (a batch that shrinks as its requests finish passes through
+        buckets briefly: they are measured when an exploration finds them); None: none yet."""
+        complete = {b for (_, b) in self._estimates if all((m, b) in self._estimates for m in self.modes)}
+        if not complete:
+            return None
+        return min(complete, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+
+    def record(self, mode: str, batch: int, seconds: float, tokens: int) -> None:
+        """What one round in `mode` (the one choose() returned) did: its wall time and the tokens
+        it committed."""
+        self.rounds += 1
+        self._since_switch += 1
+        self._since_explore += 1
+        total = self._totals[mode]
+        total.rounds, total.tokens, total.seconds = total.rounds + 1, total.tokens + tokens, total.seconds + seconds
+        # ssd's second round after a switch may still miss: its drafters prefilled the rejoined
+        # sequences during the first, and may not have finished a tree for it.
+        warmup = self.warmup + (mode == "ssd")
+        if self._since_switch <= warmup:
+            return  # a switch's first rounds pay for the switch: not what the mode costs per round
+        key = (mode, bucket_of(batch))
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            s, t, n = self._probe_sum
+            self._probe_sum = (s + seconds, t + tokens, n + 1)
+            if self._probe_left == 0:  # the probe's mean per round: new, replacing a cold one, or blended in
+                s, t, n = self._probe_sum
+                old = self._estimates.get(key)
+                if old is None or old.cold:
+                    self._estimates[key] = _Estimate(s / n, t / n, self.rounds, cold=mode not in self._warm)
+                    self._warm.add(mode)
+                else:
+                    self._update(key, s / n, t / n, self.probe_weight)
+            return
+        self._update(key, seconds, tokens, self.weight)
+
+    def _update(self, key: tuple[str, int], seconds: float, tokens: float, weight: float) -> None:
+        old = self._estimates.get(key)
+        if old is None:
+            self._estimates[key] = _Estimate(seconds, tokens, self.rounds)
+            return
+        w = weight
+        old.seconds, old.tokens = (1 - w) * old.seconds + w * seconds, (1 - w) * old.tokens + w * tokens
+        old.measured_at, old.cold = self.rounds, False
+
+    def _best(self, bucket: int) -> str:
+        rates = {m: self._estimates[(m, bucket)].tokens_per_second for m in self.modes}
+        best = max(rates, key=rates.get)
+        # Stay unless the best is better by the margin: a switch into ssd costs a rebuild.
+        return best if rates[best] > rates[self.current] * (1 + self.margin) else self.current
+
+    def _switch(self, mode: str, probe: bool) -> str:
+        if mode != self.current:
+            self.current, self._since_switch = mode, 0
+            self.switches += 1
+        if probe:
+            self._probe_left, self._probe_sum = self.probe_rounds, (0.0, 0.0, 0)
+        return mode
+
+    def stats(self, batch: int) -> dict:
+        """The live figures: the mode in use, switches, and per mode its totals and its estimate
+        at the bucket of `batch` (tokens per second; None = not measured there yet)."""
+        bucket = bucket_of(batch)
+        per_mode = {}
+        for m in self.modes:
+            est, total = self._estimates.get((m, bucket)), self._totals[m]
+            per_mode[m] = {
+                "rounds": total.rounds,
+                "tokens": total.tokens,
+                "seconds": round(total.seconds, 6),
+                "estimated_tokens_per_second": None if est is None else round(est.tokens_per_second, 2),
+            }
+        return {"mode": self.current, "switches": self.switches, "bucket": bucket, "modes": per_mode}

@@ -1,0 +1,142 @@
+"""Mode auto (ssd/engine/autopilot.py): each round in whichever of ssd, sd and ar measures the
+most tokens per second. The chooser against scripted costs; the engine's output, with switches
+forced every few rounds, equal to Hugging Face's greedy output and distributed as the target's
+at T=1; and a draft made slow on purpose, or plain decoding made slow, moving the choice."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from ssd_stats import STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
+from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
+    check_greedy,
+    no_leaked_workers,
+    prompts,
+    tiny_reference,
+)
+
+from ssd import LLM, SamplingParams
+from ssd.drafting.sd_proposer import SDProposer
+from ssd.drafting.ssd_proposer import SSDProposer
+from ssd.engine.autopilot import ModeChooser, bucket_of
+from ssd.engine.llm_engine import LLMEngine
+
+P_MIN = 1e-3
+# Switch every few rounds: every round is a probe of the next mode.
+SWITCHING = dict(mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, auto_explore_every=2, auto_probe_rounds=1)
+
+
+# ---- the chooser against scripted costs -------------------------------------------------------
+
+
+def drive(chooser: ModeChooser, rates, rounds: int, batch: int = 1) -> list[str]:
+    """Run `rounds` rounds where mode m commits rates(m, batch) tokens in one second; -> the modes."""
+    chosen = []
+    for _ in range(rounds):
+        mode = chooser.choose(batch)
+        chosen.append(mode)
+        chooser.record(mode, batch, 1.0, rates(mode, batch))
+    return chosen
+
+
+def test_the_chooser_settles_on_the_fastest_mode_within_its_probes():
+    chooser = ModeChooser(explore_every=100, first_period=100, probe_rounds=4, warmup=1)
+    chosen = drive(chooser, lambda m, b: {"ssd": 5.0, "sd": 4.0, "ar": 1.0}[m], 100)
+    settled = 3 * (1 + 4) + 1  # each mode probed once: a warm-up round (two for ssd) and four measured
+    assert chosen[settled:] == ["ssd"] * (100 - settled), chosen
+    chooser = ModeChooser(explore_every=100, first_period=100, probe_rounds=4, warmup=1)
+    chosen = drive(chooser, lambda m, b: {"ssd": 2.0, "sd": 4.0, "ar": 3.0}[m], 100)
+    assert chosen[settled:] == ["sd"] * (100 - settled), chosen
+
+
+def test_a_stale_estimate_is_measured_again_and_the_choice_follows():
+    """sd is best until the draft gets slow; within about twice the averaging window (1/weight
+    rounds) the chooser moves to ar."""
+    chooser = ModeChooser(explore_every=40, probe_rounds=3, warmup=1, weight=1 / 32)
+    drive(chooser, lambda m, b: {"ssd": 3.0, "sd": 4.0, "ar": 2.0}[m], 60)
+    assert chooser.current == "sd"
+    chosen = drive(chooser, lambda m, b: {"ssd": 1.0, "sd": 1.5, "ar": 2.0}[m], 2 * 32 + 2 * 5 + 30)
+    # The last 30 rounds: ar, but for at most one exploration's probes of the two others.
+    assert chosen[-30:].count("ar") >= 30 - 2 * (3 + 2), chosen
+
+
+def test_exploration_is_bounded():
+    """Away from the best mode: (modes - 1) x (probe_rounds + warmup) rounds per exploration, the
+    explorations first_period apart, then twice that, ..., up to explore_every."""
+    chooser = ModeChooser(explore_every=64, first_period=16, probe_rounds=4, warmup=1)
+    chosen = drive(chooser, lambda m, b: {"ssd": 5.0, "sd": 4.0, "ar": 1.0}[m], 15 + 64 * 10)
+    away = sum(m != "ssd" for m in chosen[15:])
+    explorations = 2 + 64 * 10 // 64  # at 16 and 32 rounds, then every 64
+    assert 0 < away <= explorations * 2 * (4 + 1), away
+    assert chooser.switches <= 3 + 3 * explorations  # out to each probe and back
+
+
+def test_the_choice_is_per_batch_size():
+    """A large batch rarely hits in every row, so ssd loses there while it wins alone."""
+
+    def rates(mode, batch):
+        return {"ssd": 5.0 if batch == 1 else 3.0, "sd": 4.0, "ar": 1.0}[mode] * batch
+
+    chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=3, warmup=1)
+    assert drive(chooser, rates, 40, batch=1)[-5:] == ["ssd"] * 5
+    # A batch of 16 is judged by the bucket of 1 for a few rounds (a batch passing through a
+    # bucket is not worth probing), then measured: settle_rounds + 2 probes.
+    at_16 = drive(chooser, rates, 60, batch=16)
+    assert at_16[:16] == ["ssd"] * 16 and at_16[-5:] == ["sd"] * 5, at_16
+    assert drive(chooser, rates, 10, batch=1)[-5:] == ["ssd"] * 5  # the bucket of 1 was kept
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+def test_auto_greedy_matches_hf_with_switches_every_few_rounds(tiny_pair, prompts, tiny_reference):
+    with LLM(*tiny_pair, max_num_seqs=2, **SWITCHING) as llm:
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    by_mode = m["rounds_by_mode"]
+    assert set(by_mode) == {"ssd", "sd", "ar"} and min(by_mode.values()) > 10, by_mode
+    assert m["auto"]["switches"] > 20 and m["ssd"]["draft_worker_failures"] == 0, m["auto"]
+    assert m["cache_hits"] > 0, m  # ssd rounds after a rejoin still hit
+
+
+def test_auto_samples_follow_the_target_distribution_with_switches(peaked_pair, peaked_target):
+    """Chi-square at T=1 over the emitted tokens of 3000 seeded requests, rounds in all three modes."""
+    params = SamplingParams(temperature=1.0)
+    with LLM(*peaked_pair, **{**SWITCHING, "k": STAT_K, "max_num_seqs": 16}) as llm:
+        prompt_ids = llm.tokenizer.encode(STAT_PROMPT, add_special_tokens=False)
+        samples = sample_with_sources(llm, prompt_ids, params, seed_base=9_100_000)
+        m = llm.metrics()
+    assert min(m["rounds_by_mode"].get(mode, 0) for mode in ("ssd", "sd", "ar")) > 100, m["rounds_by_mode"]
+    p, tested, _ = check_conditionals(peaked_target, prompt_ids, samples, params)["all"]
+    assert p > P_MIN and tested > 10_000, (p, tested)
+
+
+def _slowed(cls, name: str, seconds: float, when=lambda *a: True):
+    original = getattr(cls, name)
+
+    def slow(self, *args, **kwargs):
+        if when(*args):
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    return slow
+
+
+@pytest.mark.parametrize("slow", ["draft", "plain"])
+def test_a_slow_draft_moves_auto_to_plain_decoding_and_slow_plain_decoding_to_speculation(tiny_pair, monkeypatch, slow):
+    if slow == "draft":  # every speculative round waits 60 ms for its draft
+        monkeypatch.setattr(SDProposer, "propose", _slowed(SDProposer, "propose", 0.06))
+        monkeypatch.setattr(SSDProposer, "propose", _slowed(SSDProposer, "propose", 0.06))
+    else:  # a round without speculation waits 60 ms
+        monkeypatch.setattr(LLMEngine, "_verify", _slowed(LLMEngine, "_verify", 0.06, lambda spec, _s: spec.k == 0))
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    with LLM(*tiny_pair, mode="auto", k=4, auto_explore_every=32, auto_probe_rounds=3) as llm:
+        llm.generate(["def add(a, b):"], params)
+        auto = llm.metrics()["auto"]
+    expected = {"ar"} if slow == "draft" else {"ssd", "sd"}
+    assert auto["mode"] in expected, auto
+    rounds = {mode: figures["rounds"] for mode, figures in auto["modes"].items()}
+    chosen = sum(rounds[m] for m in expected)
+    assert chosen >= 0.6 * sum(rounds.values()), auto
