@@ -228,7 +228,7 @@ def _shutdown(started: bool, signals: _Signals) -> None:
 
 
 COMMAND = Command(
-    help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, SSD, on "
+    help="Serve the OpenAI-compatible HTTP API and the gRPC API with Ray Serve (default: the demo pair, mode auto, on "
     "this machine).",
     add_arguments=add_arguments,
     run=run,

@@ -35,7 +35,7 @@ class AppConfig(BaseModel):
 
     engine: EngineArgs = Field(
         default_factory=lambda: EngineArgs(**SERVE_ENGINE_DEFAULTS),
-        description="Engine options (see EngineArgs; here mode defaults to ssd and draft_transport "
+        description="Engine options (see EngineArgs; here mode defaults to auto and draft_transport "
         "to torch): target, draft, "
         "mode, k, ssd_budget, saguaro_c, draft_transport, "
         "draft_workers (D leased per target replica), draft_worker_resources, max_num_seqs (the maximum batch), ...",
