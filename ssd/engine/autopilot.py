@@ -77,17 +77,17 @@ class ModeChooser:
     # what the probe measured.
     weight: float = 1 / 128
     probe_weight: float = 0.5
+    first_period: int = 64  # early estimates come from a cold start (new workers, first batches)
+    far: float = 0.7  # a mode below far x the one in use is probed every far_every-th exploration
+    far_every: int = 4
+    settle_rounds: int = 16  # rounds at a bucket not measured in every mode before it is probed
     current: str = ""
     switches: int = 0
     rounds: int = 0
     _since_switch: int = 0  # rounds in the current mode (the first `warmup` are not measured)
     _since_explore: int = 0
     _period: int = 0  # rounds between explorations: first_period, doubling up to explore_every
-    first_period: int = 64  # early estimates come from a cold start (new workers, first batches)
-    far: float = 0.7  # a mode below far x the one in use is probed every far_every-th exploration
-    far_every: int = 4
     _explorations: int = 0
-    settle_rounds: int = 16  # rounds at a bucket not measured in every mode before it is probed
     _unjudged: dict[int, int] = field(default_factory=dict)  # bucket -> rounds chosen from another's
     _probe_left: int = 0  # measured rounds the current probe still needs (0: not probing)
     _probe_sum: tuple[float, float, int] = (0.0, 0.0, 0)  # the probe's seconds, tokens, rounds so far
