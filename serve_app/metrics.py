@@ -125,7 +125,7 @@ class ServeMetrics:
         self.mode_tokens = metrics.Counter(
             "ssd_mode_tokens_total", "Tokens committed by mode-auto engines' rounds, by mode.", tag_keys=("mode",)
         )
-        self._auto_seen: dict[str, float] = {}  # the totals of auto engines already exported
+        self._auto_seen: dict[tuple, float] = {}  # the totals of auto engines already exported
         self._auto_lock = threading.Lock()  # generate() and check_health() both export them
         self.live = metrics.Gauge("ssd_draft_workers_live", "Draft workers a target replica holds leases on.")
         self.wait_ms = metrics.Gauge(
@@ -177,20 +177,17 @@ class ServeMetrics:
         auto = engine_metrics.get("auto")
         if auto is None:
             return
-        totals = {"switches": auto["switches"]}
+        # (counter, its tags) -> the engine's total now
+        totals = {(self.switches, None): auto["switches"]}
         for mode, figures in auto["modes"].items():
-            totals[f"seconds.{mode}"], totals[f"tokens.{mode}"] = figures["seconds"], figures["tokens"]
+            totals[(self.mode_seconds, mode)] = figures["seconds"]
+            totals[(self.mode_tokens, mode)] = figures["tokens"]
         with self._auto_lock:
             grown_by = {key: value - self._auto_seen.get(key, 0) for key, value in totals.items()}
             self._auto_seen.update(totals)
-        for key, grown in grown_by.items():
-            if grown <= 0:  # Ray's counters refuse inc(0)
-                continue
-            what, _, mode = key.partition(".")
-            if what == "switches":
-                self.switches.inc(grown)
-            else:
-                (self.mode_seconds if what == "seconds" else self.mode_tokens).inc(grown, tags={"mode": mode})
+        for (counter, mode), grown in grown_by.items():
+            if grown > 0:  # Ray's counters refuse inc(0)
+                counter.inc(grown, tags=None if mode is None else {"mode": mode})
 
     def engine(self, engine_metrics: dict) -> None:
         """Gauges from an SSD engine's figures (LLMEngine.engine_metrics())."""

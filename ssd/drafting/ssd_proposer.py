@@ -80,10 +80,15 @@ class SSDProposer:
             )
             self.ngram[s.seq_id] = NgramIndex()  # filled on first use: most rows never need it
         self.order.extend(s.seq_id for s in seqs)
+        self._admit(seqs)
+
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """The drafters admit `seqs` with every token they have committed (a new sequence: its
+        prompt), each with a seed from its backup generator."""
         self.client.admit(
             AdmitMsg(
                 [s.seq_id for s in seqs],
-                [list(s.prompt_ids) for s in seqs],
+                [s.tokens_from(0) for s in seqs],
                 [int(torch.randint(2**62, (1,), generator=self.backup_rng[s.seq_id])) for s in seqs],
                 [s.sampling for s in seqs],
             )
@@ -110,14 +115,7 @@ class SSDProposer:
         self.prepared.clear()
         self.next_fanout = []
         self.client.release(ReleaseMsg(ids))
-        self.client.admit(
-            AdmitMsg(
-                ids,
-                [s.tokens_from(0) for s in seqs],
-                [int(torch.randint(2**62, (1,), generator=self.backup_rng[i])) for i in ids],
-                [s.sampling for s in seqs],
-            )
-        )
+        self._admit(seqs)
 
     def close(self) -> None:
         self.client.close()
