@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from ssd.model.demo_models import VOCAB_SIZE
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.model.kv_cache import BatchKVCache
+from ssd.model.kv_cache import additive_mask
 from ssd.model.runner import ModelRunner, target_runner
 
 # Same weights, same ops; the only differences are ulp-level (kernel blocking), far below this.
@@ -43,15 +43,20 @@ def _script(runner: ModelRunner, cache) -> list[torch.Tensor]:
     out.append(runner.forward(cache, torch.randint(0, 250, (2, 3), generator=gen)))
     cache.drop_last(torch.tensor([2, 1]))
     out.append(runner.forward(cache, torch.randint(0, 250, (2, 1), generator=gen)))
-    eye = torch.eye(4, dtype=torch.bool).expand(2, 4, 4)
-    history = torch.ones(2, 4, cache.num_columns, dtype=torch.bool)
-    history[:, 2:, -1] = False  # branches 2 and 3 do not see the newest column
-    positions = cache.lengths().view(2, 1) + torch.tensor([0, 0, -1, -1])
-    out.append(
-        runner.forward(
-            cache, torch.randint(0, 250, (2, 4), generator=gen), positions=positions, within=eye, history=history
-        )
-    )
+    # A scratch step (a tree's): 4 branches written past the longest row, each seeing its own
+    # column; branches 2 and 3 do not see their row's newest committed column.
+    lengths = cache.lengths()
+    top = int(lengths.max())
+    history = torch.arange(top).view(1, 1, -1) < lengths.view(2, 1, 1)
+    history = history.expand(2, 4, top).clone()
+    history[torch.arange(2), 2:, lengths - 1] = False
+    allowed = torch.cat([history, torch.eye(4, dtype=torch.bool).expand(2, 4, 4)], dim=-1)
+    mask = additive_mask(allowed, runner.attention_dtype).unsqueeze(1)
+    positions = lengths.view(2, 1) + torch.tensor([0, 0, -1, -1])
+    columns = (top + torch.arange(4)).expand(2, 4)
+    tokens = torch.randint(0, 250, (2, 4), generator=gen)
+    out.append(runner.forward(cache, tokens, positions=positions, attn_mask=mask, columns=columns))
+    assert torch.equal(cache.lengths(), lengths), "a scratch forward commits nothing"
     return out
 
 
@@ -114,7 +119,7 @@ def test_reduced_precision_models_attend_in_float32_on_cpu():
     cache = runner.new_cache()
     logits = runner.forward(cache, torch.randint(0, 250, (1, 5)))
     assert logits.shape == (1, 5, VOCAB_SIZE) and bool(torch.isfinite(logits).all())
-    assert cache.hf_cache.layers[0].keys.dtype == torch.float32
+    assert cache.dtype == torch.float32
     hf = ModelRunner(model, torch.device("cpu"), lean=False)
     assert hf.attention_dtype == torch.bfloat16
 
@@ -127,7 +132,8 @@ def test_target_packs_only_where_onednn_can(demo_pair):
     assert packed.lean.layers[0].fused == can_pack(model.lm_head.weight)
     assert not plain.lean.layers[0].fused
     ids = torch.tensor([list(b"def add(a, b):\n    return a")])
-    want = ModelRunner(model, torch.device("cpu"), lean=False).forward(BatchKVCache(model.config), ids)
+    hf = ModelRunner(model, torch.device("cpu"), lean=False)
+    want = hf.forward(hf.new_cache(), ids)
     torch.testing.assert_close(plain.forward(plain.new_cache(), ids), want, atol=0, rtol=0)
     got = packed.forward(packed.new_cache(), ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -1,10 +1,12 @@
-"""The batch KV cache: rollback, packing, row selection and merging are exact."""
+"""The static KV cache: rollback, row selection, admission in place and scratch forwards are exact,
+and its buffers are allocated once per size."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from ssd.model.kv_cache import additive_mask
 from ssd.model.runner import ModelRunner
 
 
@@ -43,97 +45,92 @@ def test_rollback_with_holes_matches_fresh_forward(tiny_pair):
         torch.testing.assert_close(logits[i], _fresh_logits(runner, h + [int(nxt[i])]), atol=1e-4, rtol=1e-4)
 
 
-def test_compact_select_and_extend_preserve_rows(tiny_pair):
+def test_keep_and_add_rows_preserve_rows(tiny_pair):
+    """Dropping rows moves the kept ones to the front; admitted rows are prefilled in place
+    through a window; every row's next logits are those of a fresh forward of its history."""
     runner = _runner(tiny_pair[0])
     gen = torch.Generator().manual_seed(1)
-    a = runner.new_cache()
+    cache = runner.new_cache(4)
     rows_a = torch.randint(0, 256, (2, 6), generator=gen)
-    runner.forward(a, rows_a)
-    a.drop_last(torch.tensor([3, 1]))
-    a.compact()
-    assert a.num_columns == 5 and a.lengths().tolist() == [3, 5]
-    b = runner.new_cache()
+    runner.forward(cache, rows_a)
+    cache.drop_last(torch.tensor([3, 1]))
+    assert cache.lengths().tolist() == [3, 5]
     rows_b = torch.randint(0, 256, (1, 8), generator=gen)
-    runner.forward(b, rows_b)
-    a.extend(b)
-    a.select(torch.tensor([2, 0]))
+    window = cache.add_rows(1)
+    runner.forward(window, rows_b)
+    assert cache.batch_size == 3 and cache.lengths().tolist() == [3, 5, 8]
+    cache.keep(torch.tensor([2, 0]))
+    assert cache.lengths().tolist() == [8, 3]
     histories = [rows_b[0].tolist(), rows_a[0, :3].tolist()]
     nxt = torch.randint(0, 256, (2, 1), generator=gen)
-    logits = runner.forward(a, nxt)[:, -1]
+    logits = runner.forward(cache, nxt)[:, -1]
     for i, h in enumerate(histories):
         torch.testing.assert_close(logits[i], _fresh_logits(runner, h + [int(nxt[i])]), atol=1e-4, rtol=1e-4)
 
 
-def test_append_grows_in_place_and_rollback_reuses_the_room(tiny_pair):
-    """Regression (cost): every forward copied each layer's whole cache (torch.cat). Appends now
-    write into spare room; a rollback keeps the buffer, and the next forward overwrites the
-    dropped columns, with the same logits as a fresh forward."""
+def _buffer(cache):
+    return cache._storage.layers[0][0]
+
+
+def test_writes_in_place_and_grows_keeping_every_column(tiny_pair):
+    """Forwards and rollbacks write into the same buffers; a forward past their columns moves
+    them to larger ones (doubling), keeping every row's columns."""
     runner = _runner(tiny_pair[0])
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 256, (1, 12), generator=gen).tolist()[0]
     cache = runner.new_cache()
     runner.forward(cache, torch.tensor([prompt]))
-    layer = cache.hf_cache.layers[0]
-    start = layer.keys.data_ptr()
-    spec = torch.randint(0, 256, (1, 3), generator=gen)
-    runner.forward(cache, spec)
-    assert layer.keys.data_ptr() == start and layer.keys.shape[2] == 15
+    start, capacity = _buffer(cache).data_ptr(), cache.capacity
+    runner.forward(cache, torch.randint(0, 256, (1, 3), generator=gen))
     cache.drop_last(torch.tensor([3]))
     nxt = torch.randint(0, 256, (1, 2), generator=gen)
     out = runner.forward(cache, nxt)
-    assert layer.keys.data_ptr() == start, "the rollback and the next append reuse the buffer"
+    assert _buffer(cache).data_ptr() == start and cache.capacity == capacity
     torch.testing.assert_close(out[0, -1], _fresh_logits(runner, prompt + nxt[0].tolist()), atol=1e-5, rtol=0)
-    # Past the spare room the layer moves to a larger buffer, keeping every column.
-    long = torch.randint(0, 256, (1, 100), generator=gen)
+    long = torch.randint(0, 256, (1, capacity[1]), generator=gen)
     out = runner.forward(cache, long)
-    assert layer.keys.shape[2] == 114
+    assert cache.capacity[1] >= 2 * capacity[1] and cache.lengths().tolist() == [14 + capacity[1]]
     history = prompt + nxt[0].tolist() + long[0].tolist()
-    torch.testing.assert_close(out[0, -1], _fresh_logits(runner, history), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0, -1], _fresh_logits(runner, history), atol=1e-4, rtol=0)
 
 
-def test_uniform_rollback_crops_and_matches_the_masking_rollback(tiny_pair):
-    """Dropping the same number of newest columns from every row, all of them valid, crops them
-    (the buffer stays, later appends reuse it); any other rollback masks columns. Both give the
-    cache a fresh forward of the kept tokens would give."""
-    runner = _runner(tiny_pair[0])
-    gen = torch.Generator().manual_seed(2)
-    rows = torch.randint(0, 256, (2, 6), generator=gen)
-    cache = runner.new_cache()
-    runner.forward(cache, rows)
-    layer = cache.hf_cache.layers[0]
-    start = layer.keys.data_ptr()
-    runner.forward(cache, torch.randint(0, 256, (2, 4), generator=gen))
-    cache.drop_last(torch.tensor([4, 4]))
-    assert cache.num_columns == 6 and bool(cache.valid.all()) and layer.keys.shape[2] == 6
-    # A tail with a hole (row 1 rolled back one more) takes the masking path.
-    spec = torch.randint(0, 256, (2, 3), generator=gen)
-    runner.forward(cache, spec)
-    cache.drop_last(torch.tensor([1, 2]))
-    cache.drop_last(torch.tensor([1, 1]))
-    assert cache.lengths().tolist() == [7, 6] and cache.num_columns == 7
-    nxt = torch.randint(0, 256, (2, 1), generator=gen)
-    logits = runner.forward(cache, nxt)[:, -1]
-    assert layer.keys.data_ptr() == start
-    histories = [rows[0].tolist() + spec[0, :1].tolist(), rows[1].tolist()]
-    for i, h in enumerate(histories):
-        torch.testing.assert_close(logits[i], _fresh_logits(runner, h + [int(nxt[i])]), atol=1e-4, rtol=1e-4)
-
-
-def test_prebuilt_mask_equals_the_mask_from_visibility(tiny_pair):
-    """A caller may build the additive mask once (the drafter's tree) and pass it as attn_mask:
-    the forward is the one that within/history describe."""
+def test_scratch_forward_commits_nothing(tiny_pair):
+    """A tree's forward writes past every row's length at explicit columns and keeps nothing:
+    the next forward is that of a cache that never saw it."""
     runner = _runner(tiny_pair[0])
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 256, (2, 5), generator=gen)
     a, b = runner.new_cache(), runner.new_cache()
     runner.forward(a, prompt)
     runner.forward(b, prompt)
-    eye = torch.eye(3, dtype=torch.bool).expand(2, 3, 3)
-    history = torch.ones(2, 3, 5, dtype=torch.bool)
-    history[:, 1:, -1] = False
-    tokens = torch.randint(0, 256, (2, 3), generator=gen)
-    positions = torch.full((2, 3), 5)
-    mask = a.attention_mask(torch.ones(2, 3, dtype=torch.bool), eye, runner.attention_dtype, history)
-    got = runner.forward(a, tokens, positions=positions, attn_mask=mask)
-    want = runner.forward(b, tokens, positions=positions, within=eye, history=history)
-    assert torch.equal(got, want)
+    a.drop_last(torch.tensor([0, 2]))
+    b.drop_last(torch.tensor([0, 2]))
+    lengths = a.lengths()
+    history = (torch.arange(5).view(1, 1, 5) < lengths.view(2, 1, 1)).expand(2, 3, 5)
+    allowed = torch.cat([history, torch.ones(2, 3, 3, dtype=torch.bool).tril()], dim=-1)
+    mask = additive_mask(allowed, runner.attention_dtype).unsqueeze(1)
+    tree = torch.randint(0, 256, (2, 3), generator=gen)
+    runner.forward(a, tree, positions=lengths.view(2, 1) + torch.arange(3), attn_mask=mask,
+                   columns=(5 + torch.arange(3)).expand(2, 3))  # fmt: skip
+    assert torch.equal(a.lengths(), lengths)
+    nxt = torch.randint(0, 256, (2, 2), generator=gen)
+    assert torch.equal(runner.forward(a, nxt), runner.forward(b, nxt))
+
+
+def test_buffers_stay_put_through_many_rounds(tiny_pair):
+    """Memory flat by construction: after the first rounds, admissions, rollbacks and dropped
+    rows of every length reuse the same buffers."""
+    runner = _runner(tiny_pair[0])
+    gen = torch.Generator().manual_seed(4)
+    cache = runner.new_cache(4)
+    runner.forward(cache, torch.randint(0, 256, (4, 40), generator=gen))
+    first = (_buffer(cache).data_ptr(), cache.capacity, cache.nbytes())
+    for step in range(60):
+        spec = int(torch.randint(1, 8, (1,), generator=gen))
+        runner.forward(cache, torch.randint(0, 256, (cache.batch_size, spec), generator=gen))
+        cache.drop_last(torch.randint(0, spec, (cache.batch_size,), generator=gen))
+        if step % 10 == 9:  # a sequence finishes and another is admitted
+            cache.keep(torch.tensor([1, 2, 3]))
+            runner.forward(cache.add_rows(1), torch.randint(0, 256, (1, 30), generator=gen))
+    assert int(cache.lengths().max()) < cache.capacity[1]
+    assert (_buffer(cache).data_ptr(), cache.capacity, cache.nbytes()) == first

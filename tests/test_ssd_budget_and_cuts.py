@@ -162,11 +162,11 @@ def _drafter(tiny_pair, k: int = 4) -> TreeDrafter:
 
 
 def _snapshot(drafter: TreeDrafter) -> tuple:
-    return (
-        drafter.cache.valid.clone(),
-        [layer.keys[..., : drafter.cache.num_columns, :].clone() for layer in drafter.cache.hf_cache.layers],
-        drafter.states[1].generator.get_state(),
-    )
+    cache = drafter.cache
+    lengths = cache.lengths()
+    layers = cache._storage.layers.values()
+    committed = [keys[r, :, : int(n)].clone() for keys, _ in layers for r, n in enumerate(lengths)]
+    return lengths, committed, drafter.states[1].generator.get_state()
 
 
 @pytest.mark.parametrize("when", ["after the glue", "mid-tree", "after the build"])

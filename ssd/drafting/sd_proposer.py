@@ -24,14 +24,11 @@ class SDProposer:
         self.cache = runner.new_cache()
 
     def add(self, seqs: list[Sequence]) -> None:
-        prefix = [s.prompt_ids[:-1] for s in seqs]
-        cache = self.runner.new_cache()
-        tokens, valid = pad_rows(prefix)
-        self.runner.forward(cache, tokens, valid)
-        self.cache.extend(cache)
+        tokens, valid = pad_rows([s.prompt_ids[:-1] for s in seqs])
+        self.runner.forward(self.cache.add_rows(len(seqs)), tokens, valid)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.cache.select(rows)
+        self.cache.keep(rows)
 
     def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
         """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab)."""

@@ -78,27 +78,29 @@ def fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[i
 
 
 def tree_mask(
-    valid: torch.Tensor,
-    glue_start: int,
+    lengths: torch.Tensor,
+    glue_start: torch.Tensor,
     base: torch.Tensor,
     spec_lens: torch.Tensor,
     outcome: torch.Tensor,
     depth: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The additive attention mask of the whole tree decode, [b, 1, N, L + depth N]: depth d
-    attends to its first L + (d+1) N columns (every depth appends N columns and every branch
-    sees its own columns of all depths), so one mask, built once per round, serves every depth.
+    """The additive attention mask of the whole tree decode, [b, 1, N, T + depth N] with T =
+    max(lengths): depth d writes its N columns at T + d N + 0..N-1 in every row and attends to
+    the first T + (d+1) N columns, where every branch sees its own columns of all depths so far,
+    so one mask, built once per round and sliced, serves every depth.
 
-    valid [b, L]: the cache's valid columns before the tree (the glue's included); the glue's
-    columns start at glue_start, and row r's speculation s_T sits from glue_start + base[r] + 1
-    on, spec_lens[r] of them; outcome [b, N]: the outcome each branch stands for. A branch of
-    outcome j sees the committed tokens and s_T[:j], never the drafts it rejects."""
+    lengths [b]: each row's cache length before the tree (the glue's columns included; a row's
+    columns from its length up to T are stale and hidden); row r's glue columns start at
+    glue_start[r], and its speculation s_T sits from glue_start[r] + base[r] + 1 on, spec_lens[r]
+    of them; outcome [b, N]: the outcome each branch stands for. A branch of outcome j sees the
+    committed tokens and s_T[:j], never the drafts it rejects."""
     b, n = outcome.shape
-    col = torch.arange(valid.shape[1])
-    rel = col.view(1, 1, -1) - glue_start - base.view(b, 1, 1) - 1  # s_T index of each glue column
+    col = torch.arange(int(lengths.max())).view(1, 1, -1)
+    rel = col - (glue_start + base + 1).view(b, 1, 1)  # s_T index of each glue column
     is_spec = (rel >= 0) & (rel < spec_lens.view(b, 1, 1))
-    glue_vis = ~is_spec | (rel < outcome.unsqueeze(-1))  # [b, N, L]
+    glue_vis = (col < lengths.view(b, 1, 1)) & (~is_spec | (rel < outcome.unsqueeze(-1)))  # [b, N, T]
     own = torch.eye(n, dtype=torch.bool).repeat(b, 1, depth)  # [b, N, depth N]
-    allowed = torch.cat([glue_vis & valid.unsqueeze(1), own], dim=-1)
+    allowed = torch.cat([glue_vis, own], dim=-1)
     return additive_mask(allowed, dtype).unsqueeze(1)

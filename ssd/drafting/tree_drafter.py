@@ -82,7 +82,7 @@ class _Glue:
     """What the glue forward gave for a round (step 1)."""
 
     logits: torch.Tensor  # [b, K+1, V] the draft's next-token logits after accepting j tokens
-    start: int  # the cache column where the glue's columns begin
+    start: torch.Tensor  # [b] the cache column where each row's glue columns begin (its length before)
     base: torch.Tensor  # [b] the glue column (relative to start) of each row's last committed token
     columns: torch.Tensor  # [b] columns the glue added: pending committed tokens + s_T
     pending: torch.Tensor  # [b] of which committed tokens (what a take-back keeps)
@@ -134,17 +134,15 @@ class TreeDrafter:
     def admit(self, msg: AdmitMsg) -> None:
         for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
             self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
-        cache = self.runner.new_cache()
         tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
-        self.runner.forward(cache, tokens, valid)
-        self.cache.extend(cache)
+        self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid)
         self.order.extend(msg.seq_ids)
 
     @torch.inference_mode()
     def release(self, msg: ReleaseMsg) -> None:
         gone = set(msg.seq_ids)
         keep = [i for i, s in enumerate(self.order) if s not in gone]
-        self.cache.select(torch.tensor(keep, dtype=torch.long))
+        self.cache.keep(torch.tensor(keep, dtype=torch.long))
         self.order = [self.order[i] for i in keep]
         for s in gone:
             self.states.pop(s, None)
@@ -165,7 +163,7 @@ class TreeDrafter:
         if seq_ids != self.order:
             index = {s: i for i, s in enumerate(self.order)}
             assert set(seq_ids) == set(self.order), "drafter and target disagree on the batch"
-            self.cache.select(torch.tensor([index[s] for s in seq_ids], dtype=torch.long))
+            self.cache.keep(torch.tensor([index[s] for s in seq_ids], dtype=torch.long))
             self.order = list(seq_ids)
 
     def _sampling(self, seq_ids: list[int]) -> BatchSampling:
@@ -221,11 +219,11 @@ class TreeDrafter:
 
     def _glue(self, seq_ids: list[int], spec: list[list[int]]) -> _Glue:
         """Step 1: one forward over [committed tokens the cache lacks, s_T] per row."""
-        synced = self.cache.lengths().tolist()
+        start = self.cache.lengths()
+        synced = start.tolist()
         pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
         assert all(pending), "the last committed token is always pending"
         tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
-        start = self.cache.num_columns
         logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
         # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
         base = torch.tensor([len(p) - 1 for p in pending])
@@ -250,13 +248,15 @@ class TreeDrafter:
     ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V], when the tree began), or None when the round went
-        stale and was taken back. The tree's columns are rolled back before returning."""
+        stale and was taken back. The tree is a scratch forward past every row's length: its
+        columns are gone when it ends, and s_T's glue columns are rolled back."""
         b, n = cand.shape
         k = self.k
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
         spec_lens = torch.tensor([len(s) for s in spec])
-        tree_start = self.cache.num_columns
-        mask = tree_mask(self.cache.valid, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
+        lengths = self.cache.lengths()  # the glue's included
+        tree_start = int(lengths.max())  # every row's depth d is written at columns tree_start + d N + 0..N-1
+        mask = tree_mask(lengths, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
         sampling = self._sampling(seq_ids)
         uniforms = torch.stack([torch.rand(k, n, generator=self.states[s].generator) for s in seq_ids])
         one_hot = bool(sampling.greedy.all())
@@ -265,8 +265,10 @@ class TreeDrafter:
         tree_started = time.perf_counter()
         for d in range(k):
             positions = committed.view(b, 1) + outcome + d
+            columns = (tree_start + d * n + torch.arange(n)).expand(b, n)
+            width = tree_start + (d + 1) * n
             step = self.runner.forward(
-                self.cache, feed, positions=positions, attn_mask=mask[..., : tree_start + (d + 1) * n]
+                self.cache, feed, positions=positions, attn_mask=mask[..., :width], columns=columns
             )
             probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
             if self.saguaro_c < 1:
@@ -275,11 +277,11 @@ class TreeDrafter:
             out_tokens.append(feed)
             out_probs.append(probs)
             if stale is not None and stale():
-                self._take_back(seq_ids, undo, glue.columns + (d + 1) * n)
+                self._take_back(seq_ids, undo, glue.columns)
                 return None
             if d < k - 1 and interrupted is not None and interrupted():
                 break
-        self.cache.drop_last(spec_lens + len(out_tokens) * n)
+        self.cache.drop_last(spec_lens)  # the tree's columns were scratch: only s_T's glue columns remain
         return torch.stack(out_tokens, -1), torch.stack(out_probs, 2), tree_started
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:

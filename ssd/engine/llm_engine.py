@@ -52,7 +52,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
         self.vocab_size = self.target.vocab_size
-        self.cache = self.target.new_cache()
+        self.cache = self.target.new_cache(config.max_num_seqs)
         self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
         # Mode auto chooses each round's mode; any other mode is every round's.
         self.chooser = None
@@ -143,17 +143,15 @@ class LLMEngine:
         if room <= 0 or not self.waiting:
             return
         new, self.waiting = self.waiting[:room], self.waiting[room:]
-        cache = self.target.new_cache()
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in new])
-        self.target.forward(cache, tokens, valid)
-        self.cache.extend(cache)
+        self.target.forward(self.cache.add_rows(len(new)), tokens, valid)
         for proposer in self.proposers.values():
             proposer.add(new)
         self.running.extend(new)
 
     def _keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long)
-        self.cache.select(index)
+        self.cache.keep(index)
         for proposer in self.proposers.values():
             proposer.keep(index)
         self.running = [self.running[i] for i in rows]

@@ -1,212 +1,221 @@
-"""A batch KV cache with exact per-row rollback.
+"""A static KV cache: buffers allocated once per size, written in place, rows of their own length.
 
-Rows of a batch advance by different amounts each round (each sequence accepts its own number
-of draft tokens), while a Hugging Face cache stores one rectangular tensor per layer:
-    keys, values   # [b, heads, L, head_dim]
-So the cache keeps a column mask
-    valid          # [b, L] bool: column j of row r holds a committed token of r
-Rolling back a row marks its newest columns invalid; attention masks built from `valid` hide
-them, so the result is exactly that of a cache that never held them. Columns that no row uses
-are cropped, and rows are re-packed when holes waste more than half the cache.
+Each layer keeps two buffers
+    keys, values   # [rows, kv_heads, capacity, head_dim]
+and row r holds its committed tokens in columns [0, lengths[r]). A forward of n tokens per row
+writes them at columns lengths[r] + 0..n-1 (a batch's rows are right-padded, so a row's real
+tokens come first and its padding after them, past what it commits) and attends over the first
+`width` = max(lengths + n) columns of every row, the mask hiding each row's columns past its
+own length. So:
+- rolling a row back is lowering its length (the columns beyond are hidden, then overwritten by
+  the next write): exact, with no tensor work;
+- there are no holes, hence no compaction: dropping finished rows moves the kept rows to the
+  front (one gather of the used columns), and admitted rows are prefilled in place, through a
+  `window` over the rows past the batch;
+- a scratch forward (SSD's tree decode) writes at explicit columns past every row's length and
+  commits nothing: its columns are gone the moment it ends.
 
-The lean forward grows a layer with `append`, which writes the new columns into a buffer with
-spare room and leaves the layer's keys and values as views of its first L+n columns. Growing by
-torch.cat, as Hugging Face's update does, copies the whole layer on every forward, a cost that
-grows with the context while speculative decoding adds only a few tokens per forward (ad hoc, a
-7-token verification of the demo target at 1500 cached tokens: 22.5 ms with the copy, 20.1 without).
-Cropping keeps the views (no copy); anything that replaces a layer's tensors (select, compact,
-extend, a Hugging Face forward) makes the next append adopt them into a fresh buffer.
+Why one slab per layer rather than vLLM's and nano-vllm's blocks: blocks pay off through a
+paged-attention kernel that reads them in place and through prefix sharing; here attention is
+torch's scaled_dot_product_attention (on CPU, and the eager path on GPU), which needs each row's
+keys in one strided tensor, so blocks would be gathered into one every forward. A slab per
+layer is read as a view, with no copy, and a row's rollback stays a length.
 
-Invariants: a row's valid columns are in token order; the number of valid columns of a row is
-its next position id.
+Memory stays flat: the buffers are created at the first forward with room for the rows the owner
+expects and a few hundred columns, grow (doubling) when a forward needs more, a bounded number of
+times since the context limit bounds the columns, and never shrink. They are zero-filled: a
+column no row has written is still read (masked) by rows shorter than the widest, and attention
+multiplies masked values by a weight of 0, which keeps garbage out only if it is finite.
+
+Lengths live on the host ([rows] long): every shape decision (width, growth) reads them without
+waiting for a device; the write columns go to the device as one index tensor per forward.
+
+Invariants: 0 <= lengths[r] <= columns of the buffers, for rows in use; a row's columns below its
+length hold its first lengths[r] tokens in order, so lengths[r] is the row's next position id.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+COLUMN_MULTIPLE = 256  # first growth step of the columns (then they double): few sizes over a server's life
 
 
-class BatchKVCache:
-    def __init__(self, config) -> None:
-        self.config = config
-        self.hf_cache = DynamicCache(config=config)
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [b, L]
-        # layer index -> (keys, values) buffers [b, kv_heads, capacity, head_dim]; a layer's
-        # tensors are views of its buffers' first L columns while append owns them.
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+class _Storage:
+    """The buffers every window of one cache shares: layer index -> (keys, values)."""
 
-    @property
-    def batch_size(self) -> int:
-        return self.valid.shape[0]
+    def __init__(self, rows: int, columns: int) -> None:
+        self.rows, self.columns = rows, columns  # the sizes the buffers have (or will have, before the first write)
+        self.lengths = torch.zeros(rows, dtype=torch.long)  # [rows], host
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def num_columns(self) -> int:
-        return self.valid.shape[1]
+    def reserve(self, rows: int, columns: int) -> None:
+        """Room for `rows` rows of `columns` columns, keeping every row's contents."""
+        if rows <= self.rows and columns <= self.columns:
+            return
+        new_rows = max(rows, 2 * self.rows) if rows > self.rows else self.rows
+        new_columns = self.columns
+        if columns > self.columns:
+            new_columns = max(_round_up(columns, COLUMN_MULTIPLE), 2 * self.columns)
+        used = int(self.lengths.max()) if self.rows else 0
+        for index, pair in self.layers.items():
+            self.layers[index] = tuple(_moved(t, new_rows, new_columns, used) for t in pair)
+        lengths = torch.zeros(new_rows, dtype=torch.long)
+        lengths[: self.rows] = self.lengths
+        self.rows, self.columns, self.lengths = new_rows, new_columns, lengths
 
-    def lengths(self) -> torch.Tensor:  # [b] long
-        return self.valid.sum(1)
+    def buffers(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s buffers; created at its first write, shaped after `like` [b, kv_heads,
+        n, head_dim]."""
+        pair = self.layers.get(index)
+        if pair is None:
+            _, heads, _, dim = like.shape
+            pair = self.layers[index] = tuple(like.new_zeros(self.rows, heads, self.columns, dim) for _ in range(2))
+        return pair
 
-    def _tensors(self):
-        for layer in self.hf_cache.layers:
-            if layer.is_initialized and layer.keys.numel() > 0:
-                yield layer
 
-    def attention_mask(
-        self, new_valid: torch.Tensor, within: torch.Tensor | None, dtype, history: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Additive mask [b, 1, n, L+n] for a forward of n new columns.
+class StaticKVCache:
+    """Rows [start, start + batch_size) of one storage. A runner's new cache starts at row 0 with
+    no rows; `add_rows` and `keep` change the batch, `drop_last` rolls rows back."""
 
-        new_valid [b, n]: which new columns are real tokens; within [b, n, n] (or None = causal):
-        which new columns each new token may attend to; history [b, n, L] (or None = all valid
-        columns): which cached columns each new token may attend to (tree decoding narrows it).
-        """
-        b, n = new_valid.shape
-        if within is None:
-            within = torch.ones(n, n, dtype=torch.bool).tril_().expand(b, n, n)
-        if history is None:
-            history = self.valid.unsqueeze(1).expand(b, n, self.num_columns)
-        else:
-            history = history & self.valid.unsqueeze(1)
-        allowed = torch.cat([history, within & new_valid.unsqueeze(1)], dim=-1)
-        return additive_mask(allowed, dtype).unsqueeze(1)
+    def __init__(self, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> None:
+        self._storage = _Storage(max(1, rows), _round_up(max(1, columns), 64))
+        self._start = 0
+        self.batch_size = 0
+        # The forward in progress (begin_forward): where it writes and how wide it attends.
+        self._columns: torch.Tensor | None = None  # [b, n] long, on the model's device
+        self._first: int | None = None  # the common first column, when every row writes the same n consecutive ones
+        self._width = 0
+        self._scratch = False
 
-    def append(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add n new columns k, v [b, kv_heads, n, head_dim] to layer `index` (what Hugging
-        Face's DynamicLayer.update does, without copying the old columns) -> its keys and
-        values [b, kv_heads, L+n, head_dim]."""
-        layer = self.hf_cache.layers[index]
-        if not layer.is_initialized:
-            layer.lazy_initialization(k, v)
-        size = layer.keys.shape[2] if layer.keys.numel() else 0
-        end = size + k.shape[2]
-        buffers = self._buffers.get(index)
-        if buffers is None or not _fits(buffers[0], layer.keys, k, end) or not _fits(buffers[1], layer.values, v, end):
-            buffers = _grown(layer.keys, k, size, end), _grown(layer.values, v, size, end)
-            self._buffers[index] = buffers
-        keys, values = buffers
-        keys[:, :, size:end] = k
-        values[:, :, size:end] = v
-        layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
-        return layer.keys, layer.values
+    # ---- rows ---------------------------------------------------------------------------------
 
-    def commit_columns(self, new_valid: torch.Tensor) -> None:
-        """Record the n columns the last forward appended to every layer."""
-        self.valid = torch.cat([self.valid, new_valid], dim=1)
-        assert all(layer.keys.shape[2] == self.num_columns for layer in self._tensors())
+    def lengths(self) -> torch.Tensor:  # [b] long, host (a copy)
+        return self._storage.lengths[self._start : self._start + self.batch_size].clone()
+
+    @torch.inference_mode()
+    def add_rows(self, count: int) -> StaticKVCache:
+        """Append `count` empty rows to the batch -> a window over them, for their prefill."""
+        assert self._start == 0, "rows are added to a cache, not to a window"
+        first = self.batch_size
+        self._storage.reserve(first + count, 1)
+        self._storage.lengths[first : first + count] = 0
+        self.batch_size += count
+        return self._window(first, count)
+
+    def _window(self, start: int, count: int) -> StaticKVCache:
+        window = StaticKVCache.__new__(StaticKVCache)
+        window.__dict__.update(self.__dict__)
+        window._start, window.batch_size = start, count
+        return window
+
+    @torch.inference_mode()
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (host [m] long), in that order, as rows 0..m-1."""
+        storage, m = self._storage, len(rows)
+        if m and torch.equal(rows, torch.arange(m)):
+            self.batch_size = m
+            return
+        used = int(storage.lengths[rows].max()) if m else 0
+        for keys, values in storage.layers.values():
+            keys[:m, :, :used] = keys[rows, :, :used]
+            values[:m, :, :used] = values[rows, :, :used]
+        storage.lengths[:m] = storage.lengths[rows].clone()
+        self.batch_size = m
 
     @torch.inference_mode()
     def drop_last(self, counts: torch.Tensor) -> None:
-        """Roll row r back by its counts[r] newest tokens (counts [b] long, >= 0)."""
-        if not bool((counts > 0).any()):
-            return
-        c = int(counts[0])
-        if c <= self.num_columns and bool((counts == c).all()) and bool(self.valid[:, self.num_columns - c :].all()):
-            # Every row drops the same last c columns, all valid (a tree or a draft rolled
-            # back): cropping them is the whole rollback.
-            self._crop_to(self.num_columns - c)
-        else:
-            # valid entries at or after each column, per row
-            after = self.valid.flip(1).cumsum(1).flip(1)
-            self.valid &= ~(after <= counts.unsqueeze(1))
-        self._crop_unused()
+        """Roll row r back by its counts[r] newest tokens (counts [b] long, host, >= 0)."""
+        lengths = self._storage.lengths[self._start : self._start + self.batch_size]
+        assert bool((counts >= 0).all()) and bool((counts <= lengths).all()), (counts, lengths)
+        lengths -= counts
 
-    def _crop_unused(self) -> None:
-        used = self.valid.any(0).nonzero()
-        keep = int(used[-1]) + 1 if len(used) else 0
-        self._crop_to(keep)
-        if self.num_columns > 64 and self.num_columns > 2 * int(self.lengths().max()):
-            self.compact()
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, columns) the buffers hold."""
+        return self._storage.rows, self._storage.columns
 
-    def _crop_to(self, keep: int) -> None:
-        if keep < self.num_columns:
-            self.valid = self.valid[:, :keep]
-            for layer in self._tensors():
-                layer.keys = layer.keys[:, :, :keep]
-                layer.values = layer.values[:, :, :keep]
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The buffers' dtype (None before the first forward)."""
+        return next(iter(self._storage.layers.values()))[0].dtype if self._storage.layers else None
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers (allocated; CPU pages no row reached are not resident)."""
+        return sum(t.nbytes for pair in self._storage.layers.values() for t in pair)
+
+    # ---- one forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compact(self) -> None:
-        """Pack each row's valid columns to the right end, dropping holes."""
+    def begin_forward(self, n: int, device: torch.device, columns: torch.Tensor | None = None) -> int:
+        """Prepare a forward of n tokens per row -> its attention width. By default row r writes
+        at lengths[r] + 0..n-1 and commit() advances its length; `columns` [b, n] (host) gives
+        a scratch forward's write columns instead, each at or past its row's length, and
+        commit() keeps no column of it."""
         lengths = self.lengths()
-        width = int(lengths.max()) if self.batch_size else 0
-        # For row r, slot j (of width) takes the (j - (width - len_r))-th valid column.
-        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)  # valid first
-        slot = torch.arange(width).unsqueeze(0) - (width - lengths).unsqueeze(1)  # [b, width]
-        new_valid = slot >= 0
-        index = order.gather(1, slot.clamp(min=0))  # [b, width]
-        self._buffers.clear()
-        for layer in self._tensors():
-            _, heads, _, dim = layer.keys.shape
-            idx = index.view(self.batch_size, 1, width, 1).expand(-1, heads, -1, dim)
-            layer.keys = layer.keys.gather(2, idx)
-            layer.values = layer.values.gather(2, idx)
-        self.valid = new_valid
+        scratch = columns is not None
+        if not scratch:
+            columns = lengths.unsqueeze(1) + torch.arange(n)
+        assert columns.shape == (self.batch_size, n)
+        assert not scratch or bool((columns >= lengths.unsqueeze(1)).all()), "a scratch forward writes past each row"
+        width = int(columns.max()) + 1 if columns.numel() else 0
+        self._storage.reserve(self._start + self.batch_size, width)
+        first = columns[:, :1]
+        uniform = bool((columns == first[:1] + torch.arange(n)).all()) if self.batch_size else False
+        self._first = int(first[0, 0]) if uniform else None
+        self._columns, self._width, self._scratch = columns.to(device), width, scratch
+        return width
+
+    def append(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's n new columns k, v [b, kv_heads, n, head_dim] into layer `index`
+        -> its keys and values [b, kv_heads, width, head_dim]: views of the buffers, no copy."""
+        keys, values = self._storage.buffers(index, k)
+        rows = slice(self._start, self._start + self.batch_size)
+        keys, values = keys[rows], values[rows]
+        if self._first is not None:  # every row writes the same consecutive columns: a slice copy
+            end = self._first + k.shape[2]
+            keys[:, :, self._first : end] = k
+            values[:, :, self._first : end] = v
+        else:
+            batch = torch.arange(self.batch_size, device=k.device).unsqueeze(1)  # [b, 1]
+            keys[batch, :, self._columns] = k.transpose(1, 2)  # the indexed view is [b, n, kv_heads, head_dim]
+            values[batch, :, self._columns] = v.transpose(1, 2)
+        return keys[:, :, : self._width], values[:, :, : self._width]
 
     @torch.inference_mode()
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (in that order)."""
-        self._buffers.clear()
-        self.valid = self.valid[rows]
-        for layer in self._tensors():
-            layer.keys = layer.keys[rows]
-            layer.values = layer.values[rows]
-        self._crop_unused()
+    def commit(self, new_valid: torch.Tensor) -> None:
+        """End the forward: each row keeps its real new tokens (new_valid [b, n], host; a prefix
+        of each row), or none in a scratch forward."""
+        if not self._scratch:
+            self._storage.lengths[self._start : self._start + self.batch_size] += new_valid.sum(1)
+        self._columns = None
 
-    @torch.inference_mode()
-    def extend(self, other: "BatchKVCache") -> None:
-        """Append other's rows after ours; the shorter side is left-padded with invalid columns.
-        `other` is consumed: it must not be used afterwards (it may share our tensors)."""
-        if other.batch_size == 0:
-            return
-        self._buffers.clear()
-        if self.batch_size == 0:
-            self.hf_cache, self.valid = other.hf_cache, other.valid
-            return
-        width = max(self.num_columns, other.num_columns)
-        mine, theirs = list(self._tensors()), list(other._tensors())
-        assert len(mine) == len(theirs)
-        for a, c in zip(mine, theirs):
-            a.keys = torch.cat([_left_pad(a.keys, width), _left_pad(c.keys, width)], 0)
-            a.values = torch.cat([_left_pad(a.values, width), _left_pad(c.values, width)], 0)
-        pad = lambda v: torch.cat([torch.zeros(v.shape[0], width - v.shape[1], dtype=torch.bool), v], 1)  # noqa: E731
-        self.valid = torch.cat([pad(self.valid), pad(other.valid)], 0)
+    def attention_mask(self, new_valid: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive mask [b, 1, n, width] of a default forward (after begin_forward): token i of
+        row r sees the row's committed columns and its own real new tokens up to i."""
+        b, n = new_valid.shape
+        lengths = self.lengths().to(device)
+        col = torch.arange(self._width, device=device).view(1, 1, -1)
+        rel = col - lengths.view(b, 1, 1)  # [b, 1, width]: which new token a column holds, if >= 0
+        real_new = new_valid.to(device).gather(1, rel.view(b, -1).clamp(0, n - 1)).view(b, 1, -1)
+        query = torch.arange(n, device=device).view(1, n, 1)
+        allowed = (rel < 0) | ((rel <= query) & real_new)
+        return additive_mask(allowed, dtype).unsqueeze(1)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """allowed [..., L] bool -> the additive attention mask [..., L]: 0 where allowed, the
     dtype's lowest value elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _fits(buffer: torch.Tensor, current: torch.Tensor, new: torch.Tensor, end: int) -> bool:
-    """Whether `current` (a layer's keys or values) is still the head of `buffer`, which has
-    room for `end` columns of rows shaped like `new`."""
-    b, heads, _, dim = new.shape
-    if buffer.shape[0] != b or buffer.shape[1] != heads or buffer.shape[3] != dim or buffer.dtype != new.dtype:
-        return False
-    if end > buffer.shape[2]:
-        return False
-    if current.numel() == 0:
-        return True
-    return current.data_ptr() == buffer.data_ptr() and current.stride() == buffer.stride()
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
 
 
-def _grown(current: torch.Tensor, new: torch.Tensor, size: int, end: int) -> torch.Tensor:
-    """A buffer for at least `end` columns holding `current`'s `size` columns. The spare room
-    (a quarter, at least 64 columns) makes regrowth rare while a sequence lengthens."""
-    b, heads, _, dim = new.shape
-    capacity = -(-max(end + 64, end * 5 // 4) // 64) * 64
-    buffer = new.new_empty(b, heads, capacity, dim)
-    if size:
-        buffer[:, :, :size] = current
-    return buffer
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[2]
-    if missing == 0:
-        return t
-    b, h, _, d = t.shape
-    return torch.cat([t.new_zeros(b, h, missing, d), t], dim=2)
+def _moved(buffer: torch.Tensor, rows: int, columns: int, used: int) -> torch.Tensor:
+    """A larger buffer holding `buffer`'s rows and first `used` columns."""
+    grown = buffer.new_zeros(rows, buffer.shape[1], columns, buffer.shape[3])
+    grown[: buffer.shape[0], :, :used] = buffer[:, :, :used]
+    return grown

@@ -1,13 +1,14 @@
-"""Runs a Hugging Face causal LM over a BatchKVCache: batched, padded, masked forwards."""
+"""Runs a Hugging Face causal LM over a StaticKVCache: batched, padded, masked forwards."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from transformers import Cache
 
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.model.kv_cache import BatchKVCache
+from ssd.model.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -15,8 +16,9 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """One model (target or draft) and the forward pass the engine needs from it.
 
-    Every forward appends n columns to the cache: tokens [b, n] with new_valid [b, n] marking the
-    real ones (padding is masked out forever). Positions default to each row's next positions.
+    Every forward writes n columns per row into the cache: tokens [b, n] with new_valid [b, n]
+    marking the real ones, which the row commits (its padding lies past its length, unseen).
+    Positions default to each row's next positions.
     With lean=True, Llama-architecture models run through FastLlamaForward (same math, less
     Python per call); other models, or lean=False, run the Hugging Face forward. fused=True
     fuses and prepacks the projections (faster for few-token forwards on CPU, not bit-identical
@@ -43,57 +45,72 @@ class ModelRunner:
             else:
                 logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
 
-    def new_cache(self) -> BatchKVCache:
-        return BatchKVCache(self.model.config)
+    def new_cache(self, rows: int = 1) -> StaticKVCache:
+        """An empty cache with room for `rows` rows at its first forward (it grows past that)."""
+        return StaticKVCache(rows)
 
     @torch.inference_mode()
     def forward(
         self,
-        cache: BatchKVCache,
+        cache: StaticKVCache,
         tokens: torch.Tensor,
         new_valid: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        within: torch.Tensor | None = None,
-        history: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        columns: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, n] -> logits [b, n, V] (float32, on CPU).
+
+        new_valid [b, n]: the real tokens, a prefix of each row (rows are right-padded); each row
+        commits its real tokens to the cache. A cache with no rows yet takes the batch's b rows.
 
         Runs under torch.inference_mode (as do the cache's rollbacks and the engine's step): no
         view or version tracking, about 13% less time per draft forward on CPU than no_grad
         (paired A/B, ad hoc). Its tensors are inference tensors: read them anywhere, change them
         in place only through this package.
 
-        attn_mask: a prebuilt additive mask [b, 1, n, L+n] in attention_dtype (a caller that runs
-        many forwards under one visibility pattern builds it once); it replaces the mask that
-        new_valid, within and history would give, so it must hide padding and invalid columns."""
+        A scratch forward (SSD's tree) gives `columns` [b, n], where its tokens are written (past
+        each row's length), `positions` and a prebuilt additive `attn_mask` [b, 1, n, width] in
+        attention_dtype (width = max(columns) + 1); it commits nothing."""
         b, n = tokens.shape
         if new_valid is None:
             new_valid = torch.ones(b, n, dtype=torch.bool)
-        if cache.batch_size == 0 and cache.num_columns == 0:
-            cache.valid = torch.zeros(b, 0, dtype=torch.bool)
+        if cache.batch_size == 0:
+            cache.add_rows(b)
         assert cache.batch_size == b, (cache.batch_size, b)
         if positions is None:
-            positions = cache.lengths().unsqueeze(1) + new_valid.long().cumsum(1) - 1
-            positions.clamp_(min=0)
+            positions = cache.lengths().unsqueeze(1) + torch.arange(n)
+        width = cache.begin_forward(n, self.device, columns)
         if attn_mask is None:
-            mask = cache.attention_mask(new_valid, within, self.attention_dtype, history)
+            mask = cache.attention_mask(new_valid, self.attention_dtype, self.device)
         else:
-            assert attn_mask.shape == (b, 1, n, cache.num_columns + n) and attn_mask.dtype == self.attention_dtype
-            mask = attn_mask
+            assert attn_mask.shape == (b, 1, n, width) and attn_mask.dtype == self.attention_dtype
+            mask = attn_mask.to(self.device)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         if self.lean is not None:
-            logits = self.lean(tokens.to(self.device), mask.to(self.device), positions.to(self.device), cache)
-            cache.commit_columns(new_valid)
-            return logits.float().cpu()
-        out = self.model(
-            input_ids=tokens.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache.hf_cache,
-            use_cache=True,
-        )
-        cache.commit_columns(new_valid)
-        return out.logits.float().cpu()
+            logits = self.lean(tokens, mask, positions, cache)
+        else:
+            logits = self.model(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=_HFView(cache),
+                use_cache=True,
+            ).logits  # fmt: skip
+        cache.commit(new_valid)
+        return logits.float().cpu()
+
+
+class _HFView(Cache):
+    """A StaticKVCache as a Hugging Face forward updates it: each attention layer's update
+    writes its new columns and reads back the forward's keys and values."""
+
+    def __init__(self, cache: StaticKVCache) -> None:
+        super().__init__(layers=[])
+        self.cache = cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache.append(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.cache.lengths().max()) if self.cache.batch_size else 0
 
 
 def draft_runner(model, device: str, lean: bool) -> ModelRunner:
