@@ -47,6 +47,9 @@ class BatchSampling:
             torch.tensor([r.top_p for r in rows], dtype=torch.float32),
         )
 
+    def to(self, device: torch.device) -> "BatchSampling":
+        return BatchSampling(*(t.to(device) for t in (self.temperature, self.top_k, self.top_p)))
+
     @property
     def greedy(self) -> torch.Tensor:  # [b] bool
         return self.temperature == 0
@@ -126,3 +129,48 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = Fal
             "the model produced non-finite logits: load it in a wider dtype (dtype='float32')"
         )
     return ids
+
+
+# ---- the same rules as device functions ---------------------------------------------------------
+# process_logits and sample_from branch on the batch (a greedy batch skips the softmax, top-k alone
+# skips the sort, a rounding miss is repaired only where it happened): each branch reads a device
+# value on the host. The versions below compute every case and select with torch.where: static
+# shapes, no host reads, so a round on an accelerator can run them without waiting for the device
+# (and under a CUDA graph). They equal the host versions (tests/test_sampling_primitives.py); on
+# CPU the host versions are faster (a vocabulary sort per call is what they skip).
+
+
+def process_logits_on_device(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """process_logits without host reads: logits [b, n, V] -> probs [b, n, V] (float32).
+    `sampling`'s tensors must be on the logits' device."""
+    logits = logits.float()
+    b, n, vocab = logits.shape
+    greedy = sampling.greedy.view(b, 1, 1)
+    temperature = torch.where(sampling.temperature > 0, sampling.temperature, 1.0).view(b, 1, 1)
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature  # [b, n, V], <= 0 (see process_logits)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
+    top_k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab)  # [b]
+    kth = sorted_logits.gather(-1, (top_k - 1).view(b, 1, 1).expand(b, n, 1))  # [b, n, 1]
+    drop_sorted = sorted_logits < kth  # top-k, ties with the k-th kept; nothing when k = V
+    sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    nucleus = (sampling.top_p < 1).view(b, 1, 1)
+    drop_sorted = drop_sorted | ((mass_before >= sampling.top_p.view(b, 1, 1)) & nucleus)
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    probs = scaled.masked_fill(drop, float("-inf")).softmax(-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def sample_on_device(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """sample_from without host reads: probs [..., V], uniforms [...] -> ids [...]. A row with no
+    positive mass gives -1 (sample_from raises there): whoever copies the ids to the host checks."""
+    vocab = probs.shape[-1]
+    cdf = probs.cumsum(-1)
+    threshold = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, threshold, right=True).clamp_(max=vocab - 1)  # [..., 1]
+    picked = probs.gather(-1, ids)
+    positions = torch.arange(vocab, device=probs.device).expand_as(probs)
+    last_positive = torch.where(probs > 0, positions, -1).cummax(-1).values  # [..., V], -1 = none yet
+    return torch.where(picked > 0, ids, last_positive.gather(-1, ids)).squeeze(-1)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from ssd.core.config import EngineConfig
-from ssd.core.sampling import BatchSampling, process_logits
+from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
@@ -28,7 +28,7 @@ from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.metrics import EngineMetrics
 from ssd.engine.proposers import WorkerProviderFactory, build_proposers
 from ssd.engine.stopping import StopChecker
-from ssd.engine.verify import verify
+from ssd.engine.verify import verify, verify_on_device
 from ssd.model.runner import pad_rows, target_runner
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ class LLMEngine:
         self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
         self.vocab_size = self.target.vocab_size
         self.cache = self.target.new_cache(config.max_num_seqs)
+        # Where the target's probabilities are processed and verified: on its device, without host
+        # reads, wherever that is not the CPU (there the host versions are faster); tests set it.
+        self.device_round = self.target.device.type != "cpu"
         self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
         # Mode auto chooses each round's mode; any other mode is every round's.
         self.chooser = None
@@ -222,11 +225,31 @@ class LLMEngine:
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
         tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
-        target_probs = process_logits(self.target.forward(self.cache, tokens, valid), sampling)  # [b, K+1, V]
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
-        result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        if self.device_round:
+            return self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
+        target_probs = process_logits(self.target.forward(self.cache, tokens, valid), sampling)  # [b, K+1, V]
+        result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
         return RoundOutcome(result.num_accepted, result.bonus_tokens, before)
+
+    def _verify_on_device(self, tokens, valid, spec, sampling, uniforms, before) -> RoundOutcome:
+        """_verify with the target's logits kept on its device: processed and verified there,
+        then one copy of the counts and bonus tokens to the host."""
+        device = self.target.device
+        logits = self.target.forward(self.cache, tokens, valid, on_host=False)  # [b, K+1, V], on device
+        target_probs = process_logits_on_device(logits, sampling.to(device))
+        drafted, draft_probs, num_draft, uniforms = (
+            t.to(device, non_blocking=True) for t in (spec.tokens, spec.probs, spec.num_draft, uniforms)
+        )
+        result = verify_on_device(drafted, draft_probs, target_probs, num_draft, uniforms[:, :-1], uniforms[:, -1])
+        counts = torch.stack([result.num_accepted, result.bonus_tokens]).cpu()  # the round's one copy to the host
+        if bool((counts[1] < 0).any()):
+            raise RuntimeError(
+                "a target distribution has no positive mass (non-finite logits): load the target in a wider dtype "
+                "(dtype='float32')"
+            )
+        return RoundOutcome(counts[0], counts[1], before)
 
     def _commit(self, spec: Speculation, outcome: RoundOutcome) -> tuple[list[CompletionOutput], int]:
         """Append each row's accepted tokens and bonus token under its stop rules; -> an output per

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.core.sampling import sample_from
+from ssd.core.sampling import sample_from, sample_on_device
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,39 @@ def verify(
     accept_uniforms: torch.Tensor,
     bonus_uniforms: torch.Tensor,
 ) -> VerifyResult:
+    """The rule on the host's terms (its sampler repairs a rounding miss only where one happened)."""
+    return _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms, sample_from)
+
+
+def verify_on_device(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    bonus_uniforms: torch.Tensor,
+) -> VerifyResult:
+    """The same rule without host reads (static shapes, every tensor on one device): what a round
+    on an accelerator runs before its one copy of the counts and tokens to the host. A bonus token
+    of -1 means a distribution without positive mass (see sample_on_device)."""
+    return _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms,
+                   sample_on_device)  # fmt: skip
+
+
+def _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms, sample):
     b, k_max = draft_tokens.shape
     assert target_probs.shape[:2] == (b, k_max + 1), (target_probs.shape, draft_tokens.shape)
     if k_max == 0:
-        return VerifyResult(torch.zeros(b, dtype=torch.long), sample_from(target_probs[:, 0], bonus_uniforms))
+        return VerifyResult(torch.zeros(b, dtype=torch.long, device=target_probs.device),
+                            sample(target_probs[:, 0], bonus_uniforms))  # fmt: skip
     index = draft_tokens.unsqueeze(-1)
     target_tok = target_probs[:, :k_max].gather(-1, index).squeeze(-1)  # [b, K]
     draft_tok = draft_probs.gather(-1, index).squeeze(-1)  # [b, K]
-    in_spec = torch.arange(k_max).unsqueeze(0) < num_draft.unsqueeze(1)  # [b, K]
+    in_spec = torch.arange(k_max, device=num_draft.device).unsqueeze(0) < num_draft.unsqueeze(1)  # [b, K]
     accepted = (accept_uniforms * draft_tok < target_tok) & in_spec
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [b]
 
-    rows = torch.arange(b)
+    rows = torch.arange(b, device=num_accepted.device)
     at_k = target_probs[rows, num_accepted]  # [b, V]
     rejected = num_accepted < num_draft
     draft_at_k = draft_probs[rows, num_accepted.clamp(max=k_max - 1)]  # [b, V]
@@ -61,7 +82,7 @@ def verify(
     has_mass = residual.sum(-1, keepdim=True) > 0
     residual = torch.where(has_mass, residual, at_k)
     bonus_dist = torch.where(rejected.unsqueeze(-1), residual, at_k)
-    return VerifyResult(num_accepted, sample_from(bonus_dist, bonus_uniforms))
+    return VerifyResult(num_accepted, sample(bonus_dist, bonus_uniforms))
 
 
 def verify_reference(

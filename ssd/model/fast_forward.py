@@ -184,31 +184,37 @@ class FastLlamaForward:
         sin = (emb.sin() * self.rope_scaling).to(dtype)
         return cos, sin
 
-    def _rope_rows(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused path: (cos, sign-folded sin) [b, n, 1, head_dim] for `positions`, gathered from a
-        table of every position up to the largest seen (doubling as it grows): two gathers per
-        forward instead of computing them (a dozen small operations). Rows are computed by
-        _rope, so they hold the same values it gives for those positions."""
+    def reserve_positions(self, count: int, device: torch.device) -> None:
+        """Fused path: make the rotary table cover positions 0..count-1 (doubling as it grows).
+        The caller knows its positions on the host (ModelRunner does this before each forward),
+        so the forward itself never reads a device value to size the table."""
         table = self._rope_table
-        need = int(positions.max()) + 1
-        if table is None or table.shape[1] < need or table.dtype != dtype:
-            size = max(need, 256, 2 * table.shape[1] if table is not None else 0)
-            cos, sin = self._rope(torch.arange(size, device=positions.device), dtype)  # [size, head_dim]
+        dtype = self.attention_dtype or self.embed.dtype
+        if table is None or table.shape[1] < count or table.dtype != dtype:
+            size = max(count, 256, 2 * table.shape[1] if table is not None else 0)
+            cos, sin = self._rope(torch.arange(size, device=device), dtype)  # [size, head_dim]
             half = self.head_dim // 2
             # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bit for bit.
-            table = self._rope_table = torch.stack((cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)))
-        rows = table[:, positions]  # [2, b, n, head_dim]
+            self._rope_table = torch.stack((cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)))
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path: (cos, sign-folded sin) [b, n, 1, head_dim] for `positions`, gathered from
+        the table reserve_positions built: two gathers per forward instead of computing them (a
+        dozen small operations). Rows are computed by _rope, so they hold the same values it
+        gives for those positions."""
+        rows = self._rope_table[:, positions]  # [2, b, n, head_dim]
         return rows[0].unsqueeze(2), rows[1].unsqueeze(2)
 
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Reads no device value on the host (positions must lie in the table reserve_positions
+        covers), so a round on an accelerator can run it without waiting, or capture it."""
         b, n = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         if self.fused:
             # Rotary embedding in [b, n, heads, head_dim] layout, q and k together, in the dtype
             # attention runs in (a reduced-precision model's q and k are upcast before rotating).
             rope_dtype = self.attention_dtype or x.dtype
-            cos4, sin4 = self._rope_rows(positions, rope_dtype)
+            cos4, sin4 = self._rope_rows(positions)
             half = self.head_dim // 2
         else:
             cos, sin = self._rope(positions, x.dtype)

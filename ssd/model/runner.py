@@ -58,8 +58,10 @@ class ModelRunner:
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
+        on_host: bool = True,
     ) -> torch.Tensor:
-        """tokens [b, n] -> logits [b, n, V] (float32, on CPU).
+        """tokens [b, n] -> logits [b, n, V] (float32; on CPU, or left on the model's device when
+        on_host is False).
 
         new_valid [b, n]: the real tokens, a prefix of each row (rows are right-padded); each row
         commits its real tokens to the cache. A cache with no rows yet takes the batch's b rows.
@@ -86,6 +88,8 @@ class ModelRunner:
         else:
             assert attn_mask.shape == (b, 1, n, width) and attn_mask.dtype == self.attention_dtype
             mask = attn_mask.to(self.device)
+        if self.lean is not None:
+            self.lean.reserve_positions(int(positions.max()) + 1, self.device)
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         if self.lean is not None:
             logits = self.lean(tokens, mask, positions, cache)
@@ -95,7 +99,7 @@ class ModelRunner:
                 use_cache=True,
             ).logits  # fmt: skip
         cache.commit(new_valid)
-        return logits.float().cpu()
+        return logits.float().cpu() if on_host else logits.float()
 
 
 class _HFView(Cache):
