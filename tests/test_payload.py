@@ -65,10 +65,43 @@ def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole(
     for r in (greedy, dense):
         assert r.row_rounds > 0 and r.to_workers_per_row > 0 and r.from_workers_per_row > 0, r
         assert r.received_by_type.get("REPLY", 0) > 0 and r.sent_by_type.get("RESOLVE", 0) > 0, r
-        # Trees are built to depth K: the largest round kept exactly [b, N, K, V] float32.
-        assert r.branch_probs_bytes == r.branch_probs_formula == 2 * 4 * 4 * 4096 * 4, r
-        assert r.worker_peak_rss_bytes > r.branch_probs_bytes, r
+        assert r.branch_probs_dense == 2 * 4 * 4 * 4096 * 4, r
+    # Trees are built to depth K: the largest round kept [b, N, K, V] float32 for dense rows, one
+    # value (float32) and one token id (int64) per distribution for greedy rows.
+    assert dense.branch_probs_bytes == dense.branch_probs_dense, dense
+    assert greedy.branch_probs_bytes == 2 * 4 * 4 * (4 + 8), greedy
+    assert dense.worker_peak_rss_bytes > dense.branch_probs_bytes, dense
     # A dense row is K x V float32 per round (plus the reply's last, unverified speculation);
     # a greedy one is K token ids.
     assert dense.from_workers_per_row >= dense.dense_row_bytes
     assert greedy.from_workers_per_row < dense.from_workers_per_row / 100
+
+
+def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
+    """At a real vocabulary (V = 128256, N = 16, K = 6) a greedy or top-50 row keeps well under
+    5 MB of branch probabilities (dense: 49 MB), and every branch reads back exactly; a row
+    whose support widens at a later depth turns dense without losing what it kept."""
+    import torch
+
+    from ssd.core.sampling import BatchSampling, process_logits
+    from ssd.drafting.tree import BranchProbs
+
+    vocab, n, k = 128256, 16, 6
+    gen = torch.Generator().manual_seed(0)
+    sampling = BatchSampling(torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0, 50, 50]), torch.ones(3))
+    kept, depths = BranchProbs(vocab), []
+    for d in range(k):
+        logits = torch.randn(3, n, vocab, generator=gen)
+        logits[1, :, :60] = 7.0  # ties with the 50th value: top-50 keeps 60 tokens
+        probs = process_logits(logits, sampling)
+        if d == 3:  # row 2 goes wide
+            probs[2] = torch.rand(n, vocab, generator=gen).softmax(-1)
+        kept.add(probs, [True, True, True])
+        depths.append(probs)
+    want = torch.stack(depths, 2)  # [3, N, K, V]
+    for r in range(3):
+        assert torch.equal(kept.dense(r), want[r])
+        assert torch.equal(kept.branch(r, 5), want[r, 5])
+    row_bytes = [v.nbytes + (0 if i is None else i.nbytes) for v, i in zip(kept.values, kept.indices)]
+    assert row_bytes[0] == n * k * (4 + 8) and row_bytes[1] == n * k * 60 * (4 + 8)
+    assert max(row_bytes[:2]) < 5 * 2**20 and row_bytes[2] == n * k * vocab * 4

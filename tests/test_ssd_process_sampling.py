@@ -108,8 +108,10 @@ NEIGHBOUR_BRANCH = textwrap.dedent('''
     _resolve = ssd.drafting.tree_drafter.TreeDrafter.resolve
 
     def resolve(self, msg):
-        if self.round is not None:
-            self.round.probs = self.round.probs.roll(1, dims=1)  # [b, N, K, V]: branch n gets n-1's
+        if self.round is not None:  # branch n gets n-1's (rows kept dense or sparse alike)
+            probs = self.round.probs
+            probs.values = [v.roll(1, dims=0) for v in probs.values]
+            probs.indices = [i if i is None else i.roll(1, dims=0) for i in probs.indices]
         return _resolve(self, msg)
 
     ssd.drafting.tree_drafter.TreeDrafter.resolve = resolve

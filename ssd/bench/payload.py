@@ -11,7 +11,8 @@ and the figures come from `llm.metrics()["ssd"]`, i.e. from counters, not formul
   messages only, over the rows the rounds verified; one-off messages (ADMIT, JOIN, READY,
   RELEASE) apart;
 - the branch probabilities a worker kept in its largest round (`drafter_branch_probs_bytes`),
-  beside the formula b x N x K x V x 4 bytes (float32), and the worker's peak RSS.
+  beside what dense rows would take, b x N x K x V x 4 bytes (float32; greedy and top-k rows are
+  kept sparse: S values and token ids per distribution), and the worker's peak RSS.
 Every row of every round carries a speculation from the worker (`ssd_backup="neural"`: a miss
 is drafted just in time by the worker, not by the target's n-gram backup), and trees are built
 to depth K (`ssd_reproducible`), so the figures do not depend on timing.
@@ -74,7 +75,7 @@ class PayloadResult:
     dense_row_bytes: int  # K x V x 4: one row's distributions sent dense
     once_bytes: int  # ADMIT, JOIN, READY, RELEASE: per sequence or session, not per round
     branch_probs_bytes: int  # measured: the largest round's branch probabilities in one worker
-    branch_probs_formula: int  # b x N x K x V x 4
+    branch_probs_dense: int  # b x N x K x V x 4: the same branches kept dense
     worker_peak_rss_bytes: int
     hit_rate: float
     seconds: float  # the case's wall time: engine and worker start, generation, close
@@ -176,7 +177,7 @@ def run_case(
         dense_row_bytes=plan.k * plan.vocab * 4,
         once_bytes=sum(sent.values()) + sum(received.values()) - sum(per_round),
         branch_probs_bytes=ssd["drafter_branch_probs_bytes"],
-        branch_probs_formula=batch * plan.budget * plan.k * plan.vocab * 4,
+        branch_probs_dense=batch * plan.budget * plan.k * plan.vocab * 4,
         worker_peak_rss_bytes=ssd["drafter_peak_rss_bytes"],
         hit_rate=metrics.get("cache_hit_rate", 0.0),
         seconds=round(seconds, 2),
@@ -211,7 +212,7 @@ HEADERS = (
     "from workers B/row/rd",
     "dense row (KxVx4)",
     "branch probs MB",
-    "b*N*K*V*4 MB",
+    "dense b*N*K*V*4 MB",
     "worker peak RSS MB",
     "hit rate",
     "s",
@@ -228,7 +229,7 @@ def table_row(r: PayloadResult) -> list[str]:
         f"{r.from_workers_per_row:,.0f}",
         f"{r.dense_row_bytes:,}",
         f"{r.branch_probs_bytes / MB:.1f}",
-        f"{r.branch_probs_formula / MB:.1f}",
+        f"{r.branch_probs_dense / MB:.1f}",
         f"{r.worker_peak_rss_bytes / MB:.0f}",
         f"{r.hit_rate:.2f}",
         f"{r.seconds:.1f}",

@@ -26,7 +26,7 @@ class SpeculationTree:
     spec_tokens: list[list[int]]  # s_T per row (real tokens only)
     branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n of the whole grid
     tokens: torch.Tensor  # [b, N_own, depth]: this shard's branches, branch n at n // num_shards
-    probs: torch.Tensor  # [b, N_own, depth, V]
+    probs: BranchProbs  # [b, N_own, depth, V], kept sparse per row
     fanout: list[int] = field(default_factory=list)
     # [b, K+1, R] the candidates of each outcome in the draft's order: the bonus token's rank is
     # its place here
@@ -36,6 +36,78 @@ class SpeculationTree:
     # A round begun on a prediction: how to take it back (generator states, committed columns
     # the glue added per row) if the target's announcement turns out different.
     undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class BranchProbs:
+    """A round's branch distributions [b, N_own, depth, V], kept per row in as few numbers as
+    they need: a row whose distributions have at most S <= V / 4 tokens of positive mass (a
+    greedy row: 1; top-k: k, ties with the k-th included) keeps those S values and their token
+    ids, [N_own, depth, S] each; any other row keeps its values dense, [N_own, depth, V]. At
+    V = 128256, N = 16, K = 6 a dense row is 49 MB, a greedy one 1.1 KB. Built depth by depth
+    (`add`), so the dense [b, N, V] of one depth is the most ever held beside them."""
+
+    vocab: int
+    values: list[torch.Tensor] = field(default_factory=list)  # per row: [N_own, depth, S_r] (S_r = V: dense)
+    indices: list[torch.Tensor | None] = field(default_factory=list)  # per row: [N_own, depth, S_r], None if dense
+
+    def add(self, probs: torch.Tensor, narrow: list[bool]) -> None:
+        """Append one depth: probs [b, N_own, V]; narrow [b]: the rows that may be kept sparse
+        (greedy or top-k: their support is counted; any other row is kept dense uncounted, a
+        count over b x N x V costing milliseconds per depth at V = 128k)."""
+        b, _, vocab = probs.shape
+        if not self.values:
+            self.values, self.indices = [probs.new_empty(0)] * b, [None] * b
+        support = [vocab] * b  # the widest distribution of each row
+        rows = [r for r in range(b) if narrow[r]]
+        if rows:
+            for r, s in zip(rows, (probs[rows] > 0).sum(-1).amax(-1).tolist()):
+                support[r] = s
+        for r in range(b):
+            first = self.values[r].numel() == 0
+            sparse = support[r] <= vocab // 4 and (first or self.indices[r] is not None)
+            if not sparse:
+                if self.indices[r] is not None:
+                    self.values[r], self.indices[r] = self.dense(r), None
+                self.values[r] = (
+                    probs[r].unsqueeze(1) if first else torch.cat([self.values[r], probs[r].unsqueeze(1)], 1)
+                )
+                continue
+            values, index = probs[r].topk(max(1, support[r]), dim=-1)  # [N_own, S]: every positive entry
+            if first:
+                self.values[r], self.indices[r] = values.unsqueeze(1), index.unsqueeze(1)
+            else:
+                self.values[r], self.indices[r] = (
+                    _cat_padded(self.values[r], values),
+                    _cat_padded(self.indices[r], index),
+                )
+
+    def dense(self, r: int) -> torch.Tensor:
+        """Row r's distributions as [N_own, depth, V]."""
+        if self.indices[r] is None:
+            return self.values[r]
+        n, depth, _ = self.values[r].shape
+        # Padding entries add 0.0 to token 0: exact, whatever token 0 holds.
+        return self.values[r].new_zeros(n, depth, self.vocab).scatter_add_(-1, self.indices[r], self.values[r])
+
+    def branch(self, r: int, n: int) -> torch.Tensor:
+        """Branch n of row r: [depth, V]."""
+        if self.indices[r] is None:
+            return self.values[r][n]
+        values, index = self.values[r][n], self.indices[r][n]
+        return values.new_zeros(values.shape[0], self.vocab).scatter_add_(-1, index, values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values) + sum(i.nbytes for i in self.indices if i is not None)
+
+
+def _cat_padded(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """kept [N, d, S], new [N, S'] -> [N, d+1, max(S, S')], the narrower padded with zeros."""
+    width = max(kept.shape[-1], new.shape[-1])
+    kept = torch.nn.functional.pad(kept, (0, width - kept.shape[-1]))
+    new = torch.nn.functional.pad(new, (0, width - new.shape[-1]))
+    return torch.cat([kept, new.unsqueeze(1)], 1)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from ssd.core.sampling import BatchSampling, SequenceSampling, sample_from
 from ssd.core.speculation import Speculation
 from ssd.drafting.saguaro import row_fanout, saguaro_probs
 from ssd.drafting.sd_proposer import SDProposer
-from ssd.drafting.tree import SpeculationTree, fork, tree_mask
+from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -214,7 +214,7 @@ class TreeDrafter:
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.pending) if stale is not None else None,
         )  # fmt: skip
-        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
+        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)  # sparse rows count less
         return True
 
     def _glue(self, seq_ids: list[int], spec: list[list[int]]) -> _Glue:
@@ -245,9 +245,9 @@ class TreeDrafter:
         undo: list[torch.Tensor],
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
-        depth], probs [b, N_own, depth, V], when the tree began), or None when the round went
+        depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None when the round went
         stale and was taken back. The tree is a scratch forward past every row's length: its
         columns are gone when it ends, and s_T's glue columns are rolled back."""
         b, n = cand.shape
@@ -261,7 +261,8 @@ class TreeDrafter:
         uniforms = torch.stack([torch.rand(k, n, generator=self.states[s].generator) for s in seq_ids])
         one_hot = bool(sampling.greedy.all())
         fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
-        feed, out_tokens, out_probs = cand, [], []
+        feed, out_tokens, out_probs = cand, [], BranchProbs(self.jit.target_vocab)
+        narrow = (sampling.greedy | (sampling.top_k > 0)).tolist()
         tree_started = time.perf_counter()
         for d in range(k):
             positions = committed.view(b, 1) + outcome + d
@@ -275,14 +276,14 @@ class TreeDrafter:
                 probs = saguaro_probs(probs, fan_t[d].expand(b, n), self.saguaro_c)
             feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
             out_tokens.append(feed)
-            out_probs.append(probs)
+            out_probs.add(probs, narrow)
             if stale is not None and stale():
                 self._take_back(seq_ids, undo, glue.columns)
                 return None
             if d < k - 1 and interrupted is not None and interrupted():
                 break
         self.cache.drop_last(spec_lens)  # the tree's columns were scratch: only s_T's glue columns remain
-        return torch.stack(out_tokens, -1), torch.stack(out_probs, 2), tree_started
+        return torch.stack(out_tokens, -1), out_probs, tree_started
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
         """Undo a predicted round: drop the `columns` [b] it added (glue, tree) and rewind the
@@ -335,7 +336,7 @@ class TreeDrafter:
             if n is not None and n % self.num_shards == self.shard:
                 hit[r] = True
                 tokens[r, : rnd.depth] = rnd.tokens[i, n // self.num_shards]
-                probs[r, : rnd.depth] = rnd.probs[i, n // self.num_shards]
+                probs[r, : rnd.depth] = rnd.probs.branch(i, n // self.num_shards)
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         if rnd is not None:
             self.counters.rounds += 1
