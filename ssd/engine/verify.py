@@ -39,32 +39,15 @@ def verify(
     num_draft: torch.Tensor,
     accept_uniforms: torch.Tensor,
     bonus_uniforms: torch.Tensor,
+    sample=sample_from,
 ) -> VerifyResult:
-    """The rule on the host's terms (its sampler repairs a rounding miss only where one happened)."""
-    return _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms, sample_from)
-
-
-def verify_on_device(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    num_draft: torch.Tensor,
-    accept_uniforms: torch.Tensor,
-    bonus_uniforms: torch.Tensor,
-) -> VerifyResult:
-    """The same rule without host reads (static shapes, every tensor on one device): what a round
-    on an accelerator runs before its one copy of the counts and tokens to the host. A bonus token
-    of -1 means a distribution without positive mass (see sample_on_device)."""
-    return _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms,
-                   sample_on_device)  # fmt: skip
-
-
-def _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms, bonus_uniforms, sample):
+    """The rule, vectorized. `sample` draws the bonus tokens: the host's sampler by default (it
+    repairs a rounding miss only where one happened); verify_on_device passes the device's."""
     b, k_max = draft_tokens.shape
     assert target_probs.shape[:2] == (b, k_max + 1), (target_probs.shape, draft_tokens.shape)
     if k_max == 0:
-        return VerifyResult(torch.zeros(b, dtype=torch.long, device=target_probs.device),
-                            sample(target_probs[:, 0], bonus_uniforms))  # fmt: skip
+        zero = torch.zeros(b, dtype=torch.long, device=target_probs.device)
+        return VerifyResult(zero, sample(target_probs[:, 0], bonus_uniforms))
     index = draft_tokens.unsqueeze(-1)
     target_tok = target_probs[:, :k_max].gather(-1, index).squeeze(-1)  # [b, K]
     draft_tok = draft_probs.gather(-1, index).squeeze(-1)  # [b, K]
@@ -83,6 +66,13 @@ def _verify(draft_tokens, draft_probs, target_probs, num_draft, accept_uniforms,
     residual = torch.where(has_mass, residual, at_k)
     bonus_dist = torch.where(rejected.unsqueeze(-1), residual, at_k)
     return VerifyResult(num_accepted, sample(bonus_dist, bonus_uniforms))
+
+
+def verify_on_device(*args: torch.Tensor) -> VerifyResult:
+    """verify without host reads (static shapes, every tensor on one device): what a round on an
+    accelerator runs before its one copy of the counts and tokens to the host. A bonus token of -1
+    means a distribution without positive mass (see sample_on_device)."""
+    return verify(*args, sample=sample_on_device)
 
 
 def verify_reference(
