@@ -80,7 +80,8 @@ def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole(
 def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
     """At a real vocabulary (V = 128256, N = 16, K = 6) a greedy or top-50 row keeps well under
     5 MB of branch probabilities (dense: 49 MB), and every branch reads back exactly; a row
-    whose support widens at a later depth turns dense without losing what it kept."""
+    whose support widens at a later depth turns dense without losing what it kept, and a row
+    whose support changes between depths is padded without changing a value."""
     import torch
 
     from ssd.core.sampling import BatchSampling, process_logits
@@ -92,7 +93,7 @@ def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
     kept, depths = BranchProbs(vocab), []
     for d in range(k):
         logits = torch.randn(3, n, vocab, generator=gen)
-        logits[1, :, :60] = 7.0  # ties with the 50th value: top-50 keeps 60 tokens
+        logits[1, :, : 60 - 5 * (d % 2)] = 7.0  # ties with the 50th value: top-50 keeps 60 or 55 tokens
         probs = process_logits(logits, sampling)
         if d == 3:  # row 2 goes wide
             probs[2] = torch.rand(n, vocab, generator=gen).softmax(-1)

@@ -136,7 +136,7 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = Fal
 # skips the sort, a rounding miss is repaired only where it happened): each branch reads a device
 # value on the host. The versions below compute every case and select with torch.where: static
 # shapes, no host reads, so a round on an accelerator can run them without waiting for the device
-# (and under a CUDA graph). They equal the host versions (tests/test_sampling_primitives.py); on
+# (and under a CUDA graph). They equal the host versions (tests/test_device_round.py); on
 # CPU the host versions are faster (a vocabulary sort per call is what they skip).
 
 

@@ -55,51 +55,48 @@ class BranchProbs:
         """Append one depth: probs [b, N_own, V]; narrow [b]: the rows that may be kept sparse
         (greedy or top-k: their support is counted; any other row is kept dense uncounted, a
         count over b x N x V costing milliseconds per depth at V = 128k)."""
-        b, _, vocab = probs.shape
-        if not self.values:
-            self.values, self.indices = [probs.new_empty(0)] * b, [None] * b
+        b, n, vocab = probs.shape
+        if not self.values:  # every row starts sparse, with no depth yet
+            self.values = [probs.new_zeros(n, 0, 0) for _ in range(b)]
+            self.indices = [torch.zeros(n, 0, 0, dtype=torch.long, device=probs.device) for _ in range(b)]
         support = [vocab] * b  # the widest distribution of each row
         rows = [r for r in range(b) if narrow[r]]
         if rows:
             for r, s in zip(rows, (probs[rows] > 0).sum(-1).amax(-1).tolist()):
                 support[r] = s
         for r in range(b):
-            first = self.values[r].numel() == 0
-            sparse = support[r] <= vocab // 4 and (first or self.indices[r] is not None)
-            if not sparse:
-                if self.indices[r] is not None:
-                    self.values[r], self.indices[r] = self.dense(r), None
-                self.values[r] = (
-                    probs[r].unsqueeze(1) if first else torch.cat([self.values[r], probs[r].unsqueeze(1)], 1)
-                )
-                continue
-            values, index = probs[r].topk(max(1, support[r]), dim=-1)  # [N_own, S]: every positive entry
-            if first:
-                self.values[r], self.indices[r] = values.unsqueeze(1), index.unsqueeze(1)
-            else:
+            if self.indices[r] is not None and support[r] <= vocab // 4:
+                values, index = probs[r].topk(max(1, support[r]), dim=-1)  # [N_own, S]: every positive entry
                 self.values[r], self.indices[r] = (
                     _cat_padded(self.values[r], values),
                     _cat_padded(self.indices[r], index),
                 )
+                continue
+            if self.indices[r] is not None:  # turning dense: what the row kept so far, spread out
+                self.values[r], self.indices[r] = self.dense(r), None
+            self.values[r] = torch.cat([self.values[r], probs[r].unsqueeze(1)], 1)
 
     def dense(self, r: int) -> torch.Tensor:
         """Row r's distributions as [N_own, depth, V]."""
         if self.indices[r] is None:
             return self.values[r]
-        n, depth, _ = self.values[r].shape
-        # Padding entries add 0.0 to token 0: exact, whatever token 0 holds.
-        return self.values[r].new_zeros(n, depth, self.vocab).scatter_add_(-1, self.indices[r], self.values[r])
+        return _spread(self.values[r], self.indices[r], self.vocab)
 
     def branch(self, r: int, n: int) -> torch.Tensor:
         """Branch n of row r: [depth, V]."""
         if self.indices[r] is None:
             return self.values[r][n]
-        values, index = self.values[r][n], self.indices[r][n]
-        return values.new_zeros(values.shape[0], self.vocab).scatter_add_(-1, index, values)
+        return _spread(self.values[r][n], self.indices[r][n], self.vocab)
 
     @property
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.values) + sum(i.nbytes for i in self.indices if i is not None)
+
+
+def _spread(values: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Kept entries [..., S] -> dense [..., V]. Padding entries add 0.0 to token 0: exact,
+    whatever token 0 holds."""
+    return values.new_zeros(*values.shape[:-1], vocab).scatter_add_(-1, index, values)
 
 
 def _cat_padded(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ class TreeDrafter:
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.pending) if stale is not None else None,
         )  # fmt: skip
-        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)  # sparse rows count less
+        self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
 
     def _glue(self, seq_ids: list[int], spec: list[list[int]]) -> _Glue:
@@ -247,9 +247,9 @@ class TreeDrafter:
         stale: Callable[[], bool] | None,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
-        depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None when the round went
-        stale and was taken back. The tree is a scratch forward past every row's length: its
-        columns are gone when it ends, and s_T's glue columns are rolled back."""
+        depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
+        when the round went stale and was taken back. The tree is a scratch forward past every
+        row's length: its columns are gone when it ends, and s_T's glue columns are rolled back."""
         b, n = cand.shape
         k = self.k
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
@@ -286,7 +286,7 @@ class TreeDrafter:
         return torch.stack(out_tokens, -1), out_probs, tree_started
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
-        """Undo a predicted round: drop the `columns` [b] it added (glue, tree) and rewind the
+        """Undo a predicted round: drop the `columns` [b] its glue added and rewind the
         generators, so the next round draws exactly what it would have drawn without it."""
         self.cache.drop_last(columns)
         for s, state in zip(seq_ids, states):

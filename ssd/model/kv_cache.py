@@ -83,7 +83,7 @@ class StaticKVCache:
         self._start = 0
         self.batch_size = 0
         # The forward in progress (begin_forward): where it writes and how wide it attends.
-        self._columns: torch.Tensor | None = None  # [b, n] long, on the model's device
+        self._columns: torch.Tensor | None = None  # [b, n] long, on the model's device (unless _first)
         self._first: int | None = None  # the common first column, when every row writes the same n consecutive ones
         self._width = 0
         self._scratch = False
@@ -163,7 +163,9 @@ class StaticKVCache:
         first = columns[:, :1]
         uniform = bool((columns == first[:1] + torch.arange(n)).all()) if self.batch_size else False
         self._first = int(first[0, 0]) if uniform else None
-        self._columns, self._width, self._scratch = columns.to(device), width, scratch
+        # The index goes to the device only where the write needs it (rows at different columns).
+        self._columns = None if uniform else columns.to(device)
+        self._width, self._scratch = width, scratch
         return width
 
     def append(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

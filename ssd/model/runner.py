@@ -88,14 +88,13 @@ class ModelRunner:
         else:
             assert attn_mask.shape == (b, 1, n, width) and attn_mask.dtype == self.attention_dtype
             mask = attn_mask.to(self.device)
+        tokens, position_ids = tokens.to(self.device), positions.to(self.device)
         if self.lean is not None:
-            self.lean.reserve_positions(int(positions.max()) + 1, self.device)
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
-        if self.lean is not None:
-            logits = self.lean(tokens, mask, positions, cache)
+            self.lean.reserve_positions(int(positions.max()) + 1, self.device)  # from the host copy
+            logits = self.lean(tokens, mask, position_ids, cache)
         else:
             logits = self.model(
-                input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=_HFView(cache),
+                input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=_HFView(cache),
                 use_cache=True,
             ).logits  # fmt: skip
         cache.commit(new_valid)
