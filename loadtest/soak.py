@@ -3,9 +3,9 @@ process's resident memory, then checking that nothing is left held once traffic 
 
     python -m loadtest.soak --minutes 10 --users 8
 
-It starts `ssd serve` on free ports (a Ray cluster of its own, the demo pair, SSD with sd and off
-served too), runs loadtest/locustfile.py headless with the prompt mix over all three modes (75%
-streamed), and samples the RSS of every Serve replica, controller and proxy process every
+It starts `ssd serve` on free ports (a Ray cluster of its own, the demo pair, auto by default with
+ssd, sd and off served too), runs loadtest/locustfile.py headless with the prompt mix over all four
+modes (75% streamed), and samples the RSS of every Serve replica, controller and proxy process every
 --sample-s seconds. After the run, with no traffic, it waits two health-check periods and reads
 the leak gauges from Ray's metrics endpoint: sequences held by target replicas, sequences and
 draft KV cache rows held by draft workers (all must be 0).
@@ -35,6 +35,9 @@ from loadtest.procs import rss_mb, serve_processes, slope_mb_per_min
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+# Every speculation mode a request can ask for; the server serves the first by default and the
+# others as extra modes, so that the load covers each (and asks for none it does not serve).
+MODES = ("auto", "ssd", "sd", "off")
 LEAK_GAUGES = ("ray_ssd_target_sequences", "ray_ssd_draft_sequences", "ray_ssd_draft_cache_rows")
 
 
@@ -46,13 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(http: int, grpc: int, metrics: int, extra: list[str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "ssd.cli",
-        "serve",
+def serve_flags(http: int, grpc: int, metrics: int, extra: list[str]) -> list[str]:
+    """The `ssd serve` flags of the server under load."""
+    return [
         "--port",
         str(http),
         "--grpc-port",
@@ -61,11 +60,17 @@ def start_server(http: int, grpc: int, metrics: int, extra: list[str]) -> subpro
         str(metrics),
         "--ray-address",
         "local",
+        "--mode",
+        "auto",
         "--extra-modes",
-        "sd",
-        "off",
+        *MODES[1:],
         *extra,
     ]
+
+
+def start_server(http: int, grpc: int, metrics: int, extra: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "ssd.cli", "serve", *serve_flags(http, grpc, metrics, extra)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 300
     while True:
@@ -133,13 +138,21 @@ def run(args: argparse.Namespace) -> dict:
                 str(prefix),
                 "--only-summary",
                 "--spec-modes",
-                "ssd,sd,off",
+                ",".join(MODES),
                 "--model",
                 "ssd-demo",
             ]
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=seconds + 600)
+            # Locust exits 1 when any request failed: that is a result to report (with the
+            # errors from its failures CSV), not a crash; no CSV at all is a crash.
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 600)
+            if not Path(f"{prefix}_stats.csv").exists():
+                raise RuntimeError(f"locust exited {done.returncode} without results:\n{done.stderr[-4000:]}")
             with open(f"{prefix}_stats.csv") as f:
                 posts = [r for r in csv.DictReader(f) if r["Type"] == "POST"]
+            with open(f"{prefix}_failures.csv") as f:
+                errors = [
+                    {"name": r["Name"], "error": r["Error"], "count": int(r["Occurrences"])} for r in csv.DictReader(f)
+                ]
         stop.set()
         sampler.join()
         time.sleep(args.settle_s)  # idle: two health checks (5 s each) set the gauges, Ray exports them
@@ -166,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "args": vars(args),
         "requests": sum(int(r["Request Count"]) for r in posts),
         "failures": sum(int(r["Failure Count"]) for r in posts),
+        "errors": errors,
         "leak_gauges": leaks,
         "processes": processes,
     }
@@ -204,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(
         f"requests {result['requests']}, failures {result['failures']}, leak gauges after traffic "
         f"{result['leak_gauges']}\n"
-        f"{'PASS' if result['passed'] else 'FAIL'}\n"
+        + "".join(f"  {e['count']} x {e['name']}: {e['error'][:300]}\n" for e in result["errors"])
+        + f"{'PASS' if result['passed'] else 'FAIL'}\n"
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from ssd.drafting.saguaro import (
     fit_miss_law,
     geometric_fanout,
     hit_interval,
+    marginal_fanout,
     miss_law_hit_rate,
     prefer_fast_backup,
     rank_interval,
@@ -274,3 +275,39 @@ def test_backup_threshold_falls_with_hit_rate():
     # A neural backup as cheap as the fast one and better is never beaten.
     assert backup_threshold(0.9, **{**live, "t_neural": 0.01}) is None
     assert backup_threshold(0.9, **live, max_batch=thresholds[3] - 1) is None
+
+
+def expected_hits(fan: list[int], k: int, a: float, m: float, r: float) -> float:
+    return sum(p * (1 - m * f**-r if f >= 1 else 0.0) for p, f in zip(outcome_probs(k, a), fan))
+
+
+def every_allocation(budget: int, slots: int, caps: list[int]):
+    if slots == 1:
+        if budget <= caps[0]:
+            yield [budget]
+        return
+    for f in range(min(budget, caps[0]) + 1):
+        for rest in every_allocation(budget - f, slots - 1, caps[1:]):
+            yield [f, *rest]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("budget", [1, 4, 7, 12])
+@pytest.mark.parametrize("a,m,r", [(0.7, 0.4, 0.6), (0.9, 1.0, 0.6), (0.5, 0.1, 2.0), (0.3, 0.8, 0.2), (0.8, 0.0, 0.6)])
+def test_marginal_fanout_is_the_integer_optimum(k, budget, a, m, r):
+    """Against every allocation of the budget (brute force), with and without caps that bind."""
+    for caps in ([budget] * (k + 1), [2] * k + [3]):
+        best = max(expected_hits(f, k, a, m, r) for f in every_allocation(min(budget, sum(caps)), k + 1, caps))
+        fan = marginal_fanout(budget, k, a, m, r, caps)
+        assert sum(fan) == min(budget, sum(caps)) and all(0 <= f <= c for f, c in zip(fan, caps)), fan
+        assert expected_hits(fan, k, a, m, r) == pytest.approx(best, rel=1e-12, abs=1e-15), (fan, caps)
+
+
+def test_marginal_fanout_gives_every_outcome_a_first_branch_when_the_intercept_pays():
+    """Theorem 12's rounding leaves an outcome without a branch at B = K + 1; under a miss law
+    whose first candidate often hits (m small), one branch per outcome is worth more."""
+    assert 0 in geometric_fanout(7, 6, 0.9, 0.6)
+    assert marginal_fanout(7, 6, 0.9, 0.1, 0.6) == [1] * 7
+    assert expected_hits(marginal_fanout(7, 6, 0.9, 0.1, 0.6), 6, 0.9, 0.1, 0.6) > expected_hits(
+        geometric_fanout(7, 6, 0.9, 0.6), 6, 0.9, 0.1, 0.6
+    )

@@ -83,7 +83,7 @@ def check_greedy(llm: LLM, prompts, expected) -> None:
 # ---- 1. greedy exactness -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fanout", ["geometric", "uniform"])
+@pytest.mark.parametrize("fanout", ["geometric", "marginal", "uniform"])
 @pytest.mark.parametrize("backup", ["neural", "fast"])
 def test_greedy_matches_hf_inprocess(tiny_pair, prompts, tiny_reference, fanout, backup):
     target, draft = tiny_pair

@@ -331,6 +331,14 @@ register_mode(
 )
 register_mode(
     BenchMode(
+        "ssd-marginal",
+        "SSD with the marginal fan-out (integer optimum under the fitted miss law, this engine)",
+        engine_mode("ssd", ssd_fanout="marginal"),
+        ssd=True,
+    )
+)
+register_mode(
+    BenchMode(
         "ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform"), ssd=True
     )
 )

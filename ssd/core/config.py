@@ -76,8 +76,10 @@ class EngineArgs(BaseModel):
         True,
         description="SSD: lower B below ssd_budget while the drafter cannot build the cache within one verification.",
     )
-    ssd_fanout: Literal["geometric", "uniform"] = Field(
-        "geometric", description="SSD: fan-out over outcomes k (Saguaro's geometric, or uniform)."
+    ssd_fanout: Literal["geometric", "marginal", "uniform"] = Field(
+        "geometric",
+        description="SSD: fan-out over outcomes k: Saguaro's geometric (Theorem 12, rounded), marginal (the "
+        "integer optimum under the fitted miss law with its intercept), or uniform.",
     )
     saguaro_c: float = Field(
         1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling."

@@ -14,6 +14,7 @@ Glossary:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,45 @@ def geometric_fanout(budget: int, k: int, a: float, r: float, caps: list[int] | 
     weights = [a ** (j / (1 + r)) for j in range(k)]
     weights.append(a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r)))
     return _round_to_budget(weights, budget, caps)
+
+
+def marginal_fanout(budget: int, k: int, a: float, m: float, r: float, caps: list[int] | None = None) -> list[int]:
+    """The integer fan-out with the largest expected hit rate sum_j P_j p_hit(F_j) under the
+    intercepted miss law (p_hit(0) = 0, p_hit(F) = 1 - m F^-r) and the geometric outcome law
+    (P_j = a^j (1 - a) for j < K, a^K at K), spending min(budget, sum caps) branches.
+
+    Theorem 12 solves the continuous problem (where m does not matter) and rounds; rounding can
+    leave an outcome at F = 0, which forfeits its whole first-branch gain P_j (1 - m). Here: past
+    the first branch an outcome's gains P_j m (F^-r - (F+1)^-r) fall with F, so once it is
+    settled which outcomes get a first branch, taking the largest remaining gains (a greedy
+    marginal allocation) is optimal; and an optimal allocation never gives a first branch to an
+    outcome while a likelier one has none (swap their fan-outs), so the candidates are the s
+    likeliest outcomes, s = 1..K+1, and the best of those K+1 greedy answers is the optimum.
+    That swap needs the likelier outcome's cap to hold the other's fan-out: always so when no
+    cap is below the budget (caps are vocab - 1 and vocab); with tighter caps the answer is
+    still a valid allocation, within those caps."""
+    a = min(max(a, 1e-3), 1 - 1e-3)
+    r, m = max(r, 1e-3), min(max(m, 0.0), 1.0)
+    caps = caps or [budget] * (k + 1)
+    budget = min(budget, sum(caps))
+    p = [a**j * (1 - a) for j in range(k)] + [a**k]
+    order = sorted(range(k + 1), key=lambda j: -p[j])  # likeliest outcome first (stable)
+    miss = [f**-r for f in range(1, budget + 1)]  # miss[F - 1] = F^-r
+    # gains[j]: what each of outcome j's branches 2..cap adds, falling with F
+    gains = [[p[j] * m * (miss[f - 1] - miss[f]) for f in range(1, min(caps[j], budget))] for j in range(k + 1)]
+    best, best_s, merged = -math.inf, 0, []
+    for s in range(1, min(k + 1, budget) + 1):  # a first branch each for the s likeliest outcomes
+        if caps[order[s - 1]] < 1:
+            break
+        merged = sorted(merged + gains[order[s - 1]], reverse=True)  # two sorted runs: linear
+        if len(merged) >= budget - s:
+            value = (1 - m) * sum(p[j] for j in order[:s]) + sum(merged[: budget - s])
+            best, best_s = (value, s) if value > best else (best, best_s)
+    first = order[:best_s]
+    alloc = [int(j in first) for j in range(k + 1)]
+    for _, outcome in heapq.nlargest(budget - best_s, ((g, j) for j in first for g in gains[j])):
+        alloc[outcome] += 1
+    return alloc
 
 
 def uniform_fanout(budget: int, k: int, caps: list[int] | None = None) -> list[int]:

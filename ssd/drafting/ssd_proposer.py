@@ -33,7 +33,7 @@ from ssd.core.speculation import RoundOutcome, Source, Speculation
 from ssd.drafting.backup_choice import BackupChoice
 from ssd.drafting.budget import BudgetSizer
 from ssd.drafting.ngram import NgramIndex, fast_speculation
-from ssd.drafting.saguaro import OnlineEstimates, geometric_fanout, row_fanout, uniform_fanout
+from ssd.drafting.saguaro import OnlineEstimates, geometric_fanout, marginal_fanout, row_fanout, uniform_fanout
 
 
 @dataclass
@@ -253,6 +253,8 @@ class SSDProposer:
         if self.config.ssd_fanout == "uniform":
             return uniform_fanout(budget, k, caps)
         estimates = OnlineEstimates() if self.config.ssd_reproducible else self.estimates
+        if self.config.ssd_fanout == "marginal":
+            return marginal_fanout(budget, k, estimates.a, estimates.m, estimates.r, caps)
         return geometric_fanout(budget, k, estimates.a, estimates.r, caps)
 
     def stats(self) -> dict:

@@ -59,3 +59,16 @@ def test_a_short_headless_run_has_no_failures(served, tmp_path):
     kinds = {r["Type"] for r in rows}
     assert {"POST", "TTFT", "E2E", "TOKPS"} <= kinds, kinds
     assert not Path(f"{prefix}_failures.csv").read_text().strip().splitlines()[1:]
+
+
+def test_the_soak_asks_only_for_modes_its_server_serves():
+    """The soak once sent ssd to a server that served auto, sd and off (every ssd request a 400)."""
+    import argparse
+
+    from loadtest.soak import MODES, serve_flags
+    from serve_app.cli import add_arguments, app_config_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = app_config_from(parser.parse_args(serve_flags(8000, 9000, 8080, []))).to_settings()
+    assert set(MODES) <= set(settings.request_modes), (MODES, settings.request_modes)

@@ -1,0 +1,94 @@
+"""The exactness tests on a CUDA device (the whole module is skipped without one).
+
+On CUDA the engine runs its device round (sampling, verification and the speculation's logits on
+the GPU, one copy to the host per round), which CPU runs only when a test forces it. Here it runs
+as users run it:
+1. greedy output equals Hugging Face `generate` on the same device, in ar, sd and ssd (the draft
+   pool over shm, its workers on the GPU too), batched with admissions mid-flight;
+2. sampled output follows the target's distribution (chi-square of the first two tokens, as in
+   test_sampling_exactness.py) in sd and ssd at T=1 and with top-p;
+3. the device functions on CUDA agree with the host reference on inputs where float rounding
+   cannot flip a decision.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampling_exactness import CASES, P_MIN, check_first_two, sample_first_two
+from test_verify import random_dists
+from tiny_models import noisy_copy, peaked_model, save_models
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ssd import LLM, SamplingParams
+from ssd.engine.verify import verify_on_device, verify_reference
+from ssd.model.demo_models import ModelShape
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = ["def add(a, b):\n    return", "x", "import os\n", "class Stack:\n    def push(self, item):"]
+MAX_TOKENS = 32
+
+
+def hf_greedy_on(path: str, prompts: list[str], device: str) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)], device=device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS)
+        outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_on_cuda_matches_hf_generate(tiny_pair, mode):
+    expected = hf_greedy_on(tiny_pair[0], PROMPTS, "cuda")
+    with LLM(*tiny_pair, mode=mode, k=4, device="cuda", max_num_seqs=2, ssd_autobudget=False) as llm:
+        assert llm.engine.device_round
+        # Lengths differ: rows finish at different rounds and queued ones are admitted mid-flight.
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 6 * (i % 3)) for i in range(len(PROMPTS))]
+        outs = llm.generate(PROMPTS, params)
+    for out, want, p in zip(outs, expected, params):
+        assert out.token_ids == want[: p.max_tokens]
+
+
+@pytest.fixture(scope="module")
+def peaked_dirs(tmp_path_factory) -> dict[str, str]:
+    target = peaked_model(0, ModelShape(64, 2, 2, 128), 30.0)
+    close = noisy_copy(target, seed=5, relative=0.05)
+    return save_models(tmp_path_factory.mktemp("cuda_exactness"), {"target": target, "close": close})
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("case", ["temperature1", "top_p0.8"])
+def test_sampling_on_cuda_follows_the_target_distribution(peaked_dirs, mode, case):
+    params = CASES[case]
+    with LLM(peaked_dirs["target"], peaked_dirs["close"], mode=mode, k=3, device="cuda", max_num_seqs=512) as llm:
+        prompt_ids, outs = sample_first_two(llm, params, seed_base=300_000)
+    target = AutoModelForCausalLM.from_pretrained(peaked_dirs["target"], local_files_only=True).eval()
+    result = check_first_two(target, prompt_ids, outs, params)  # exact law from a CPU float32 forward
+    assert min(result["first"], result["joint"], result["second_given_top"]) > P_MIN, result
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_on_cuda_equals_the_reference(seed):
+    """Uniforms kept away from every acceptance threshold, so that float rounding differences
+    between devices cannot decide a draw; the bonus draw is checked where it is a point mass."""
+    gen = torch.Generator().manual_seed(seed)
+    b, k, vocab = 8, 5, 50
+    draft_probs = random_dists(gen, (b, k, vocab))
+    draft_tokens = draft_probs.argmax(-1)
+    target_probs = random_dists(gen, (b, k + 1, vocab))
+    drafted = draft_tokens.unsqueeze(-1)
+    ratio = (target_probs[:, :k].gather(-1, drafted) / draft_probs.gather(-1, drafted)).squeeze(-1)  # [b, k]
+    # u < p/q accepts: aim at half the ratio (accept) or halfway to 1 (reject), never near it.
+    reject = (torch.rand(b, k, generator=gen) < 0.4) & (ratio < 0.9)
+    uniforms = torch.where(reject, (ratio + 1) / 2, ratio.clamp(max=1) / 2)
+    bonus_u = torch.zeros(b)  # the first token of positive mass: the same on every device
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    args = (draft_tokens, draft_probs, target_probs, num_draft, uniforms, bonus_u)
+    want = verify_reference(*args)
+    got = verify_on_device(*(a.cuda() for a in args))
+    assert torch.equal(got.num_accepted.cpu(), want.num_accepted)
+    assert torch.equal(got.bonus_tokens.cpu(), want.bonus_tokens)
