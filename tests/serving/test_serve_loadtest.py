@@ -62,7 +62,9 @@ def test_a_short_headless_run_has_no_failures(served, tmp_path):
 
 
 def test_the_soak_asks_only_for_modes_its_server_serves():
-    """The soak once sent ssd to a server that served auto, sd and off (every ssd request a 400)."""
+    """The soak once sent ssd to a server that served auto, sd and off (every ssd request a 400);
+    serving ssd besides auto doubled the draft pool, and on 2 cores the target replica was never
+    placed (one draft worker and the target fit)."""
     import argparse
 
     from loadtest.soak import MODES, serve_flags
@@ -72,3 +74,4 @@ def test_the_soak_asks_only_for_modes_its_server_serves():
     add_arguments(parser)
     settings = app_config_from(parser.parse_args(serve_flags(8000, 9000, 8080, []))).to_settings()
     assert set(MODES) <= set(settings.request_modes), (MODES, settings.request_modes)
+    assert settings.draft_pool_size == 1
