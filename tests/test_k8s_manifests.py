@@ -326,7 +326,7 @@ def test_overlays_are_what_they_claim():
     base, gpu = rayservice(rendered("base")), rayservice(rendered("overlays/gpu-70b"))
     demo = yaml.safe_load(rayservice(rendered("overlays/cpu-demo"))["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert "target" not in demo["engine"] and (demo["engine"]["mode"], demo["engine"]["draft_transport"]) == (
-        "ssd",
+        "auto",
         "torch",
     )
     args = yaml.safe_load(gpu["spec"]["serveConfigV2"])["applications"][0]["args"]
