@@ -134,3 +134,17 @@ def test_buffers_stay_put_through_many_rounds(tiny_pair):
             runner.forward(cache.add_rows(1), torch.randint(0, 256, (1, 30), generator=gen))
     assert int(cache.lengths().max()) < cache.capacity[1]
     assert (_buffer(cache).data_ptr(), cache.capacity, cache.nbytes()) == first
+
+
+def test_a_prefill_without_logits_fills_the_same_cache(tiny_pair):
+    """with_logits=False skips the LM head (nobody reads a prefill's logits unless a request
+    asks for prompt logprobs): the forward returns None and the next one sees the same cache."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], local_files_only=True).eval()
+    prompt, nxt = torch.tensor([[5, 9, 2, 77, 31]]), torch.tensor([[12]])
+    for lean in (True, False):  # the lean forward and Hugging Face's
+        runner = ModelRunner(model, torch.device("cpu"), lean=lean)
+        with_head, without = runner.new_cache(), runner.new_cache()
+        assert runner.forward(with_head, prompt).shape == (1, 5, model.config.vocab_size)
+        assert runner.forward(without, prompt, with_logits=False) is None
+        assert without.lengths().tolist() == with_head.lengths().tolist() == [5]
+        assert torch.equal(runner.forward(without, nxt), runner.forward(with_head, nxt))

@@ -135,7 +135,7 @@ class TreeDrafter:
         for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
             self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
         tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
-        self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid)
+        self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid, with_logits=False)
         self.order.extend(msg.seq_ids)
 
     @torch.inference_mode()

@@ -99,16 +99,23 @@ class _Linear:
         # no per-shape state.
         rows = x.numel() // x.shape[-1]
         if rows <= PACKED_MAX_ROWS:  # as [rows, in]: the shape is the row count alone, not its split into b x n
-            out = torch.ops.mkldnn._linear_pointwise(
-                x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], ""
-            )
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+            # Padded to a power of two: 7 shapes per module, all met within the first minutes of
+            # serving, instead of up to 64 met one by one over hours (each one's state a step up
+            # in memory). A product of so few rows reads the whole weight whatever the count, so
+            # the padding costs little; each row's result does not depend on the others.
+            flat = x.reshape(rows, x.shape[-1])
+            bucket = 1 << (rows - 1).bit_length()
+            if bucket != rows:
+                flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         outs = [F.linear(x, m.weight, m.bias) for m in self.modules]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 # Row counts (batch x tokens) up to which a packed product runs: one oneDNN state per input
-# shape and module, so a bounded number. A round of 8 rows at K = 6 verifies 56 tokens.
+# shape and module (row counts are padded to 1, 2, 4, ..., 64: 7 shapes). A round of 8 rows at
+# K = 6 verifies 56 tokens.
 PACKED_MAX_ROWS = 64
 
 
@@ -205,9 +212,12 @@ class FastLlamaForward:
         rows = self._rope_table[:, positions]  # [2, b, n, head_dim]
         return rows[0].unsqueeze(2), rows[1].unsqueeze(2)
 
-    def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache, head: bool = True
+    ) -> torch.Tensor | None:
         """Reads no device value on the host (positions must lie in the table reserve_positions
-        covers), so a round on an accelerator can run it without waiting, or capture it."""
+        covers), so a round on an accelerator can run it without waiting, or capture it. head:
+        False fills the cache only (a prefill nobody reads logits of) and returns None."""
         b, n = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         if self.fused:
@@ -255,5 +265,7 @@ class FastLlamaForward:
                 x = x + _linear(a, layer.o)
                 h = _rms_norm(x, layer.norm_post, layer.eps_post)
                 x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
+        if not head:
+            return None
         x = _rms_norm(x, self.norm, self.norm_eps)
         return self.head_fused(x) if self.head_fused is not None else _linear(x, self.lm_head)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -35,6 +36,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.lean: FastLlamaForward | None = None
         self.attention_dtype = self.dtype  # of the attention masks, and of the cache
+        # Hugging Face models take logits_to_keep (older or remote-code ones may not).
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         if lean:
             reason = unsupported_reason(model)
             if reason is None:
@@ -59,7 +62,8 @@ class ModelRunner:
         attn_mask: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
         on_host: bool = True,
-    ) -> torch.Tensor:
+        with_logits: bool = True,
+    ) -> torch.Tensor | None:
         """tokens [b, n] -> logits [b, n, V] (float32; on CPU, or left on the model's device when
         on_host is False).
 
@@ -73,7 +77,10 @@ class ModelRunner:
 
         A scratch forward (SSD's tree) gives `columns` [b, n], where its tokens are written (past
         each row's length), `positions` and a prebuilt additive `attn_mask` [b, 1, n, width] in
-        attention_dtype (width = max(columns) + 1); it commits nothing."""
+        attention_dtype (width = max(columns) + 1); it commits nothing.
+
+        with_logits=False: a prefill whose logits nobody reads (the LM head over every prompt position
+        is [b, n, V], 2 GB of float32 for a 4k-token prompt at V = 128k): returns None."""
         b, n = tokens.shape
         if new_valid is None:
             new_valid = torch.ones(b, n, dtype=torch.bool)
@@ -91,13 +98,16 @@ class ModelRunner:
         tokens, position_ids = tokens.to(self.device), positions.to(self.device)
         if self.lean is not None:
             self.lean.reserve_positions(int(positions.max()) + 1, self.device)  # from the host copy
-            logits = self.lean(tokens, mask, position_ids, cache)
+            logits = self.lean(tokens, mask, position_ids, cache, head=with_logits)
         else:
+            keep = {"logits_to_keep": 1} if not with_logits and self._keeps_logits else {}
             logits = self.model(
                 input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=_HFView(cache),
-                use_cache=True,
+                use_cache=True, **keep,
             ).logits  # fmt: skip
         cache.commit(new_valid)
+        if not with_logits:
+            return None
         return logits.float().cpu() if on_host else logits.float()
 
 
