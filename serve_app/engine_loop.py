@@ -78,6 +78,8 @@ def merge(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
         then,
         delta_text=first.delta_text + then.delta_text,
         delta_token_ids=first.delta_token_ids + then.delta_token_ids,
+        delta_logprobs=None if first.delta_logprobs is None else first.delta_logprobs + then.delta_logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
     )
 
 
@@ -86,7 +88,10 @@ def request_error(err: ValueError) -> APIError:
     text = str(err)
     if "context length" in text:
         return APIError(400, text, "max_tokens", "context_length_exceeded")
-    param = next((p for p in ("stop_token_ids", "max_draft", "prompt") if text.startswith(p)), None)
+    param = next(
+        (p for p in ("stop_token_ids", "logit_bias", "allowed_token_ids", "max_draft", "prompt") if text.startswith(p)),
+        None,
+    )
     return APIError(400, text, "speculation.k" if param == "max_draft" else param, "invalid_value")
 
 
@@ -293,4 +298,7 @@ class EngineLoop:
             completion_tokens=len(out.token_ids),
             mode=mode,
             speculation=out.metrics if out.finished else {},
+            delta_logprobs=out.delta_logprobs,
+            # The prompt's once, with the request's first chunk (its first output holds every token).
+            prompt_logprobs=out.prompt_logprobs if len(out.delta_token_ids) == len(out.token_ids) else None,
         )

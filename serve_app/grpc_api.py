@@ -80,6 +80,15 @@ class GrpcFrontend:
             "stop_token_ids": list(request.stop_token_ids),
             "seed": request.seed if request.HasField("seed") else None,
             "ignore_eos": request.ignore_eos,
+            "logprobs": request.logprobs if request.HasField("logprobs") else None,
+            "prompt_logprobs": request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+            "presence_penalty": request.presence_penalty,
+            "frequency_penalty": request.frequency_penalty,
+            "repetition_penalty": request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+            "logit_bias": dict(request.logit_bias),
+            "min_p": request.min_p,
+            "min_tokens": request.min_tokens,
+            "allowed_token_ids": list(request.allowed_token_ids) or None,
         }
         try:
             params = SamplingParams(**fields)
@@ -106,6 +115,18 @@ class GrpcFrontend:
             cache_hit_rate=s.get("cache_hit_rate", 0.0),
             rounds_by_mode=s.get("rounds_by_mode", {}),
         )
+
+    def _logprobs(self, entries) -> list:
+        """TokenLogprobs messages of these entries (None entries, the prompt's first token, left out)."""
+
+        def one(lp):
+            return self.pb.Logprob(token_id=lp.token_id, token=lp.text, logprob=lp.logprob)
+
+        return [
+            self.pb.TokenLogprobs(chosen=one(e.chosen), rank=e.rank, top=[one(t) for t in e.top])
+            for e in entries or []
+            if e is not None
+        ]
 
     @staticmethod
     def _fail(context, err: APIError) -> None:
@@ -143,6 +164,8 @@ class GrpcFrontend:
                     token_ids=[t for c in chunks for t in c.delta_token_ids],
                     finish_reason=last.finish_reason or "",
                     speculation=self._stats(last),
+                    logprobs=self._logprobs([e for c in chunks for e in c.delta_logprobs or []]),
+                    prompt_logprobs=self._logprobs(chunks[0].prompt_logprobs),
                 )
             )
         usage = self.pb.Usage(
@@ -175,6 +198,8 @@ class GrpcFrontend:
                         text=item.delta_text,
                         token_ids=item.delta_token_ids,
                         finish_reason=item.finish_reason or "",
+                        logprobs=self._logprobs(item.delta_logprobs),
+                        prompt_logprobs=self._logprobs(item.prompt_logprobs),
                     )
                     usage = None
                     if item.finish_reason:  # set before the reply copies the choice in

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
 from serve_app.fan_out import check_model_and_n, fan_out
+from serve_app.logprobs_format import chat_logprobs, completion_logprobs
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.types import GenerateChunk, GenerateRequest
 
@@ -162,11 +163,29 @@ class OpenAIFrontend:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        echoes = [self._echo(g) if getattr(request, "echo", False) else None for g in gens]
         if request.stream:
-            return self._stream(rid, request, streams, firsts, chat)
-        return await self._collect(rid, streams, firsts, chat, request.n, request.return_token_ids)
+            return self._stream(rid, request, streams, firsts, chat, echoes)
+        return await self._collect(rid, request, streams, firsts, chat, echoes)
 
-    async def _collect(self, rid: str, streams, firsts, chat: bool, n: int, token_ids: bool) -> dict:
+    def _echo(self, gen: GenerateRequest) -> tuple[str, str]:
+        """Echo: (the prompt's text, its first token's text, which no logprob entry carries)."""
+        prompt = gen.prompt
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        return text, self.tokenizer.decode(ids[:1])
+
+    @staticmethod
+    def _logprobs(request, chat: bool, entries: list, offset: int = 0, first: str = "") -> tuple[dict | None, int]:
+        """The logprobs object of these entries (None when the request did not ask) and the text
+        offset after them (completions)."""
+        if request.logprobs is None or request.logprobs is False:  # completions: int or None; chat: bool
+            return None, offset
+        if chat:
+            return chat_logprobs(entries), offset
+        return completion_logprobs(entries, offset, first)
+
+    async def _collect(self, rid: str, request, streams, firsts, chat: bool, echoes: list) -> dict:
         async def drain(index: int):
             chunks = [firsts[index]] if firsts[index] is not None else []
             async for chunk in streams[index]:
@@ -181,13 +200,22 @@ class OpenAIFrontend:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         choices, prompt_tokens, completion_tokens, spec = [], 0, 0, []
+        n, token_ids = request.n, request.return_token_ids
         for index, chunks in enumerate(results):
             text = "".join(c.delta_text for c in chunks)
             last = chunks[-1]
             prompt_tokens += last.prompt_tokens if index % n == 0 else 0  # each prompt once, whatever n
             completion_tokens += last.completion_tokens
             spec.append({"mode": last.mode, **last.speculation})
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+            entries = [e for c in chunks for e in c.delta_logprobs or []]
+            prompt_text, first = echoes[index] or ("", "")
+            if echoes[index] is not None:
+                entries = (chunks[0].prompt_logprobs or []) + entries
+            logprobs, _ = self._logprobs(request, chat, entries, 0, first)
+            if chat:
+                body = {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+            else:
+                body = {"text": prompt_text + text, "logprobs": logprobs}
             if token_ids:
                 body["token_ids"] = [t for c in chunks for t in c.delta_token_ids]
             choices.append({"index": index, **body, "finish_reason": last.finish_reason})
@@ -205,11 +233,13 @@ class OpenAIFrontend:
             "speculation": spec,
         }
 
-    def _stream(self, rid: str, request, streams, firsts, chat: bool) -> AsyncIterator[bytes]:
+    def _stream(self, rid: str, request, streams, firsts, chat: bool, echoes: list) -> AsyncIterator[bytes]:
         created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * len(streams)  # completions' text_offset, per choice
 
-        def event(index: int, delta: dict | str, finish: str | None, extra: dict | None = None) -> bytes:
-            choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta, "logprobs": None}
+        def event(index: int, delta, finish: str | None, extra: dict | None = None, logprobs=None) -> bytes:
+            choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta}
+            choice["logprobs"] = logprobs
             return sse(
                 {
                     "id": rid,
@@ -228,12 +258,26 @@ class OpenAIFrontend:
             try:
                 async with contextlib.aclosing(interleave(streams, firsts)) as merged:
                     async for index, item in merged:
+                        if echoes[index] is not None:  # the choice's first chunk: the prompt before it
+                            prompt_text, first = echoes[index]
+                            echoes[index] = None
+                            prompt = item.prompt_logprobs or []
+                            logprobs, offsets[index] = self._logprobs(request, chat, prompt, 0, first)
+                            yield event(index, prompt_text, None, None, logprobs)
+                        logprobs, offsets[index] = self._logprobs(
+                            request, chat, item.delta_logprobs or [], offsets[index]
+                        )
                         text = {"content": item.delta_text} if chat else item.delta_text
                         extra = {"speculation": {"mode": item.mode, **item.speculation}} if item.finish_reason else {}
                         if request.return_token_ids:
                             extra["token_ids"] = item.delta_token_ids
-                        if item.delta_text or item.finish_reason or (request.return_token_ids and item.delta_token_ids):
-                            yield event(index, text, item.finish_reason, extra)
+                        if (
+                            item.delta_text
+                            or item.finish_reason
+                            or (request.return_token_ids and item.delta_token_ids)
+                            or (logprobs is not None and item.delta_token_ids)
+                        ):
+                            yield event(index, text, item.finish_reason, extra, logprobs)
                         if item.finish_reason:
                             usage["completion_tokens"] += item.completion_tokens
                             usage["prompt_tokens"] += item.prompt_tokens if index % request.n == 0 else 0

@@ -1,9 +1,10 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) as pydantic models.
 
-Unknown fields are refused (400 naming the field) rather than silently ignored; the OpenAI fields
-this server does not implement are accepted only at their neutral value (logprobs null,
-penalties 0, echo false), so a client never gets a result computed differently from what it
-asked for.
+Unknown fields are refused (400 naming the field) rather than silently ignored, and `suffix`, not
+implemented, is accepted only as null, so a client never gets a result computed differently from
+what it asked for. Penalties, logit bias,
+min_p, min_tokens and allowed token ids are applied to the target's distribution at every
+verified position with that position's own history (ssd/core/logits_processing.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.sampling_params import SamplingParams
 
 # Prompts in one /v1/completions request (each gets n choices).
@@ -47,8 +49,8 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -62,29 +64,27 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     speculation: Speculation | None = None
     return_token_ids: bool = Field(False, description="Also return each choice's generated token ids (as vLLM does).")
-    # OpenAI fields accepted only at their neutral value.
-    logprobs: None | Literal[False] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
+    # Beyond OpenAI, as vLLM names them.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _finite(cls, v):
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported (they would change the target's distribution); use 0")
-        return v
-
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises pydantic's ValidationError naming the field (reported as the request's param)."""
+        limits = (self.max_completion_tokens, self.max_tokens, default_max_tokens)
         fields = {
-            "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            "max_tokens": next(m for m in limits if m is not None),
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": 0 if self.top_k is None or self.top_k == -1 else self.top_k,
@@ -92,14 +92,36 @@ class _Common(BaseModel):
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": self.logit_bias or {},
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "min_tokens": self.min_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
+            **self._logprobs(),
         }
         return SamplingParams(**fields)
+
+    def _logprobs(self) -> dict:
+        return {}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: Literal[False] = False
+    echo: bool = Field(False, description="Return the prompt before the completion (with logprobs: scored).")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token's log-probability and this many most likely alternatives; with echo, the "
+        "prompt's tokens too (max_tokens 0 scores a prompt).",
+    )
     suffix: None = None
+
+    def _logprobs(self) -> dict:
+        prompt = self.logprobs if self.echo else None
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
 
     @field_validator("prompt")
     @classmethod
@@ -139,3 +161,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     add_generation_prompt: bool = True
+    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many most likely alternatives per token."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def _logprobs(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ssd.core.logprobs import TokenLogprobs
 from ssd.core.sampling_params import SamplingParams
 
 
@@ -31,3 +32,7 @@ class GenerateChunk:
     completion_tokens: int  # so far
     mode: str  # the engine mode that served it: "ssd", "sd", "ar"
     speculation: dict = field(default_factory=dict)  # SpecMetrics.as_dict() of the request (last chunk)
+    # With SamplingParams.logprobs: those of delta_token_ids. With prompt_logprobs: the prompt's,
+    # on the request's first chunk only (one per prompt token, None for the first).
+    delta_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -71,3 +71,46 @@ def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
     if len(obs) < 2:
         return 1.0
     return float(chisquare(obs, exp).pvalue)
+
+
+def adjusted_logits(logits, params, prompt: list[int], output: list[int], eos: int | None) -> np.ndarray:
+    """A request's penalties, logit bias, allowed tokens and min_tokens applied to one position's
+    logits [V], given the tokens before it, in the order ssd/core/logits_processing.py documents.
+    Written independently of it on purpose (token by token, in float64)."""
+    z = np.asarray(logits, dtype=np.float64).copy()
+    for t in set(prompt) | set(output):
+        z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+    for t in set(output):
+        z[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    for t, bias in params.logit_bias.items():
+        z[t] += bias
+    if params.allowed_token_ids is not None:
+        keep = np.zeros(len(z), dtype=bool)
+        keep[list(params.allowed_token_ids)] = True
+        z[~keep] = -np.inf
+    if len(output) < params.min_tokens:
+        for t in list(params.stop_token_ids) + ([eos] if eos is not None and not params.ignore_eos else []):
+            z[t] = -np.inf
+    return z
+
+
+def min_p_filter(probs: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens below min_p times the largest probability; renormalize."""
+    probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+class ReferenceAdjustments:
+    """adjusted_logits as a Hugging Face logits processor, for `generate(logits_processor=...)`."""
+
+    def __init__(self, params, prompt_len: int, eos: int | None) -> None:
+        self.params, self.prompt_len, self.eos = params, prompt_len, eos
+
+    def __call__(self, input_ids, scores):
+        out = scores.clone()
+        for row in range(scores.shape[0]):
+            ids = input_ids[row].tolist()
+            prompt, output = ids[: self.prompt_len], ids[self.prompt_len :]
+            z = adjusted_logits(scores[row].double().numpy(), self.params, prompt, output, self.eos)
+            out[row] = torch.from_numpy(z).to(scores.dtype)
+        return out

@@ -172,6 +172,12 @@ class EngineArgs(BaseModel):
         "products, bit-identical to Hugging Face. No effect off CPU.",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw",
+        description="Which distribution a request's logprobs are from: raw (the model's own, log_softmax of "
+        "its logits, as OpenAI and vLLM report) or processed (after the request's temperature, top-k and top-p, "
+        "the distribution each token was drawn from).",
+    )
 
     def to_config(self) -> "EngineConfig":
         """The engine's frozen configuration: every field as given, the derived ones resolved here
@@ -248,6 +254,7 @@ class EngineConfig:
     lean_forward: bool
     pack_target_weights: bool
     trust_remote_code: bool
+    logprobs_mode: str
 
     @property
     def tree_shards(self) -> int:

@@ -2,7 +2,8 @@
 
 Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
     logits          # [b, n, V] raw model outputs (float32)
-    probs           # [b, n, V] processed distribution: temperature, then top-k, then top-p.
+    probs           # [b, n, V] processed distribution: the request's penalties, bias and masks
+                    #   (verification only: logits_processing.py), temperature, min_p, top-k, top-p.
                     #   Greedy rows (temperature 0) are one-hot on the argmax, so the general
                     #   acceptance rule reduces to "accept while equal to the argmax".
     uniforms        # [b, n] in [0, 1): every random choice is an inverse-CDF lookup of a
@@ -11,9 +12,11 @@ Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from ssd.core.logits_processing import Adjustments
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class BatchSampling:
     temperature: torch.Tensor  # [b] float, 0 = greedy
     top_k: torch.Tensor  # [b] long, 0 = disabled
     top_p: torch.Tensor  # [b] float, 1 = disabled
+    # Penalties, bias, masks and min_p of the round's verification (logits_processing.py); None
+    # when no row has any (the common case costs nothing).
+    adjust: Adjustments | None = None
 
     @classmethod
     def of(cls, rows: list[SequenceSampling]) -> "BatchSampling":
@@ -48,7 +54,11 @@ class BatchSampling:
         )
 
     def to(self, device: torch.device) -> "BatchSampling":
-        return BatchSampling(*(t.to(device) for t in (self.temperature, self.top_k, self.top_p)))
+        adjust = self.adjust.to(device) if self.adjust is not None else None
+        return BatchSampling(*(t.to(device) for t in (self.temperature, self.top_k, self.top_p)), adjust)
+
+    def adjusted(self, adjust: Adjustments | None) -> "BatchSampling":
+        return replace(self, adjust=adjust)
 
     @property
     def greedy(self) -> torch.Tensor:  # [b] bool
@@ -57,7 +67,7 @@ class BatchSampling:
 
 def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """logits [b, n, V] -> probs [b, n, V] (float32), rows processed with their own settings."""
-    logits = logits.float()
+    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits)
     b, n, vocab = logits.shape
     greedy = sampling.greedy
     if bool(greedy.all()):  # the common greedy batch: skip the softmax whose rows would be replaced
@@ -67,6 +77,8 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
     # exactly 0, so no temperature > 0 can overflow them to inf (whose softmax is nan); a tiny
     # one gives the one-hot limit. Softmax and top-k/top-p are shift-invariant.
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.view(b, 1, 1)  # [b, n, V], <= 0
+    if sampling.adjust is not None:
+        scaled = scaled.masked_fill(sampling.adjust.min_p_mask(scaled), float("-inf"))
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
@@ -143,11 +155,13 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = Fal
 def process_logits_on_device(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """process_logits without host reads: logits [b, n, V] -> probs [b, n, V] (float32).
     `sampling`'s tensors must be on the logits' device."""
-    logits = logits.float()
+    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits)
     b, n, vocab = logits.shape
     greedy = sampling.greedy.view(b, 1, 1)
     temperature = torch.where(sampling.temperature > 0, sampling.temperature, 1.0).view(b, 1, 1)
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature  # [b, n, V], <= 0 (see process_logits)
+    if sampling.adjust is not None:
+        scaled = scaled.masked_fill(sampling.adjust.min_p_mask(scaled), float("-inf"))
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
     top_k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab)  # [b]
     kth = sorted_logits.gather(-1, (top_k - 1).view(b, 1, 1).expand(b, n, 1))  # [b, n, 1]

@@ -6,6 +6,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ssd.core.logprobs import MAX_LOGPROBS
+
 # Temperatures below this are greedy (stored as 0, the epsilon vLLM uses too): a token then keeps
 # weight exp(-gap / T) relative to the argmax, so only logits within a few 1e-4 of the max, the
 # level of the model's own rounding, keep any mass; the user means argmax.
@@ -17,6 +19,8 @@ MAX_SEED = 2**64 - 1
 # with count x length^2), so one request must not be able to make that arbitrarily large.
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
+# OpenAI's bounds: at most 300 biased tokens, each by -100..100; penalties in [-2, 2].
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingParams(BaseModel):
@@ -35,7 +39,11 @@ class SamplingParams(BaseModel):
     )
     top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
     top_k: int = Field(0, description="Keep only the k most likely tokens, >= 0; 0 disables it.")
-    max_tokens: int = Field(64, description="Maximum number of generated tokens, >= 1.")
+    max_tokens: int = Field(
+        64,
+        description="Maximum number of generated tokens, >= 0; 0 only reads the prompt (with prompt_logprobs: scores "
+        "it).",
+    )
     stop: list[str] = Field(
         default_factory=list,
         description="Strings that end generation; not included in the output. At most "
@@ -49,6 +57,37 @@ class SamplingParams(BaseModel):
         "(checked when the request is added).",
     )
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+    presence_penalty: float = Field(
+        0.0, description="OpenAI's: subtract this from the logit of every token already in the output, in [-2, 2]."
+    )
+    frequency_penalty: float = Field(
+        0.0, description="OpenAI's: subtract this times the token's count in the output from its logit, in [-2, 2]."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        description="Hugging Face's: divide a positive (multiply a negative) logit of a token in the prompt or the "
+        "output by this, > 0; 1 = off.",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description=f"Token id -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS} tokens.",
+    )
+    min_p: float = Field(0.0, description="Drop tokens below min_p times the most likely one's probability, [0, 1].")
+    min_tokens: int = Field(
+        0, description="No EOS or stop token id before this many output tokens, >= 0 (at most max_tokens)."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="Only these token ids may be generated (a non-empty list); None = all."
+    )
+    logprobs: int | None = Field(
+        None,
+        description=f"Return each generated token's log-probability under the target and its this many most likely "
+        f"alternatives (0 to {MAX_LOGPROBS}); None = none.",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        description=f"The same for each prompt token after the first (0 to {MAX_LOGPROBS}); None = none.",
+    )
     seed: int | None = Field(
         None,
         description="Per-request random seed in [0, 2**64 - 1]; the same seed reproduces the same "
@@ -80,8 +119,62 @@ class SamplingParams(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        if v < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info) -> float:
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+        for token, bias in v.items():
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int, info) -> int:
+        if v < 0 or v > info.data.get("max_tokens", v):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {v}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 0):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0 (or None)")
+        return v
+
+    @field_validator("logprobs", "prompt_logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None, info) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"{info.field_name} must be in [0, {MAX_LOGPROBS}] (or None), got {v}")
         return v
 
     @field_validator("stop", mode="before")

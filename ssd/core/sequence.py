@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.detokenizer import IncrementalDetokenizer
+from ssd.core.logprobs import TokenLogprobs
 from ssd.core.sampling import SequenceSampling
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.speculation import SpecMetrics
@@ -37,6 +38,10 @@ class Sequence:
     # Streaming bookkeeping: how much of the output was already handed out.
     sent_tokens: int = 0
     sent_text: int = 0
+    # With params.logprobs: one entry per output token (same length as output_ids). With
+    # params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
@@ -80,6 +85,11 @@ class CompletionOutput:
     # Streaming only: the tokens and text added since the previous output of this request.
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    # When the request asked for them (SamplingParams.logprobs / prompt_logprobs), else None;
+    # logprobs[i] is token_ids[i]'s, delta_logprobs those of delta_token_ids, prompt_logprobs[0] None.
+    logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,19 +25,19 @@ class SDProposer:
 
     def add(self, seqs: list[Sequence]) -> None:
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in seqs])
-        self.runner.forward(self.cache.add_rows(len(seqs)), tokens, valid)
+        self.runner.forward(self.cache.add_rows(len(seqs)), tokens, valid, with_logits=False)
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.keep(rows)
 
     def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
-        """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab)."""
+        """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab:
+        padded with -inf logits, so the request's adjustments see the target's vocabulary)."""
         v_t = self.target_vocab
         logits = logits[..., :v_t]
-        probs = process_logits(logits, sampling)
-        if probs.shape[-1] < v_t:
-            probs = torch.nn.functional.pad(probs, (0, v_t - probs.shape[-1]))
-        return probs
+        if logits.shape[-1] < v_t:
+            logits = torch.nn.functional.pad(logits, (0, v_t - logits.shape[-1]), value=float("-inf"))
+        return process_logits(logits, sampling)
 
     def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
         b = len(seqs)
@@ -55,6 +55,8 @@ class SDProposer:
             tok = sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
+            if sampling.adjust is not None:  # the request's penalties count this draft token from here on
+                sampling = sampling.adjusted(sampling.adjust.advanced(tok))
             if i < k - 1:
                 step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))
         return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))

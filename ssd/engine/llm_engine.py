@@ -20,11 +20,14 @@ import time
 import torch
 
 from ssd.core.config import EngineConfig
+from ssd.core.logits_processing import build as build_adjustments
+from ssd.core.logits_processing import needs_adjustments
 from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
+from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics
 from ssd.engine.proposers import WorkerProviderFactory, build_proposers
 from ssd.engine.stopping import StopChecker
@@ -70,6 +73,7 @@ class LLMEngine:
         if eos is None:
             eos = tokenizer.eos_token_id
         self.stopper = StopChecker(tokenizer, eos, max_model_len)
+        self.logprobs = LogprobRecorder(config.logprobs_mode, tokenizer)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.metrics = EngineMetrics()
@@ -107,6 +111,10 @@ class LLMEngine:
         beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if beyond:
             raise ValueError(f"stop_token_ids: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for name, listed in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            beyond = [t for t in listed if t >= self.vocab_size]
+            if beyond:
+                raise ValueError(f"{name}: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def add_request(
@@ -141,16 +149,32 @@ class LLMEngine:
 
     # ---- the round --------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[CompletionOutput]:
+        """Prefill the waiting requests there is room for; -> the outputs of those that end there
+        (max_tokens 0: a prompt scored, not continued), which leave at once."""
         room = self.config.max_num_seqs - len(self.running)
         if room <= 0 or not self.waiting:
-            return
+            return []
         new, self.waiting = self.waiting[:room], self.waiting[room:]
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in new])
-        self.target.forward(self.cache.add_rows(len(new)), tokens, valid)
-        for proposer in self.proposers.values():
-            proposer.add(new)
-        self.running.extend(new)
+        scoring = any(s.params.prompt_logprobs is not None for s in new)  # else nobody reads the logits
+        logits = self.target.forward(self.cache.add_rows(len(new)), tokens, valid, on_host=False, with_logits=scoring)
+        if scoring:
+            self.logprobs.prompt(new, logits)
+        scored = [s for s in new if s.params.max_tokens == 0]
+        if scored:
+            for seq in scored:
+                self.stopper.finish_at_length(seq)
+            self.metrics.finished_requests += len(scored)
+            before = len(self.running)
+            kept = [*range(before), *(before + i for i, s in enumerate(new) if not s.finished)]
+            self.cache.keep(torch.tensor(kept, dtype=torch.long))
+            new = [s for s in new if not s.finished]
+        if new:
+            for proposer in self.proposers.values():
+                proposer.add(new)
+            self.running.extend(new)
+        return [self._output(s) for s in scored]
 
     def _keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long)
@@ -169,31 +193,31 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[CompletionOutput]:
         """Run one round; return an output (with deltas) for every sequence that progressed."""
-        self._admit()
+        scored = self._admit()
         if not self.running:
-            return []
+            return scored
         started = time.perf_counter()
         self._choose_mode()
-        sampling = BatchSampling.of([s.sampling for s in self.running])
+        sampling = self._sampling()
         k = self._round_k()
         with self.metrics.timed("draft"):
             spec = self._speculate(k, sampling)
         with self.metrics.timed("verify"):
-            outcome = self._verify(spec, sampling)
+            outcome, logprobs = self._verify(spec, sampling)
         if self.proposer is not None and k > 0:
             with self.metrics.timed("draft"):  # overlaps the drafter's answer with the bookkeeping below
                 self.proposer.outcome_known(self.running, spec, outcome)
         with self.metrics.timed("verify"):
             self.cache.drop_last(spec.num_draft - outcome.num_accepted)
         seqs = self.running
-        outputs, tokens = self._commit(spec, outcome)
+        outputs, tokens = self._commit(spec, outcome, logprobs)
         if self.proposer is not None and k > 0:
             with self.metrics.timed("draft"):
                 self.proposer.observe(seqs, spec, outcome)
         batch = len(seqs)
         self._retire_finished()
         self._account(time.perf_counter() - started, spec, tokens, batch)
-        return outputs
+        return scored + outputs
 
     def _choose_mode(self) -> None:
         """Mode auto: this round's mode and proposer; SSD's drafters rejoin first when rounds in
@@ -208,6 +232,18 @@ class LLMEngine:
             self.proposers["ssd"].rejoin(self.running)
             self._ssd_behind = False
 
+    def _sampling(self, drafted: torch.Tensor | None = None) -> BatchSampling:
+        """The running rows' sampling settings, with the penalties, bias and masks of the rows that
+        have any: for the round's first position (drafting advances them), or for every position
+        of the speculation drafted [b, K] (verification)."""
+        seqs = self.running
+        sampling = BatchSampling.of([s.sampling for s in seqs])
+        if not any(needs_adjustments(s.params) for s in seqs):
+            return sampling
+        rows = [(s.params, s.prompt_ids, s.output_ids) for s in seqs]
+        drafted = torch.zeros(len(seqs), 0, dtype=torch.long) if drafted is None else drafted
+        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, self.stopper.eos_token_id))
+
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
         """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
         seqs = self.running
@@ -219,21 +255,31 @@ class LLMEngine:
             spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
         return spec
 
-    def _verify(self, spec: Speculation, sampling: BatchSampling) -> RoundOutcome:
-        """The target's forward over [last token, speculation] and the verification rule."""
+    def _verify(self, spec: Speculation, sampling: BatchSampling) -> tuple[RoundOutcome, dict | None]:
+        """The target's forward over [last token, speculation] and the verification rule; -> the
+        outcome and the log-probabilities of the rows that asked (LogprobRecorder.round)."""
         seqs = self.running
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
         tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        if sampling.adjust is not None:  # each position processed with its own history
+            sampling = self._sampling(spec.tokens)
         if self.device_round:
             return self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
-        target_probs = process_logits(self.target.forward(self.cache, tokens, valid), sampling)  # [b, K+1, V]
+        logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]
+        target_probs = process_logits(logits, sampling)
         result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
-        return RoundOutcome(result.num_accepted, result.bonus_tokens, before)
+        outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
+        return outcome, self._round_logprobs(logits, target_probs, spec, outcome)
 
-    def _verify_on_device(self, tokens, valid, spec, sampling, uniforms, before) -> RoundOutcome:
+    def _round_logprobs(self, logits, target_probs, spec: Speculation, outcome: RoundOutcome) -> dict | None:
+        return self.logprobs.round(
+            self.running, logits, target_probs, spec.tokens, outcome.num_accepted, outcome.bonus_tokens
+        )
+
+    def _verify_on_device(self, tokens, valid, spec, sampling, uniforms, before) -> tuple[RoundOutcome, dict | None]:
         """_verify with the target's logits kept on its device: processed and verified there,
         then one copy of the counts and bonus tokens to the host."""
         device = self.target.device
@@ -249,9 +295,12 @@ class LLMEngine:
                 "a target distribution has no positive mass (non-finite logits): load the target in a wider dtype "
                 "(dtype='float32')"
             )
-        return RoundOutcome(counts[0], counts[1], before)
+        outcome = RoundOutcome(counts[0], counts[1], before)
+        return outcome, self._round_logprobs(logits, target_probs, spec, outcome)
 
-    def _commit(self, spec: Speculation, outcome: RoundOutcome) -> tuple[list[CompletionOutput], int]:
+    def _commit(
+        self, spec: Speculation, outcome: RoundOutcome, logprobs: dict | None
+    ) -> tuple[list[CompletionOutput], int]:
         """Append each row's accepted tokens and bonus token under its stop rules; -> an output per
         row and the tokens appended."""
         accepted, bonus = outcome.num_accepted.tolist(), outcome.bonus_tokens.tolist()
@@ -264,7 +313,10 @@ class LLMEngine:
             new_tokens = drafted[r][: accepted[r]] + [bonus[r]]
             for m in (seq.metrics, round_metrics):
                 m.record(num_draft[r], accepted[r], len(new_tokens), sources[r], self.mode)
-            appended += self.stopper.append(seq, new_tokens)
+            count = self.stopper.append(seq, new_tokens)
+            if logprobs is not None and r in logprobs:
+                self.logprobs.commit(seq, logprobs[r], new_tokens[:count])
+            appended += count
             outputs.append(self._output(seq))
         self.metrics.generated_tokens += appended
         self.metrics.spec.add(round_metrics)
@@ -301,6 +353,7 @@ class LLMEngine:
         sendable_end = self.stopper.streamable_end(seq, text)
         delta_text = text[seq.sent_text : sendable_end] if sendable_end > seq.sent_text else ""
         delta_tokens = seq.output_ids[seq.sent_tokens :]
+        logprobs, delta_logprobs = output_logprobs(seq, seq.sent_tokens)
         seq.sent_text = max(seq.sent_text, sendable_end)
         seq.sent_tokens = len(seq.output_ids)
         return CompletionOutput(
@@ -312,6 +365,9 @@ class LLMEngine:
             metrics=seq.metrics.as_dict(),
             delta_token_ids=delta_tokens,
             delta_text=delta_text,
+            logprobs=logprobs,
+            delta_logprobs=delta_logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def close(self) -> None:

@@ -45,6 +45,11 @@ class StopChecker:
                 break
         return appended
 
+    def finish_at_length(self, seq: Sequence) -> None:
+        """A request with max_tokens 0 ends at its prompt (it was only scored)."""
+        assert seq.params.max_tokens == 0 and not seq.output_ids
+        seq.finish_reason = FinishReason.LENGTH
+
     def detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, self.special_ids, self.byte_piece_ids)

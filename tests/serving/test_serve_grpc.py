@@ -108,3 +108,25 @@ def test_the_message_size_is_bounded(served, stub):
         stub.Generate(request(prompt="x" * (5 << 20)), metadata=meta(served))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.Generate(request(max_tokens=2), metadata=meta(served)).usage.completion_tokens == 2
+
+
+def test_logprobs_unary_and_streamed(served, stub, tiny_pair):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reply = stub.Generate(request(logprobs=2, prompt_logprobs=1), metadata=meta(served))
+    choice = reply.choices[0]
+    ids = list(choice.token_ids)
+    assert [e.chosen.token_id for e in choice.logprobs] == ids and all(len(e.top) == 2 for e in choice.logprobs)
+    prompt = AutoTokenizer.from_pretrained(tiny_pair[0], local_files_only=True).encode(PROMPT, add_special_tokens=False)
+    assert [e.chosen.token_id for e in choice.prompt_logprobs] == prompt[1:]
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = torch.log_softmax(model(input_ids=torch.tensor([prompt + ids])).logits[0, :-1].double(), -1)
+    want = [float(rows[i, t]) for i, t in enumerate(prompt[1:] + ids)]
+    got = [e.chosen.logprob for e in list(choice.prompt_logprobs) + list(choice.logprobs)]
+    assert got == pytest.approx(want, abs=2e-4)
+    parts = list(stub.GenerateStream(request(logprobs=2, prompt_logprobs=1), metadata=meta(served)))
+    assert [e for p in parts for e in p.choices[0].logprobs] == list(choice.logprobs)
+    assert list(parts[0].choices[0].prompt_logprobs) == list(choice.prompt_logprobs)
+    assert not any(p.choices[0].prompt_logprobs for p in parts[1:])

@@ -37,15 +37,18 @@ BAD = [  # (body or raw bytes, status, param)
     (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_k": -5}, 400, "top_k"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": BIG}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 1e400}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "n": 99}, 400, "n"),
     ({"model": "tiny", "prompt": "x", "seed": -1}, 400, "seed"),
     ({"model": "tiny", "prompt": "x", "stop": ["s"] * 5000}, 400, "stop"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": [BIG]}, 400, "stop_token_ids"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ({"model": "tiny", "prompt": "x", "speculation": {"mode": "turbo"}}, 400, "speculation.mode"),
     ({"model": "tiny", "prompt": "x", "speculation": {"k": 99}}, 400, "speculation.k"),
@@ -83,6 +86,11 @@ def test_bad_chat_input_and_unknown_routes(served):
     for body, param in (
         ({"model": "tiny", "messages": []}, "messages"),
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
     ):
         r = post(served, body, "/v1/chat/completions")
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
