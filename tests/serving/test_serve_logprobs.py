@@ -57,12 +57,20 @@ def test_completion_logprobs_are_the_targets(client, tokenizer, hf_rows, mode):
     ids = choice.token_ids
     rows = hf_rows(prompt_ids(tokenizer, PROMPT) + ids)[-len(ids) :]
     lp = choice.logprobs
-    assert "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(ids)
+    if "\ufffd" not in "".join(lp.tokens):  # a byte of a multi-byte character decodes to U+FFFD alone
+        assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
     for i, token in enumerate(ids):
         assert lp.token_logprobs[i] == pytest.approx(float(rows[i, token]), abs=2e-4)
         top = rows[i].topk(3)
-        assert list(lp.top_logprobs[i].values()) == pytest.approx(top.values.tolist(), abs=2e-4)
+        # Keyed by the token's text: tokens that decode alike (bytes of a multi-byte character)
+        # share a key, as in OpenAI's format; each value is still one of the top 3.
+        values = sorted(lp.top_logprobs[i].values(), reverse=True)
+        want = top.values.tolist()
+        if len(values) == len(want):
+            assert values == pytest.approx(want, abs=2e-4)
+        assert all(min(abs(v - w) for w in want) < 2e-4 for v in values)
 
 
 def test_scoring_a_prompt_with_echo_and_max_tokens_zero(client, tokenizer, hf_rows):
@@ -99,7 +107,8 @@ def test_chat_logprobs_streamed_and_not(client):
     whole = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0]
     assert whole.message.content == plain.message.content
     content = whole.logprobs.content
-    assert "".join(c.token for c in content) == whole.message.content
+    if "\ufffd" not in "".join(c.token for c in content):
+        assert "".join(c.token for c in content) == whole.message.content
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
     assert all(bytes(c.bytes).decode() == c.token for c in content)
     chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw))
