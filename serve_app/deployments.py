@@ -296,6 +296,12 @@ class IngressDeployment:
             raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
         return JSONResponse(self.openai.models())
 
+    @api.get("/v1/models/{model_id:path}")  # a path: served names may hold slashes (org/model)
+    async def model(self, model_id: str, request: Request) -> Response:
+        if not self._authorized(request.headers.get("authorization")):
+            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        return JSONResponse(self.openai.model(model_id))
+
     @api.get("/health")
     async def health(self) -> Response:
         if await self._health():

@@ -89,6 +89,7 @@ class GrpcFrontend:
             "min_p": request.min_p,
             "min_tokens": request.min_tokens,
             "allowed_token_ids": list(request.allowed_token_ids) or None,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
         }
         try:
             params = SamplingParams(**fields)

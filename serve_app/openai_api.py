@@ -100,10 +100,17 @@ class OpenAIFrontend:
         )
 
     def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}],
-        }
+        return {"object": "list", "data": [self.model(self.model_name)]}
+
+    def model(self, model_id: str) -> dict:
+        if model_id != self.model_name:
+            raise APIError(
+                404,
+                f"model {model_id[:100]!r} is not served here; served: {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class _Common(BaseModel):
     min_p: float | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
@@ -99,6 +100,7 @@ class _Common(BaseModel):
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "min_tokens": self.min_tokens,
             "allowed_token_ids": self.allowed_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             **self._logprobs(),
         }
         return SamplingParams(**fields)

@@ -31,6 +31,11 @@ def test_stop_string_truncates_text_at_first_occurrence(llm):
     # The tokens stop with the one that completed the stop string: a prefix of the free run.
     assert out.token_ids == free.token_ids[: len(out.token_ids)]
     assert llm.tokenizer.decode(out.token_ids).endswith(stop) or stop in llm.tokenizer.decode(out.token_ids)
+    kept = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    with_stop = llm.generate("def f(x):", kept)[0]
+    assert with_stop.token_ids == out.token_ids and with_stop.text == out.text + stop
+    streamed = "".join(c.delta_text for c in llm.generate_stream("def f(x):", kept))
+    assert streamed == with_stop.text
 
 
 def test_stop_token_id_and_max_tokens(llm):

@@ -46,7 +46,7 @@ class Adjustments:
     seen: torch.Tensor  # [b, m] bool, in the prompt or the committed output
     bias: torch.Tensor  # [b, m] float, logit_bias
     banned: torch.Tensor  # [b, m] bool, EOS and the stop ids (what min_tokens holds back)
-    allowed: torch.Tensor  # [b, V] bool, allowed_token_ids (all True where a row has none)
+    allowed: torch.Tensor | None  # [b, V] bool, allowed_token_ids (all True where a row has none); None: no row has
     repetition: torch.Tensor  # [b] float, 1 = off
     frequency: torch.Tensor  # [b] float
     presence: torch.Tensor  # [b] float
@@ -76,7 +76,7 @@ class Adjustments:
         )
 
     def to(self, device: torch.device) -> "Adjustments":
-        return Adjustments(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [b, n, V] -> adjusted logits [b, n, V] (float32), steps 1-5 of the module doc."""
@@ -98,12 +98,18 @@ class Adjustments:
         early = (produced < self.min_tokens.view(b, 1)).unsqueeze(-1)  # [b, n, 1]
         picked = picked.masked_fill(early & self.banned.unsqueeze(1), float("-inf"))
         logits = logits.scatter(-1, ids, picked)
+        if self.allowed is None:
+            return logits
         return logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
 
     def min_p_mask(self, scaled: torch.Tensor) -> torch.Tensor:
         """scaled [b, n, V]: logits over temperature with each row's max at 0, so a token's
         probability over the largest is exp(scaled) -> True where that is below min_p."""
         return scaled < self.min_p.log().view(-1, 1, 1)  # log 0 = -inf: nothing dropped
+
+
+def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if value is None else value.to(device)
 
 
 def needs_adjustments(params) -> bool:
@@ -157,6 +163,8 @@ def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None)
             allowed[r] = False
             allowed[r, torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
     m = max(1, max(len(ids) for ids in tracked))
+    if all(p.allowed_token_ids is None for p, _, _ in rows):
+        allowed = None  # no [b, n, V] pass for a mask that keeps everything
 
     def padded(values: list, fill, dtype) -> torch.Tensor:
         # Pad with the row's first column (see the class doc), or `fill` for a row with none.

@@ -57,6 +57,9 @@ class SamplingParams(BaseModel):
         "(checked when the request is added).",
     )
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the stop string that ended generation at the end of the text."
+    )
     presence_penalty: float = Field(
         0.0, description="OpenAI's: subtract this from the logit of every token already in the output, in [-2, 2]."
     )

@@ -67,7 +67,8 @@ class StopChecker:
             return False
         index, stop = min(hits)
         seq.stop_text = stop
-        seq.truncated_text = detok.full_text()[: start + index]
+        end = start + index + (len(stop) if seq.params.include_stop_str_in_output else 0)
+        seq.truncated_text = detok.full_text()[:end]
         return True
 
     def text(self, seq: Sequence) -> str:

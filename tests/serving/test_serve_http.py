@@ -160,6 +160,9 @@ def test_n_choices_and_seeded_sampling(client):
 
 def test_models_health_and_the_api_key(served, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
     assert requests.get(served.http + "/health").status_code == 200  # no key needed
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": served.api_key}):
@@ -167,6 +170,7 @@ def test_models_health_and_the_api_key(served, client):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert served.api_key not in r.text
     assert requests.get(served.http + "/v1/models").status_code == 401
+    assert requests.get(served.http + "/v1/models/tiny").status_code == 401
     wrong = openai.OpenAI(base_url=served.http + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=2)
