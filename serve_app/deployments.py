@@ -296,6 +296,14 @@ class IngressDeployment:
             raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
         return JSONResponse(self.openai.models())
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return JSONResponse(self.openai.tokenize(await self._body(request)))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return JSONResponse(self.openai.detokenize(await self._body(request)))
+
     @api.get("/v1/models/{model_id:path}")  # a path: served names may hold slashes (org/model)
     async def model(self, model_id: str, request: Request) -> Response:
         if not self._authorized(request.headers.get("authorization")):

@@ -20,7 +20,7 @@ from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
 from serve_app.fan_out import check_model_and_n, fan_out
 from serve_app.logprobs_format import chat_logprobs, completion_logprobs
-from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serve_app.types import GenerateChunk, GenerateRequest
 
 Generate = Callable[[GenerateRequest], AsyncIterator[GenerateChunk]]
@@ -149,6 +149,34 @@ class OpenAIFrontend:
                 "messages",
                 "invalid_value",
             ) from None
+
+    def _parse(self, cls, body: dict):
+        try:
+            request = cls.model_validate(body)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        check_model_and_n(request.model, self.model_name, 1, 1)
+        return request
+
+    def tokenize(self, body: dict) -> dict:
+        request = self._parse(TokenizeRequest, body)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "give prompt or messages (one of them)", "prompt", "invalid_value")
+        text = request.prompt if request.prompt is not None else self.chat_prompt(request)
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"count": len(tokens), "tokens": tokens}
+
+    def detokenize(self, body: dict) -> dict:
+        request = self._parse(DetokenizeRequest, body)
+        bad = [t for t in request.tokens if not 0 <= t < len(self.tokenizer)]
+        if bad:
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary [0, {len(self.tokenizer)})",
+                "tokens",
+                "invalid_value",
+            )
+        return {"prompt": self.tokenizer.decode(request.tokens)}
 
     async def completions(self, body: dict) -> dict | AsyncIterator[bytes]:
         request, params = self._validate(CompletionRequest, body)

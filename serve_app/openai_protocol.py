@@ -177,3 +177,22 @@ class ChatCompletionRequest(_Common):
 
     def _logprobs(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered as /v1/chat/completions
+    renders them; tokenized as the server tokenizes prompts (no special tokens added)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = Field(None, max_length=1_000_000)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int] = Field(max_length=1_000_000)

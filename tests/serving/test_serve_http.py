@@ -174,3 +174,30 @@ def test_models_health_and_the_api_key(served, client):
     wrong = openai.OpenAI(base_url=served.http + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=2)
+
+
+def test_tokenize_and_detokenize(served, client):
+    """vLLM's /tokenize and /detokenize: the counts are the ones usage reports."""
+    auth = {"Authorization": f"Bearer {served.api_key}"}
+
+    def post(path, body):
+        return requests.post(served.http + path, json={"model": "tiny", **body}, headers=auth, timeout=60)
+
+    prompt = "def add(a, b):\n    return"
+    tokens = post("/tokenize", {"prompt": prompt}).json()
+    usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0).usage
+    assert tokens["count"] == len(tokens["tokens"]) == usage.prompt_tokens
+    assert post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    chat_usage = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0).usage
+    assert chat["count"] == chat_usage.prompt_tokens
+    for path, body, status, param in (
+        ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
+    ):
+        r = requests.post(served.http + path, json={"model": "tiny", **body}, headers=auth, timeout=60)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert requests.post(served.http + "/tokenize", json={"model": "tiny", "prompt": "x"}).status_code == 401
