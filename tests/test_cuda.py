@@ -92,3 +92,20 @@ def test_verify_on_cuda_equals_the_reference(seed):
     got = verify_on_device(*(a.cuda() for a in args))
     assert torch.equal(got.num_accepted.cpu(), want.num_accepted)
     assert torch.equal(got.bonus_tokens.cpu(), want.bonus_tokens)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_penalties_and_logprobs_on_cuda_match_the_cpu_engine(tiny_pair, mode):
+    """The round's adjustments and log-probabilities where the logits are (the device)."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.8, logit_bias={32: -3.0}, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, min_tokens=20, logprobs=1),
+    ]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        with LLM(*tiny_pair, mode=mode, k=4, device=device, ssd_autobudget=False) as llm:
+            outs[device] = llm.generate(PROMPTS[:2], params)
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"]):
+        assert gpu.token_ids == cpu.token_ids
+        for a, b in zip(cpu.logprobs, gpu.logprobs):
+            assert a.chosen.token_id == b.chosen.token_id and abs(a.chosen.logprob - b.chosen.logprob) < 1e-3
