@@ -89,7 +89,11 @@ def request_error(err: ValueError) -> APIError:
     if "context length" in text:
         return APIError(400, text, "max_tokens", "context_length_exceeded")
     param = next(
-        (p for p in ("stop_token_ids", "logit_bias", "allowed_token_ids", "max_draft", "prompt") if text.startswith(p)),
+        (
+            p
+            for p in ("stop_token_ids", "logit_bias", "allowed_token_ids", "structured_outputs", "max_draft", "prompt")
+            if text.startswith(p)
+        ),
         None,
     )
     return APIError(400, text, "speculation.k" if param == "max_draft" else param, "invalid_value")

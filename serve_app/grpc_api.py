@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from serve_app.fan_out import check_model_and_n, fan_out
 from serve_app.openai_api import Generate, interleave
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.core.sampling_params import SamplingParams
+from ssd.core.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class GrpcFrontend:
             "include_stop_str_in_output": request.include_stop_str_in_output,
         }
         try:
+            fields["structured_outputs"] = structured(request)
             params = SamplingParams(**fields)
         except ValidationError as err:
             raise from_validation(err) from None
@@ -231,3 +234,28 @@ class GrpcFrontend:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         return health_pb2.HealthCheckResponse(status=status)
+
+
+def structured(request) -> StructuredOutputs | None:
+    """A GenerateRequest's structured_outputs message -> StructuredOutputs (or None when unset)."""
+    if not request.HasField("structured_outputs"):
+        return None
+    message = request.structured_outputs
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise APIError(400, "structured_outputs: set one constraint", "structured_outputs", "invalid_value")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(message.json_schema)
+        except (ValueError, RecursionError) as err:  # RecursionError: nested past the parser's depth
+            raise APIError(
+                400, f"structured_outputs.json_schema is not JSON: {err}", "structured_outputs", "invalid_value"
+            ) from None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400, "structured_outputs.json_schema must be a JSON object", "structured_outputs", "invalid_value"
+            )
+        return StructuredOutputs(json=schema)
+    if kind == "choice":
+        return StructuredOutputs(choice=list(message.choice.options))
+    return StructuredOutputs(**{kind: getattr(message, kind)})

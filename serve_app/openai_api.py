@@ -42,6 +42,8 @@ def parse_body(raw: bytes) -> dict:
             None,
             "invalid_json",
         ) from None
+    except RecursionError:  # nested deeper than the parser goes (a schema, say): the client's, not a 500
+        raise APIError(400, "the body nests JSON too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
     return body

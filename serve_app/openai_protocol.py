@@ -3,8 +3,9 @@
 Unknown fields are refused (400 naming the field) rather than silently ignored, and `suffix`, not
 implemented, is accepted only as null, so a client never gets a result computed differently from
 what it asked for. Penalties, logit bias,
-min_p, min_tokens and allowed token ids are applied to the target's distribution at every
-verified position with that position's own history (ssd/core/logits_processing.py).
+min_p, min_tokens, allowed token ids and structured output (response_format, structured_outputs)
+are applied to the target's distribution at every verified position with that position's own
+history (ssd/core/logits_processing.py, ssd/core/grammar.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.sampling_params import SamplingParams
+from ssd.core.structured import StructuredOutputs
 
 # Prompts in one /v1/completions request (each gets n choices).
 MAX_PROMPTS = 32
@@ -43,6 +45,38 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="The JSON Schema; None = any JSON object.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced in full.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        self.structured()  # a bad schema is named here, as response_format's
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return StructuredOutputs(json_object=True)
+        return StructuredOutputs(json=self.json_schema.schema_)
 
 
 class _Common(BaseModel):
@@ -73,6 +107,20 @@ class _Common(BaseModel):
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM's: a JSON schema, a regex, a choice or a grammar (exactly one).
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def _structured(self) -> StructuredOutputs | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return self.response_format.structured() if self.response_format is not None else None
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
@@ -101,6 +149,7 @@ class _Common(BaseModel):
             "min_tokens": self.min_tokens,
             "allowed_token_ids": self.allowed_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self._structured(),
             **self._logprobs(),
         }
         return SamplingParams(**fields)

@@ -16,6 +16,7 @@ Order, per position (the same as the reference in tests/refimpl.py):
                            (count > 0), count over the output so far (not the prompt)
     3. logit_bias          added to the logit of each listed token
     4. allowed_token_ids   every other token gets -inf
+       structured_outputs  so does every token the grammar refuses at that position (grammar.py)
     5. min_tokens          EOS and the stop token ids get -inf while the output is shorter
 then temperature, min_p (drop tokens whose probability is below min_p times the largest), top-k
 and top-p.
@@ -54,12 +55,17 @@ class Adjustments:
     min_tokens: torch.Tensor  # [b] long
     min_p: torch.Tensor  # [b] float, 0 = off (applied after temperature: `min_p_mask`)
     drafted: torch.Tensor  # [b, n - 1] long, the speculation before each position
+    # [b, n, V] bool, the grammar's allowed tokens at each position (all True for a row without
+    # structured output); None: no row has any.
+    grammar: torch.Tensor | None = None
 
-    def advanced(self, tokens: torch.Tensor) -> "Adjustments":
+    def advanced(self, tokens: torch.Tensor, grammar: torch.Tensor | None = None) -> "Adjustments":
         """After each row appends tokens [b] to its history (a draft drafting position by
         position: the next position's adjustments count them). A token the row does not track
         yet gets a column of its own (seen once, no bias, not banned: bias keys and stop ids are
-        tracked from the start)."""
+        tracked from the start). grammar [b, 1, V]: the next position's grammar masks, required
+        where this has any (only the caller's matchers know them)."""
+        assert (grammar is None) == (self.grammar is None), "the next position's grammar masks are the caller's"
         hit = self.ids == tokens.view(-1, 1)  # [b, m]
         new = ~hit.any(1, keepdim=True)  # [b, 1]
         ids = torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1)
@@ -73,6 +79,7 @@ class Adjustments:
             bias=torch.cat([self.bias, torch.where(new, 0.0, self.bias[:, :1])], 1),
             banned=torch.cat([self.banned, ~new & self.banned[:, :1]], 1),
             output_len=self.output_len + 1,
+            grammar=grammar,
         )
 
     def to(self, device: torch.device) -> "Adjustments":
@@ -98,9 +105,11 @@ class Adjustments:
         early = (produced < self.min_tokens.view(b, 1)).unsqueeze(-1)  # [b, n, 1]
         picked = picked.masked_fill(early & self.banned.unsqueeze(1), float("-inf"))
         logits = logits.scatter(-1, ids, picked)
-        if self.allowed is None:
-            return logits
-        return logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
+        if self.allowed is not None:
+            logits = logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
+        if self.grammar is not None:
+            logits = logits.masked_fill(~self.grammar, float("-inf"))
+        return logits
 
     def min_p_mask(self, scaled: torch.Tensor) -> torch.Tensor:
         """scaled [b, n, V]: logits over temperature with each row's max at 0, so a token's
@@ -122,12 +131,16 @@ def needs_adjustments(params) -> bool:
         or params.allowed_token_ids is not None
         or params.min_tokens
         or params.min_p
+        or params.structured_outputs is not None
     )
 
 
-def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None) -> Adjustments:
-    """rows: per row (params, prompt_ids, output_ids); drafted [b, K] (host). Rows that need no
-    adjustment get neutral values (and no tracked tokens)."""
+def build(
+    rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None, grammar: torch.Tensor | None = None
+) -> Adjustments:
+    """rows: per row (params, prompt_ids, output_ids); drafted [b, K] (host); grammar [b, K + 1, V]
+    (grammar.grammar_masks) or None. Rows that need no adjustment get neutral values (and no
+    tracked tokens)."""
     b = len(rows)
     tracked: list[list[int]] = []
     columns: list[tuple] = []  # per row: counts, seen, bias, banned over its tracked ids
@@ -186,4 +199,5 @@ def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None)
         lengths[:, 1].contiguous(),
         scalars[:, 3].contiguous(),
         drafted,
+        grammar,
     )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ssd.core.logprobs import MAX_LOGPROBS
+from ssd.core.structured import StructuredOutputs
 
 # Temperatures below this are greedy (stored as 0, the epsilon vLLM uses too): a token then keeps
 # weight exp(-gap / T) relative to the argmax, so only logits within a few 1e-4 of the max, the
@@ -81,6 +82,11 @@ class SamplingParams(BaseModel):
     )
     allowed_token_ids: list[int] | None = Field(
         None, description="Only these token ids may be generated (a non-empty list); None = all."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="Constrain the text to a JSON schema, any JSON object, a regex, a choice of strings or a Lark "
+        "grammar (exactly one; StructuredOutputs); None = free text.",
     )
     logprobs: int | None = Field(
         None,
@@ -212,6 +218,19 @@ class SamplingParams(BaseModel):
         if v is not None and not 0 <= v <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64 - 1] (or None), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _structured(self) -> "SamplingParams":
+        # A grammar ends its text with EOS, the only token it allows once complete: generating
+        # past EOS, or refusing it, would leave no token to sample.
+        if self.structured_outputs is not None:
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{name} cannot be combined with structured_outputs (a complete grammar allows only EOS): "
+                        f"drop {name}"
+                    )
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,8 @@ class Sequence:
     # params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With params.structured_outputs: the grammar's matcher, at the end of output_ids (grammar.py).
+    matcher: object | None = field(default=None, repr=False)
     # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 

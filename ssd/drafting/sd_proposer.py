@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ssd.core.grammar import grammar_masks
 from ssd.core.sampling import BatchSampling, process_logits, sample_from
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
@@ -55,8 +56,11 @@ class SDProposer:
             tok = sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
-            if sampling.adjust is not None:  # the request's penalties count this draft token from here on
-                sampling = sampling.adjusted(sampling.adjust.advanced(tok))
+            if sampling.adjust is not None and i < k - 1:  # penalties count this draft token from here on
+                masks = None
+                if sampling.adjust.grammar is not None:  # and the grammar's next mask follows it
+                    masks = grammar_masks([s.matcher for s in seqs], torch.stack(drafted, 1), self.target_vocab, True)
+                sampling = sampling.adjusted(sampling.adjust.advanced(tok, masks))
             if i < k - 1:
                 step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))
         return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ssd.core.config import EngineConfig
+from ssd.core.grammar import GrammarCompiler, consume, grammar_masks
 from ssd.core.logits_processing import build as build_adjustments
 from ssd.core.logits_processing import needs_adjustments
 from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
@@ -74,6 +75,7 @@ class LLMEngine:
             eos = tokenizer.eos_token_id
         self.stopper = StopChecker(tokenizer, eos, max_model_len)
         self.logprobs = LogprobRecorder(config.logprobs_mode, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.metrics = EngineMetrics()
@@ -115,6 +117,8 @@ class LLMEngine:
             beyond = [t for t in listed if t >= self.vocab_size]
             if beyond:
                 raise ValueError(f"{name}: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs)  # compiles (and caches) the grammar, or says why not
         return ids
 
     def add_request(
@@ -133,6 +137,8 @@ class LLMEngine:
         seq = Sequence(
             seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), max_draft=max_draft
         )
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars.matcher(params.structured_outputs)
         self.waiting.append(seq)
         return seq.request_id
 
@@ -242,7 +248,10 @@ class LLMEngine:
             return sampling
         rows = [(s.params, s.prompt_ids, s.output_ids) for s in seqs]
         drafted = torch.zeros(len(seqs), 0, dtype=torch.long) if drafted is None else drafted
-        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, self.stopper.eos_token_id))
+        masks = None
+        if any(s.matcher is not None for s in seqs):
+            masks = grammar_masks([s.matcher for s in seqs], drafted, self.vocab_size)
+        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, self.stopper.eos_token_id, masks))
 
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
         """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
@@ -314,6 +323,8 @@ class LLMEngine:
             for m in (seq.metrics, round_metrics):
                 m.record(num_draft[r], accepted[r], len(new_tokens), sources[r], self.mode)
             count = self.stopper.append(seq, new_tokens)
+            if seq.matcher is not None:
+                consume(seq.matcher, new_tokens[:count])
             if logprobs is not None and r in logprobs:
                 self.logprobs.commit(seq, logprobs[r], new_tokens[:count])
             appended += count
