@@ -95,7 +95,9 @@ def test_echo_with_a_completion_streamed_and_not(client):
     text = "".join(c.choices[0].text for c in chunks)
     assert text == whole.text and whole.text.startswith(PROMPT)
     streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
-    assert streamed == whole.logprobs.token_logprobs
+    # To float rounding: under the served auto mode the two requests' rounds may run in different
+    # modes, whose forwards round differently in the last bits.
+    assert streamed == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
     offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
     assert offsets == whole.logprobs.text_offset
 
@@ -113,4 +115,4 @@ def test_chat_logprobs_streamed_and_not(client):
     assert all(bytes(c.bytes).decode() == c.token for c in content)
     chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw))
     streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
-    assert streamed == [c.logprob for c in content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)  # as above: rounding only
