@@ -123,6 +123,13 @@ class AppConfig(BaseModel):
         "template when it has none.",
     )
 
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description='How the model writes a tool call, for tool_choice "auto": hermes (<tool_call>{...}</tool_call>: '
+        'Qwen 2.5 and 3, Hermes) or llama3_json (Llama 3.1-3.3); None = "auto" is refused (required, none and '
+        "a named function need no parser).",
+    )
+
     @field_validator("engine", mode="before")
     @classmethod
     def _engine_defaults(cls, v):
@@ -181,6 +188,7 @@ class AppConfig(BaseModel):
             api_key=key,
             default_max_tokens=self.default_max_tokens,
             chat_template=self.chat_template,
+            tool_call_parser=self.tool_call_parser,
             max_grpc_message_bytes=self.max_grpc_message_bytes,
             draft_pool_size=pool if self._leasing_engines() else 0,
         )
@@ -204,6 +212,7 @@ class ServeSettings:
     api_key: str | None
     default_max_tokens: int
     chat_template: str | None
+    tool_call_parser: str | None  # "auto" tool_choice's format; None = refused
     max_grpc_message_bytes: int
     draft_pool_size: int  # draft deployment replicas (0 when no served mode is ssd)
 

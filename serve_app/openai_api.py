@@ -21,13 +21,19 @@ from serve_app.errors import APIError, from_validation
 from serve_app.fan_out import check_model_and_n, fan_out
 from serve_app.logprobs_format import chat_logprobs, completion_logprobs
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serve_app.tool_calls import ToolCallReader
 from serve_app.types import GenerateChunk, GenerateRequest
 
 Generate = Callable[[GenerateRequest], AsyncIterator[GenerateChunk]]
 
-# Used when the tokenizer has no chat template of its own (documented in the README).
+# Used when the tokenizer has no chat template of its own (documented in the README): one
+# "role: content" line per message, the tools as one JSON line before them and an assistant's calls
+# in the hermes format (serve_app/tool_calls.py).
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}{{ '\\n' }}{% endfor %}"  # a literal newline here would be trimmed (trim_blocks)
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -135,11 +141,13 @@ class OpenAIFrontend:
         spec = request.speculation
         return fan_out(prompts, request.n, params, spec.mode if spec else None, spec.k if spec else None)
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> str:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    def chat_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
+        messages = [m.for_template() for m in request.messages]
+        tools = request.tools_for_template() if isinstance(request, ChatCompletionRequest) else None
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
@@ -186,11 +194,28 @@ class OpenAIFrontend:
 
     async def chat(self, body: dict) -> dict | AsyncIterator[bytes]:
         request, params = self._validate(ChatCompletionRequest, body)
-        return await self._serve(request, self._requests(request, params, [self.chat_prompt(request)]), chat=True)
+        tools = self._tool_reader(request)
+        gens = self._requests(request, params, [self.chat_prompt(request)])
+        return await self._serve(request, gens, chat=True, tools=tools)
+
+    def _tool_reader(self, request: ChatCompletionRequest) -> ToolCallReader | None:
+        fmt = request.tool_format()
+        if fmt == "auto":
+            if self.settings.tool_call_parser is None:
+                raise APIError(
+                    400,
+                    'tool_choice "auto" needs the server\'s tool_call_parser (`ssd serve --tool-call-parser hermes` '
+                    'or llama3_json, the format the model calls tools in); or send tool_choice "required", "none" '
+                    "or a named function",
+                    "tool_choice",
+                    "invalid_value",
+                )
+            fmt = self.settings.tool_call_parser
+        return ToolCallReader(fmt, request.tool_function()) if fmt is not None else None
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def _serve(self, request, gens: list[GenerateRequest], chat: bool):
+    async def _serve(self, request, gens: list[GenerateRequest], chat: bool, tools: ToolCallReader | None = None):
         streams = [self.generate(g) for g in gens]
         # The first chunk of each choice is awaited before answering: a request refused by the
         # target (bad prompt, overload) gets its status code, not a 200 with an error event.
@@ -202,8 +227,8 @@ class OpenAIFrontend:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         echoes = [self._echo(g) if getattr(request, "echo", False) else None for g in gens]
         if request.stream:
-            return self._stream(rid, request, streams, firsts, chat, echoes)
-        return await self._collect(rid, request, streams, firsts, chat, echoes)
+            return self._stream(rid, request, streams, firsts, chat, echoes, tools)
+        return await self._collect(rid, request, streams, firsts, chat, echoes, tools)
 
     def _echo(self, gen: GenerateRequest) -> tuple[str, str]:
         """Echo: (the prompt's text, its first token's text, which no logprob entry carries)."""
@@ -222,7 +247,7 @@ class OpenAIFrontend:
             return chat_logprobs(entries), offset
         return completion_logprobs(entries, offset, first)
 
-    async def _collect(self, rid: str, request, streams, firsts, chat: bool, echoes: list) -> dict:
+    async def _collect(self, rid: str, request, streams, firsts, chat: bool, echoes: list, tools) -> dict:
         async def drain(index: int):
             chunks = [firsts[index]] if firsts[index] is not None else []
             async for chunk in streams[index]:
@@ -249,13 +274,16 @@ class OpenAIFrontend:
             if echoes[index] is not None:
                 entries = (chunks[0].prompt_logprobs or []) + entries
             logprobs, _ = self._logprobs(request, chat, entries, 0, first)
+            finish = last.finish_reason
             if chat:
-                body = {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+                message = tools.message(text) if tools else {"role": "assistant", "content": text}
+                finish = tools.finish_reason(finish, "tool_calls" in message) if tools else finish
+                body = {"message": message, "logprobs": logprobs}
             else:
                 body = {"text": prompt_text + text, "logprobs": logprobs}
             if token_ids:
                 body["token_ids"] = [t for c in chunks for t in c.delta_token_ids]
-            choices.append({"index": index, **body, "finish_reason": last.finish_reason})
+            choices.append({"index": index, **body, "finish_reason": finish})
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -270,9 +298,20 @@ class OpenAIFrontend:
             "speculation": spec,
         }
 
-    def _stream(self, rid: str, request, streams, firsts, chat: bool, echoes: list) -> AsyncIterator[bytes]:
+    def _stream(self, rid: str, request, streams, firsts, chat: bool, echoes: list, tools) -> AsyncIterator[bytes]:
         created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(streams)  # completions' text_offset, per choice
+        calls = [tools.stream() for _ in streams] if tools else None  # per choice: its calls so far
+
+        def delta_of(index: int, item: GenerateChunk) -> dict | str:
+            if not chat:
+                return item.delta_text
+            if calls is None:
+                return {"content": item.delta_text}
+            return calls[index].feed(item.delta_text, final=item.finish_reason is not None)
+
+        def finish_of(index: int, reason: str | None) -> str | None:
+            return tools.finish_reason(reason, calls[index].called) if calls is not None else reason
 
         def event(index: int, delta, finish: str | None, extra: dict | None = None, logprobs=None) -> bytes:
             choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta}
@@ -304,17 +343,17 @@ class OpenAIFrontend:
                         logprobs, offsets[index] = self._logprobs(
                             request, chat, item.delta_logprobs or [], offsets[index]
                         )
-                        text = {"content": item.delta_text} if chat else item.delta_text
+                        text = delta_of(index, item)
                         extra = {"speculation": {"mode": item.mode, **item.speculation}} if item.finish_reason else {}
                         if request.return_token_ids:
                             extra["token_ids"] = item.delta_token_ids
                         if (
-                            item.delta_text
+                            (text if calls is not None else item.delta_text)
                             or item.finish_reason
                             or (request.return_token_ids and item.delta_token_ids)
                             or (logprobs is not None and item.delta_token_ids)
                         ):
-                            yield event(index, text, item.finish_reason, extra, logprobs)
+                            yield event(index, text, finish_of(index, item.finish_reason), extra, logprobs)
                         if item.finish_reason:
                             usage["completion_tokens"] += item.completion_tokens
                             usage["prompt_tokens"] += item.prompt_tokens if index % request.n == 0 else 0

@@ -15,12 +15,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.tool_calls import NO_PARAMETERS, required_schema
+from serve_app.tool_protocol import NamedToolChoice, Tool, ToolCall
 from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.structured import StructuredOutputs
 
 # Prompts in one /v1/completions request (each gets n choices).
 MAX_PROMPTS = 32
+# Tools in one chat request.
+MAX_TOOLS = 128
 
 
 class Speculation(BaseModel):
@@ -202,11 +206,34 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="An assistant message's calls.")
+    tool_call_id: str | None = Field(None, max_length=256, description="A tool message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (keys present only when set: templates test them)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Common):
@@ -224,8 +251,72 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none, auto (the model decides; needs the server's tool_call_parser), required (one call or "
+        "more) or a named function; None = auto with tools, none without.",
+    )
+    parallel_tool_calls: bool = Field(True, description="False: required makes exactly one call.")
+
     def _logprobs(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [tool.function.name for tool in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info):
+        tools = info.data.get("tools") or []
+        names = {tool.function.name for tool in tools}
+        if choice not in (None, "none") and not names:
+            raise ValueError("needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name[:64]!r}, which is not among tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        constrained = info.data.get("structured_outputs") is not None or (
+            info.data.get("response_format") is not None and info.data["response_format"].type != "text"
+        )
+        if forced and constrained:
+            raise ValueError(
+                "a required or named tool_choice constrains the reply itself: drop response_format and "
+                "structured_outputs"
+            )
+        if choice == "required":  # the combined schema has the bounds of any constraint
+            required_schema_of(tools, parallel=True)
+        return choice
+
+    def tool_format(self) -> str | None:
+        """named, required or auto: how the reply is read for calls; None: it is not."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def tool_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tools_for_template(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def _structured(self) -> StructuredOutputs | None:
+        fmt = self.tool_format()
+        if fmt == "named":
+            params = next(t.function.parameters for t in self.tools if t.function.name == self.tool_function())
+            return StructuredOutputs(json=params or NO_PARAMETERS)
+        if fmt == "required":
+            return required_schema_of(self.tools, self.parallel_tool_calls)
+        return super()._structured()
+
+
+def required_schema_of(tools: list[Tool], parallel: bool) -> StructuredOutputs:
+    return StructuredOutputs(json=required_schema([(t.function.name, t.function.parameters) for t in tools], parallel))
 
 
 class TokenizeRequest(BaseModel):

@@ -3,7 +3,7 @@ module: a local Ray cluster, Serve's HTTP and gRPC proxies on ports the OS picke
 applications:
 
 - "main" at /: SSD over the torch data plane on the tiny pair, with sd, off and auto served too,
-  an API key, room for 32 concurrent streams;
+  an API key, room for 32 concurrent streams, hermes tool calls;
 - "small" at /small: plain SD with a batch of 1 and a queue of 1 answering 429, for backpressure.
 """
 
@@ -29,6 +29,7 @@ MAIN = {
     "max_n": 3,
     "max_body_bytes": 65536,
     "model_name": "tiny",
+    "tool_call_parser": "hermes",
     "draft_pool_size": 2,  # the ssd engine's worker and the auto engine's
     "target_num_cpus": 1,
 }
