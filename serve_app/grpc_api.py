@@ -92,6 +92,7 @@ class GrpcFrontend:
             "min_tokens": request.min_tokens,
             "allowed_token_ids": list(request.allowed_token_ids) or None,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "bad_words": list(request.bad_words) or None,
         }
         try:
             fields["structured_outputs"] = structured(request)

@@ -110,6 +110,7 @@ class _Common(BaseModel):
     min_p: float | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     # vLLM's: a JSON schema, a regex, a choice or a grammar (exactly one).
@@ -152,6 +153,7 @@ class _Common(BaseModel):
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "min_tokens": self.min_tokens,
             "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self._structured(),
             **self._logprobs(),

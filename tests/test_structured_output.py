@@ -177,7 +177,7 @@ def test_the_check_fails_when_verification_masks_only_the_first_position(model_d
         masks[:, 1:] = True
         return masks
 
-    monkeypatch.setattr(llm_engine, "grammar_masks", first_position_only)
+    monkeypatch.setattr("ssd.core.token_masks.grammar_masks", first_position_only)
     monkeypatch.setattr(llm_engine, "consume", lambda matcher, tokens: matcher.try_consume_tokens(tokens))
     with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, mode="sd", k=3) as llm:
         prompt, texts = sample_choices(llm, 3000, seed_base=700_000)

@@ -17,6 +17,7 @@ Order, per position (the same as the reference in tests/refimpl.py):
     3. logit_bias          added to the logit of each listed token
     4. allowed_token_ids   every other token gets -inf
        structured_outputs  so does every token the grammar refuses at that position (grammar.py)
+       bad_words           and every token that would complete a bad word there (bad_words.py)
     5. min_tokens          EOS and the stop token ids get -inf while the output is shorter
 then temperature, min_p (drop tokens whose probability is below min_p times the largest), top-k
 and top-p.
@@ -55,17 +56,17 @@ class Adjustments:
     min_tokens: torch.Tensor  # [b] long
     min_p: torch.Tensor  # [b] float, 0 = off (applied after temperature: `min_p_mask`)
     drafted: torch.Tensor  # [b, n - 1] long, the speculation before each position
-    # [b, n, V] bool, the grammar's allowed tokens at each position (all True for a row without
-    # structured output); None: no row has any.
-    grammar: torch.Tensor | None = None
+    # [b, n, V] bool, the tokens each position allows under the row's grammar and bad words
+    # (token_masks.py; all True for a row with neither); None: no row has any.
+    masks: torch.Tensor | None = None
 
-    def advanced(self, tokens: torch.Tensor, grammar: torch.Tensor | None = None) -> "Adjustments":
+    def advanced(self, tokens: torch.Tensor, masks: torch.Tensor | None = None) -> "Adjustments":
         """After each row appends tokens [b] to its history (a draft drafting position by
         position: the next position's adjustments count them). A token the row does not track
         yet gets a column of its own (seen once, no bias, not banned: bias keys and stop ids are
-        tracked from the start). grammar [b, 1, V]: the next position's grammar masks, required
-        where this has any (only the caller's matchers know them)."""
-        assert (grammar is None) == (self.grammar is None), "the next position's grammar masks are the caller's"
+        tracked from the start). masks [b, 1, V]: the next position's token masks, required where
+        this has any (only the caller's matchers and histories know them)."""
+        assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
         hit = self.ids == tokens.view(-1, 1)  # [b, m]
         new = ~hit.any(1, keepdim=True)  # [b, 1]
         ids = torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1)
@@ -79,7 +80,7 @@ class Adjustments:
             bias=torch.cat([self.bias, torch.where(new, 0.0, self.bias[:, :1])], 1),
             banned=torch.cat([self.banned, ~new & self.banned[:, :1]], 1),
             output_len=self.output_len + 1,
-            grammar=grammar,
+            masks=masks,
         )
 
     def to(self, device: torch.device) -> "Adjustments":
@@ -107,8 +108,8 @@ class Adjustments:
         logits = logits.scatter(-1, ids, picked)
         if self.allowed is not None:
             logits = logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
-        if self.grammar is not None:
-            logits = logits.masked_fill(~self.grammar, float("-inf"))
+        if self.masks is not None:
+            logits = logits.masked_fill(~self.masks, float("-inf"))
         return logits
 
     def min_p_mask(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -132,14 +133,15 @@ def needs_adjustments(params) -> bool:
         or params.min_tokens
         or params.min_p
         or params.structured_outputs is not None
+        or params.bad_words
     )
 
 
 def build(
-    rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None, grammar: torch.Tensor | None = None
+    rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None, masks: torch.Tensor | None = None
 ) -> Adjustments:
-    """rows: per row (params, prompt_ids, output_ids); drafted [b, K] (host); grammar [b, K + 1, V]
-    (grammar.grammar_masks) or None. Rows that need no adjustment get neutral values (and no
+    """rows: per row (params, prompt_ids, output_ids); drafted [b, K] (host); masks [b, K + 1, V]
+    (token_masks.token_masks) or None. Rows that need no adjustment get neutral values (and no
     tracked tokens)."""
     b = len(rows)
     tracked: list[list[int]] = []
@@ -199,5 +201,5 @@ def build(
         lengths[:, 1].contiguous(),
         scalars[:, 3].contiguous(),
         drafted,
-        grammar,
+        masks,
     )

@@ -6,6 +6,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ssd.core.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.structured import StructuredOutputs
 
@@ -82,6 +83,12 @@ class SamplingParams(BaseModel):
     )
     allowed_token_ids: list[int] | None = Field(
         None, description="Only these token ids may be generated (a non-empty list); None = all."
+    )
+    bad_words: list[str] | None = Field(
+        None,
+        description=f"Words the output must not contain (vLLM's; at most {MAX_BAD_WORDS}, each 1 to "
+        f"{MAX_BAD_WORD_CHARS} characters): each word's last token is refused where the output ends with its "
+        "others. None = none.",
     )
     structured_outputs: StructuredOutputs | None = Field(
         None,
@@ -178,6 +185,16 @@ class SamplingParams(BaseModel):
         if v is not None and (not v or min(v) < 0):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0 (or None)")
         return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if len(v) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(v)}")
+            if any(not 0 < len(w.strip()) <= MAX_BAD_WORD_CHARS for w in v):
+                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters")
+        return v or None
 
     @field_validator("logprobs", "prompt_logprobs")
     @classmethod

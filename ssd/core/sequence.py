@@ -44,6 +44,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # With params.structured_outputs: the grammar's matcher, at the end of output_ids (grammar.py).
     matcher: object | None = field(default=None, repr=False)
+    # With params.bad_words: each word's token ids (bad_words.py; tokenized once, at admission).
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 

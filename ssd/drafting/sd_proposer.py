@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.grammar import grammar_masks
 from ssd.core.sampling import BatchSampling, process_logits, sample_from
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
+from ssd.core.token_masks import token_masks
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -58,8 +58,8 @@ class SDProposer:
             probs.append(p)
             if sampling.adjust is not None and i < k - 1:  # penalties count this draft token from here on
                 masks = None
-                if sampling.adjust.grammar is not None:  # and the grammar's next mask follows it
-                    masks = grammar_masks([s.matcher for s in seqs], torch.stack(drafted, 1), self.target_vocab, True)
+                if sampling.adjust.masks is not None:  # and the grammar's and bad words' next masks follow it
+                    masks = token_masks(seqs, torch.stack(drafted, 1), self.target_vocab, True)
                 sampling = sampling.adjusted(sampling.adjust.advanced(tok, masks))
             if i < k - 1:
                 step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))

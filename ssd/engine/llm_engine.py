@@ -19,14 +19,16 @@ import time
 
 import torch
 
+from ssd.core.bad_words import word_tokens
 from ssd.core.config import EngineConfig
-from ssd.core.grammar import GrammarCompiler, consume, grammar_masks
+from ssd.core.grammar import GrammarCompiler, consume
 from ssd.core.logits_processing import build as build_adjustments
 from ssd.core.logits_processing import needs_adjustments
 from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
+from ssd.core.token_masks import token_masks
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics
@@ -139,6 +141,8 @@ class LLMEngine:
         )
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
+        if params.bad_words:
+            seq.bad_words = word_tokens(self.tokenizer, params.bad_words)
         self.waiting.append(seq)
         return seq.request_id
 
@@ -248,9 +252,7 @@ class LLMEngine:
             return sampling
         rows = [(s.params, s.prompt_ids, s.output_ids) for s in seqs]
         drafted = torch.zeros(len(seqs), 0, dtype=torch.long) if drafted is None else drafted
-        masks = None
-        if any(s.matcher is not None for s in seqs):
-            masks = grammar_masks([s.matcher for s in seqs], drafted, self.vocab_size)
+        masks = token_masks(seqs, drafted, self.vocab_size)
         return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, self.stopper.eos_token_id, masks))
 
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:

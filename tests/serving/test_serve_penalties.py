@@ -1,4 +1,4 @@
-"""Penalties, logit bias, min_p, min_tokens and allowed token ids over HTTP (the official `openai`
+"""Penalties, logit bias, min_p, min_tokens, allowed token ids and bad words over HTTP (the official `openai`
 client) and gRPC, in every served mode: the same tokens as the offline engine with the same
 SamplingParams (which tests/test_penalties.py holds to Hugging Face `generate`)."""
 
@@ -15,7 +15,7 @@ from ssd import LLM, SamplingParams  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return"
 FIELDS = dict(frequency_penalty=0.8, presence_penalty=0.3, logit_bias={32: -4.0})
-EXTRA = dict(repetition_penalty=1.2, min_tokens=12, allowed_token_ids=list(range(10, 127)))
+EXTRA = dict(repetition_penalty=1.2, min_tokens=12, allowed_token_ids=list(range(10, 127)), bad_words=["P", "xg"])
 
 
 @pytest.fixture(scope="module")
