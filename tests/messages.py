@@ -39,7 +39,12 @@ def every_message() -> list[tuple[MsgType, object]]:
     """(kind, message) for every kind, some kinds several times (edge cases: empty lists, a
     round with committed lengths, each probability layout of a reply)."""
     gen = torch.Generator().manual_seed(0)
-    sampling = [SequenceSampling(0.0, 0, 1.0), SequenceSampling(0.5, 5, 0.75), SequenceSampling(1.25, 50, 0.5)]
+    grammar = '%llguidance {}\nstart: "é" /[0-9]+/'  # non-ASCII, and not a multiple of 8 bytes
+    sampling = [
+        SequenceSampling(0.0, 0, 1.0),
+        SequenceSampling(0.5, 5, 0.75, grammar, 3, 256),
+        SequenceSampling(1.25, 50, 0.5, "12345678", 40, -1),
+    ]
     spec = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]])
     counters = DrafterCounters(rounds=3, cut=1, predicted=2, confirmed=1, taken_back=1, rejected=4)
     return [

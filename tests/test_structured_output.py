@@ -31,6 +31,8 @@ ENGINES = {
     "ar": dict(mode="ar"),
     "sd": dict(mode="sd", k=4),
     "ssd": dict(mode="ssd", k=4, draft_transport="inprocess", ssd_autobudget=False),
+    # A pool of two worker processes: the grammar crosses the wire and each worker compiles it.
+    "ssd_pool": dict(mode="ssd", k=4, draft_workers=2, draft_transport="shm", ssd_autobudget=False),
 }
 SCHEMA = {
     "type": "object",
@@ -98,8 +100,11 @@ def test_greedy_with_a_constraint_equals_hf_generate(demo_pair, hf_greedy, mode)
     jsonschema.validate(json.loads(by_name["json"].text), SCHEMA)
     assert by_name["choice"].text in CONSTRAINTS["choice"].choice
     assert all(o.finish_reason == "stop" for o in got)  # each grammar ended with EOS
-    if mode == "sd":  # speculation stays on under a constraint
-        assert by_name["json"].metrics["tokens_per_round"] > 1.5
+    if mode != "ar":  # speculation stays on under a constraint, its drafts masked too: most are
+        # accepted (0.66 to 0.8 here; 0.15 under ssd before its drafters masked theirs). A pool's
+        # speculations are shorter on 2 cores (trees cut when the outcome arrives), not worse.
+        metrics = by_name["json"].metrics
+        assert metrics["accepted_tokens"] > 0.5 * metrics["draft_tokens"] and metrics["tokens_per_round"] > 2, metrics
 
 
 def test_sampled_json_parses_and_validates_in_every_request(demo_pair):

@@ -57,8 +57,13 @@ class GrammarCompiler:
             text = constraint.grammar_text()
         except ValueError as exc:
             raise ValueError(f"structured_outputs.{constraint.kind}: {exc}") from exc
+        return self.from_text(text, constraint.kind)
+
+    def from_text(self, text: str, kind: str = "grammar"):
+        """A fresh matcher for a grammar already in llguidance's text (a drafter's, as the draft
+        protocol carries it)."""
         with self._lock:
-            return self._compiled(text, constraint.kind).deep_copy()
+            return self._compiled(text, kind).deep_copy()
 
     def _compiled(self, text: str, kind: str):
         from llguidance import LLMatcher, LLParserLimits

@@ -6,7 +6,8 @@ proposals with the *processed* target distribution at each position, computed fr
 position's own history: the committed output plus the earlier draft tokens of the same
 speculation. That is what `Adjustments` holds. The draft need not apply them (verification is
 exact for any draft distribution), but accepts less often when it does not: the SD draft applies
-them position by position (`advanced`); SSD's workers do not yet.
+them position by position (`advanced`); SSD's drafters apply a grammar's masks
+(ssd/drafting/draft_grammars.py) but not yet the rest.
 
 Order, per position (the same as the reference in tests/refimpl.py):
     1. repetition_penalty  (Hugging Face / vLLM): a token seen in the prompt or the output so

@@ -27,6 +27,13 @@ class SequenceSampling:
     temperature: float  # 0 = greedy
     top_k: int  # 0 = disabled
     top_p: float  # 1 = disabled
+    # The request's grammar as llguidance's text ("" = none), for a drafter that masks its
+    # speculations with it (tree_drafter.py): it governs the tokens from index grammar_from on
+    # (the output) and ends with token grammar_eos (-1 = none). Verification never reads it: the
+    # target's masks are the engine's own (grammar.py).
+    grammar: str = ""
+    grammar_from: int = 0
+    grammar_eos: int = -1
 
     @classmethod
     def of(cls, params) -> "SequenceSampling":

@@ -46,6 +46,10 @@ class Sequence:
     matcher: object | None = field(default=None, repr=False)
     # With params.bad_words: each word's token ids (bad_words.py; tokenized once, at admission).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # With params.structured_outputs: its grammar as llguidance's text and the EOS it ends with,
+    # what a drafter needs to mask its own speculations (SequenceSampling.grammar).
+    grammar: str = ""
+    grammar_eos: int = -1
     # The output text, decoded as tokens arrive (made by the engine's StopChecker on first use).
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
@@ -55,7 +59,8 @@ class Sequence:
 
     @property
     def sampling(self) -> SequenceSampling:
-        return SequenceSampling.of(self.params)
+        p = self.params
+        return SequenceSampling(p.temperature, p.top_k, p.top_p, self.grammar, len(self.prompt_ids), self.grammar_eos)
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ The drafter keeps its own KV cache of committed tokens only; tree columns live f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import BatchSampling, SequenceSampling, sample_from
 from ssd.core.speculation import Speculation
+from ssd.drafting.draft_grammars import DraftGrammars, masked
 from ssd.drafting.saguaro import row_fanout, saguaro_probs
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
@@ -100,7 +102,10 @@ class TreeDrafter:
         saguaro_c: float = 1.0,
         shard: int = 0,
         num_shards: int = 1,
+        tokenizer: Callable[[], object] | None = None,
     ) -> None:
+        """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
+        (draft_grammars.py); None: their speculations are unmasked."""
         assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
@@ -108,6 +113,7 @@ class TreeDrafter:
         self.shard, self.num_shards = shard, num_shards
         self.jit = SDProposer(runner, target_vocab)  # the neural backup; shares the cache and probs handling
         self.cache = self.jit.cache
+        self.grammars = DraftGrammars(tokenizer, target_vocab)
         self.states: dict[int, _SeqState] = {}
         self.order: list[int] = []  # seq id of each cache row
         self.round: SpeculationTree | None = None
@@ -117,11 +123,13 @@ class TreeDrafter:
     @classmethod
     def load(cls, cfg, vocab: int) -> TreeDrafter:
         """The draft model of `cfg` (an EngineConfig), loaded onto its draft device."""
-        from ssd.model.loader import load_model
+        from ssd.model.loader import load_model, load_tokenizer
         from ssd.model.runner import draft_runner
 
         model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
-        return cls(draft_runner(model, cfg.draft_device, cfg.lean_forward), vocab, cfg.k, cfg.saguaro_c)
+        runner = draft_runner(model, cfg.draft_device, cfg.lean_forward)
+        tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
+        return cls(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer)
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -134,6 +142,7 @@ class TreeDrafter:
     def admit(self, msg: AdmitMsg) -> None:
         for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
             self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
+            self.grammars.admit(seq_id, sampling, list(prompt))
         tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
         self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid, with_logits=False)
         self.order.extend(msg.seq_ids)
@@ -146,6 +155,7 @@ class TreeDrafter:
         self.order = [self.order[i] for i in keep]
         for s in gone:
             self.states.pop(s, None)
+            self.grammars.release(s)
 
     def reset(self) -> None:
         """Forget every sequence, the shard and the counters (a worker's next target session)."""
@@ -197,13 +207,18 @@ class TreeDrafter:
         assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
         glue = self._glue(seq_ids, spec)
+        allowed = None
+        if self.grammars.any(seq_ids):  # candidates among the tokens the grammar allows there
+            allowed = self.grammars.fork_masks(seq_ids, msg.spec_tokens)
+            glue = dataclasses.replace(glue, logits=masked(glue.logits, allowed))
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
             return False
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
-        tree = self._tree_decode(seq_ids, spec, msg.fanout, grid.candidates[:, shard], grid.outcome[:, shard], glue,
-                                 undo, interrupted, stale)  # fmt: skip
+        cand, outcome = grid.candidates[:, shard], grid.outcome[:, shard]
+        branches = self.grammars.branches(seq_ids, spec, cand, outcome, allowed) if allowed is not None else None
+        tree = self._tree_decode(seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, branches)
         if tree is None:
             return False
         tokens, probs, tree_started = tree
@@ -245,10 +260,12 @@ class TreeDrafter:
         undo: list[torch.Tensor],
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
+        branches=None,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
-        when the round went stale and was taken back. The tree is a scratch forward past every
+        when the round went stale and was taken back. branches: the grammars' branch matchers
+        (draft_grammars.Branches), None when no row has a grammar. The tree is a scratch forward past every
         row's length: its columns are gone when it ends, and s_T's glue columns are rolled back."""
         b, n = cand.shape
         k = self.k
@@ -271,10 +288,14 @@ class TreeDrafter:
             step = self.runner.forward(
                 self.cache, feed, positions=positions, attn_mask=mask[..., :width], columns=columns
             )
+            if branches is not None:
+                step = masked(step, branches.masks())
             probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
             if self.saguaro_c < 1:
                 probs = saguaro_probs(probs, fan_t[d].expand(b, n), self.saguaro_c)
             feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
+            if branches is not None and d < k - 1:
+                branches.advance(feed)
             out_tokens.append(feed)
             out_probs.add(probs, narrow)
             if stale is not None and stale():
@@ -329,6 +350,7 @@ class TreeDrafter:
                 continue
             i, acc, bonus = rnd.seq_ids.index(s), int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
             self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
+            self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
             n = rnd.branch_index[i].get((acc, bonus))
             covered[r] = n is not None
             place = (rnd.ranked[i, acc] == bonus).nonzero()

@@ -141,6 +141,8 @@ class LLMEngine:
         )
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
+            seq.grammar = params.structured_outputs.grammar_text()
+            seq.grammar_eos = -1 if self.stopper.eos_token_id is None else self.stopper.eos_token_id
         if params.bad_words:
             seq.bad_words = word_tokens(self.tokenizer, params.bad_words)
         self.waiting.append(seq)

@@ -9,6 +9,7 @@ ssd.worker`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig
@@ -16,6 +17,7 @@ from ssd.core.speculation import Proposer
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.drafting.tree_drafter import TreeDrafter
+from ssd.model.loader import load_tokenizer
 from ssd.model.runner import draft_runner
 from ssd.transport.link import WorkerProvider
 from ssd.transport.pool_client import PoolClient
@@ -43,9 +45,9 @@ def build_proposers(
 
 def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
     if config.draft_transport == "inprocess":
-        drafter = TreeDrafter(
-            draft_runner(draft_model, config.draft_device, config.lean_forward), vocab, config.k, config.saguaro_c
-        )
+        runner = draft_runner(draft_model, config.draft_device, config.lean_forward)
+        tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
+        drafter = TreeDrafter(runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer)
         return SSDProposer(drafter, config, vocab)
     provider = resolve_provider(config, worker_provider)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)

@@ -31,7 +31,7 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import SequenceSampling
 
-MAGIC = 0x55D0_0003  # 3: replies carry the bonus token's rank per row (2: the drafter's high-water marks)
+MAGIC = 0x55D0_0004  # 4: admissions carry each sequence's grammar (3: replies carry the bonus token's rank)
 HEADER = 8
 
 
@@ -127,7 +127,11 @@ def decode(kind: MsgType, round_id: int, ints: torch.Tensor, floats: torch.Tenso
 def _encode_admit(msg: AdmitMsg):
     b = len(msg.seq_ids)
     s = msg.sampling
-    ints = _i([b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(p) for p in msg.prompts], *msg.prompts)
+    grammars = [x.grammar.encode() for x in s]
+    ints = _i(
+        [b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(p) for p in msg.prompts], *msg.prompts,
+        [len(g) for g in grammars], [x.grammar_from for x in s], [x.grammar_eos for x in s], *map(_text, grammars),
+    )  # fmt: skip
     return 0, ints, torch.tensor([x.temperature for x in s] + [x.top_p for x in s], dtype=torch.float32)
 
 
@@ -135,8 +139,21 @@ def _decode_admit(r: _Reader, round_id: int, floats: torch.Tensor) -> AdmitMsg:
     b = r.one()
     seq_ids, seeds, top_k, lens = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
     prompts = [r.take(n).tolist() for n in lens]
+    grammar_lens, grammar_from, grammar_eos = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
+    grammars = [_untext(r.take((n + 7) // 8), n) for n in grammar_lens]
     temperature, top_p = floats[:b].tolist(), floats[b : 2 * b].tolist()
-    return AdmitMsg(seq_ids, prompts, seeds, [SequenceSampling(*x) for x in zip(temperature, top_k, top_p)])
+    fields = zip(temperature, top_k, top_p, grammars, grammar_from, grammar_eos)
+    return AdmitMsg(seq_ids, prompts, seeds, [SequenceSampling(*x) for x in fields])
+
+
+def _text(data: bytes) -> torch.Tensor:
+    """UTF-8 bytes packed 8 to an int64 (zero-padded): a grammar's text in the int body."""
+    padded = bytearray(data) + bytes(-len(data) % 8)
+    return torch.frombuffer(padded, dtype=torch.int64) if padded else _NO_INTS
+
+
+def _untext(ints: torch.Tensor, n: int) -> str:
+    return ints.numpy().tobytes()[:n].decode()
 
 
 def _encode_round(msg: BeginRoundMsg):
