@@ -143,7 +143,7 @@ class OpenAIFrontend:
 
     def chat_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
         messages = [m.for_template() for m in request.messages]
-        tools = request.tools_for_template() if isinstance(request, ChatCompletionRequest) else None
+        tools = request.tools_for_template()
         try:
             return self.tokenizer.apply_chat_template(
                 messages,

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.tool_calls import NO_PARAMETERS, required_schema
-from serve_app.tool_protocol import NamedToolChoice, Tool, ToolCall
+from serve_app.tool_protocol import NamedToolChoice, Tool, ToolCall, template_tools
 from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.structured import StructuredOutputs
@@ -305,7 +305,7 @@ class ChatCompletionRequest(_Common):
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def tools_for_template(self) -> list[dict] | None:
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     def _structured(self) -> StructuredOutputs | None:
         fmt = self.tool_format()
@@ -331,6 +331,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = Field(None, max_length=1_000_000)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="With messages: as chat renders them.")
+
+    def tools_for_template(self) -> list[dict] | None:
+        return template_tools(self.tools)
 
 
 class DetokenizeRequest(BaseModel):

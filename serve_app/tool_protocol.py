@@ -70,3 +70,8 @@ class NamedToolChoice(BaseModel):
 
     type: Literal["function"]
     function: NamedFunction
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as chat templates read them (`tools=` of apply_chat_template)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None

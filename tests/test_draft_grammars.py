@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ReleaseMsg, ResolveMsg
+from ssd.core.protocol import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.core.sampling import SequenceSampling
 from ssd.core.structured import StructuredOutputs
 from ssd.drafting.tree_drafter import TreeDrafter
@@ -56,6 +56,18 @@ def test_the_last_allowed_token_is_eos_once_the_grammar_is_complete(tiny_pair):
     assert d.begin_round(BeginRoundMsg(1, [1], spec, torch.tensor([3]), [1, 1, 1, 1]))
     masks = d.grammars.fork_masks([1], spec)
     assert masks[0, 2].nonzero().flatten().tolist() == [EOS_ID]  # after 12 digits: EOS only
+
+
+def test_the_neural_backup_drafts_under_the_grammar_too(tiny_pair):
+    d = drafter(tiny_pair)
+    admitted(d, list(b"12"))
+    for round_id in range(1, 6):  # several draws: an unmasked draft of the random model is rarely a digit
+        reply = d.draft_now(DraftNowMsg(round_id, [1], [True]))
+        drafted = reply.tokens[0, : int(reply.num_draft[0])].tolist()
+        assert set(drafted) <= set(b"0123456789"), drafted
+        # Each drafted token's reported probability is the masked distribution's: it sums to 1
+        # over the digits (what verification compares against).
+        assert torch.allclose(reply.probs[0, :, list(b"0123456789")].sum(-1), torch.ones(4))
 
 
 def test_without_the_tokenizer_the_drafts_are_unmasked(tiny_pair):

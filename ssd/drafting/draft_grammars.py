@@ -5,7 +5,8 @@ The target bonus token after k accepted ones is drawn from the *masked* target d
 so only tokens the grammar allows after s_T[:k] can be bonuses: the fork ranks its candidates
 among those (`fork_masks`). Each branch of the tree then drafts from its own matcher, a copy
 walked along s_T[:k] and the branch's candidate, advanced by each token the branch draws
-(`Branches`). Exactness never depends on any of this: verification uses the draft
+(`Branches`). The neural backup drafts a miss's speculation under the grammar too
+(`first_position`). Exactness never depends on any of this: verification uses the draft
 probabilities the drafter reports, masked or not, and the engine's own masks.
 
 A drafter compiles a grammar from llguidance's text (SequenceSampling.grammar) with the
@@ -21,9 +22,13 @@ from collections.abc import Callable
 import torch
 
 from ssd.core.grammar import GrammarCompiler, grammar_masks, unpack
-from ssd.core.sampling import SequenceSampling
+from ssd.core.logits_processing import build
+from ssd.core.sampling import BatchSampling, SequenceSampling
+from ssd.core.sampling_params import SamplingParams
+from ssd.core.token_masks import token_masks
 
 logger = logging.getLogger(__name__)
+NEUTRAL = SamplingParams()  # no penalty, bias or other mask: only the grammar's apply
 
 
 class DraftGrammars:
@@ -82,6 +87,13 @@ class DraftGrammars:
         """spec_tokens [b, K] -> [b, K + 1, V] bool: the tokens allowed after s_T[:k] (padding
         past a row's speculation is walked too; those positions are never forked)."""
         return grammar_masks([self.matchers.get(s) for s in seq_ids], spec_tokens, self.vocab)
+
+    def first_position(self, views: list, sampling: BatchSampling) -> BatchSampling:
+        """The neural backup's sampling: the grammar's masks at its first position (SDProposer
+        advances them with each drafted token), nothing else adjusted."""
+        masks = token_masks(views, torch.zeros(len(views), 0, dtype=torch.long), self.vocab)
+        neutral = [(NEUTRAL, [], [])] * len(views)
+        return sampling.adjusted(build(neutral, torch.zeros(len(views), 0, dtype=torch.long), self.vocab, None, masks))
 
     def branches(self, seq_ids: list[int], spec: list[list[int]], cand, outcome, allowed: torch.Tensor):
         """The tree's branch matchers: cand, outcome [b, N] (this shard's); allowed: fork_masks'."""

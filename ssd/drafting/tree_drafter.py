@@ -67,13 +67,14 @@ class _SeqState:
 
 
 class _DraftView:
-    """A sequence as SDProposer.propose reads it, for the neural backup: its committed tokens and
-    the generator its draws come from."""
+    """A sequence as SDProposer.propose reads it, for the neural backup: its committed tokens,
+    the generator its draws come from and its grammar's matcher (token_masks.py reads it)."""
 
-    def __init__(self, state: _SeqState, generator: torch.Generator) -> None:
+    def __init__(self, state: _SeqState, generator: torch.Generator, matcher=None) -> None:
         self.generator = generator
         self.num_tokens = len(state.tokens)
         self._tokens = state.tokens
+        self.matcher, self.bad_words, self.output_ids = matcher, (), []
 
     def tokens_from(self, start: int) -> list[int]:
         return self._tokens[start:]
@@ -398,8 +399,14 @@ class TreeDrafter:
         depend on which other sequences missed."""
         self._rows(seq_ids)
         scratch = torch.Generator()
-        views = [_DraftView(self.states[s], self.states[s].generator if n else scratch) for s, n in zip(seq_ids, need)]
-        spec = self.jit.propose(views, self.k, self._sampling(seq_ids))
+        views = [
+            _DraftView(self.states[s], self.states[s].generator if n else scratch, self.grammars.matchers.get(s))
+            for s, n in zip(seq_ids, need)
+        ]
+        sampling = self._sampling(seq_ids)
+        if self.grammars.any(seq_ids):  # drafted under the grammar, position by position, as SD drafts
+            sampling = self.grammars.first_position(views, sampling)
+        spec = self.jit.propose(views, self.k, sampling)
         # Keep only committed tokens in the cache: the drafts are rolled back at once.
         committed = torch.tensor([v.num_tokens for v in views])
         self.cache.drop_last(self.cache.lengths() - committed + 1)

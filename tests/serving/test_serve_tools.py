@@ -160,3 +160,14 @@ def test_what_cannot_be_served_is_named(served):
         with pytest.raises(openai.BadRequestError) as err:
             chat.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
         assert err.value.body["param"].startswith(param), err.value.body
+
+
+def test_tokenize_counts_the_tools_as_chat_does(served):
+    import requests
+
+    auth = {"Authorization": f"Bearer {served.api_key}"}
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS}
+    counted = requests.post(served.http + "/tokenize", json=body, headers=auth, timeout=60).json()["count"]
+    usage = client(served).chat.completions.create(**body, tool_choice="none", max_tokens=1).usage
+    without = requests.post(served.http + "/tokenize", json={**body, "tools": None}, headers=auth, timeout=60)
+    assert counted == usage.prompt_tokens > without.json()["count"]
