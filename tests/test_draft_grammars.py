@@ -78,3 +78,10 @@ def test_without_the_tokenizer_the_drafts_are_unmasked(tiny_pair):
     admitted(d, [])
     assert not d.grammars.matchers
     assert d.begin_round(BeginRoundMsg(1, [1], torch.tensor([list(b"3456")]), torch.tensor([4]), [2, 2, 2, 2, 2]))
+
+
+def test_a_grammar_the_drafter_cannot_compile_leaves_it_unmasked(tiny_pair, caplog):
+    d = drafter(tiny_pair)
+    d.admit(AdmitMsg([1], [PROMPT], [7], [SequenceSampling(1.0, 0, 1.0, "start: ((", len(PROMPT), EOS_ID)]))
+    assert not d.grammars.matchers and "cannot follow" in caplog.text
+    assert d.begin_round(BeginRoundMsg(1, [1], torch.tensor([list(b"3456")]), torch.tensor([4]), [2, 2, 2, 2, 2]))

@@ -60,7 +60,11 @@ class DraftGrammars:
         compiler = self._compiler(sampling.grammar_eos)
         if compiler is None:
             return
-        matcher = compiler.from_text(sampling.grammar)
+        try:
+            matcher = compiler.from_text(sampling.grammar)
+        except ValueError as err:  # the engine compiled it; a tokenizer here that cannot is ours to log
+            logger.warning("the drafter cannot follow a request's grammar (%s): its speculations are unmasked", err)
+            return
         self.matchers[seq_id] = matcher
         self.commit(seq_id, tokens[sampling.grammar_from :])
 
