@@ -7,6 +7,9 @@ here on synthetic text (no hub download; Llama 3's vocabulary size, not its merg
 - `round_ms`: ssd/core/grammar.py's `grammar_masks` for a verification of K = 6 draft tokens
   (7 masks a row, walked and rolled back, unpacked to [b, 7, V] bool) at batch 1 and 8, mid-way
   through a JSON document;
+- `tree_ms`: an SSD drafter's grammar work for one round at batch 1 and 8 (ssd/drafting/
+  draft_grammars.py): the fork's masks, a matcher per branch (12 a row), K depths of branch
+  masks and of applying them to the draft logits;
 - `engines`: per-token mask time of each candidate grammar engine that is installed (llguidance
   always; xgrammar and outlines-core when a user installs them), its compile time, and whether
   a matcher state forks (deep copy) or rolls back, which SSD's tree of outcomes needs.
@@ -24,7 +27,9 @@ from pathlib import Path
 import torch
 
 from ssd.core.grammar import GrammarCompiler, grammar_masks
+from ssd.core.sampling import SequenceSampling
 from ssd.core.structured import StructuredOutputs
+from ssd.drafting.draft_grammars import DraftGrammars, masked
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,48 @@ def round_ms(tokenizer, batch: int, repeats: int = 20) -> dict:
     for _ in range(repeats):
         logits.masked_fill(~masks, float("-inf"))  # what Adjustments.apply does with them
     return {"masks": masks_ms, "apply": 1e3 * (time.perf_counter() - started) / repeats}
+
+
+def tree_ms(tokenizer, batch: int, fanout: tuple[int, ...] = (4, 2, 2, 2, 2), repeats: int = 5) -> dict:
+    """Mean ms of an SSD drafter's grammar work for one round of `batch` rows mid-way through
+    DOCUMENT: the fork's masks along s_T (`fork`), the branch matchers (`branches`: a spine
+    along s_T, a copy per branch), K depths of branch masks and advances (`depths`) and of
+    applying those masks to the [b, N, V] draft logits on the host (`apply`), with up to
+    sum(fanout) branches a row (candidates the grammar allows)."""
+    vocab = len(tokenizer)
+    grammars = DraftGrammars(lambda: tokenizer, vocab)
+    ids = tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    half = len(ids) // 2
+    text = StructuredOutputs(json=SCHEMA).grammar_text()
+    for seq in range(batch):
+        grammars.admit(seq, SequenceSampling(1.0, 0, 1.0, text, 0, tokenizer.eos_token_id), ids[:half])
+    seqs, spec = list(range(batch)), [ids[half : half + K]] * batch
+    grammars.fork_masks(seqs, torch.tensor(spec))  # warm: the grammar's first masks build its lexer
+    totals = {"fork": 0.0, "branches": 0.0, "depths": 0.0, "apply": 0.0}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        allowed = grammars.fork_masks(seqs, torch.tensor(spec))
+        forked = time.perf_counter()
+        grid = [(k, int(t)) for k, f in enumerate(fanout) for t in allowed[0, k].nonzero().flatten()[:f]]
+        cand = torch.tensor([[t for _, t in grid]] * batch)
+        outcome = torch.tensor([[k for k, _ in grid]] * batch)
+        branches = grammars.branches(seqs, spec, cand, outcome, allowed)
+        built = time.perf_counter()
+        logits = torch.randn(*cand.shape, vocab)
+        for _ in range(K):
+            mark = time.perf_counter()
+            masks = branches.masks()
+            totals["depths"] += time.perf_counter() - mark
+            mark = time.perf_counter()
+            masked(logits, masks)  # what the tree does to each depth's draft logits
+            totals["apply"] += time.perf_counter() - mark
+            first = masks.view(-1, vocab).to(torch.uint8).argmax(-1).view(batch, -1)  # a token each may take
+            mark = time.perf_counter()
+            branches.advance(first)
+            totals["depths"] += time.perf_counter() - mark
+        for part, seconds in (("fork", forked - started), ("branches", built - forked)):
+            totals[part] += seconds
+    return {part: 1e3 * seconds / repeats for part, seconds in totals.items()}
 
 
 def _timed_masks(fill, advance, ids) -> float:
@@ -153,6 +200,7 @@ def measure(name: str, tokenizer) -> dict:
     ids = tokenizer.encode(DOCUMENT, add_special_tokens=False)
     row: dict = {"tokenizer": name, "vocab": len(tokenizer), "document_tokens": len(ids)}
     row["round_ms"] = {f"b{b}": round_ms(tokenizer, b) for b in (1, 8)}
+    row["tree_ms"] = {f"b{b}": tree_ms(tokenizer, b) for b in (1, 8)}
     row["engines"] = {}
     for engine, run in ENGINES.items():
         try:
@@ -180,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
             row["vocab"],
             K,
             {b: {part: round(ms, 3) for part, ms in parts.items()} for b, parts in row["round_ms"].items()},
+        )
+        logger.info(
+            "  an SSD drafter's grammar work per round (%d branches a row, K=%d): %s",
+            12,
+            K,
+            {b: {part: round(ms, 3) for part, ms in parts.items()} for b, parts in row["tree_ms"].items()},
         )
         for engine, result in row["engines"].items():
             logger.info(

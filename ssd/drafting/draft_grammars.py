@@ -154,6 +154,8 @@ class Branches:
 def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Draft logits [..., V_draft] with what `allowed` [..., V_target] refuses at -inf (columns
     past the target's vocabulary are dropped later, by draft_probs)."""
+    if logits.shape[-1] == allowed.shape[-1]:  # one vocabulary (the common case): one pass, no copy
+        return logits.masked_fill(~allowed, float("-inf"))
     v = min(logits.shape[-1], allowed.shape[-1])
     head = logits[..., :v].masked_fill(~allowed[..., :v], float("-inf"))
     return torch.cat([head, logits[..., v:]], -1)
