@@ -54,7 +54,7 @@ def test_the_last_allowed_token_is_eos_once_the_grammar_is_complete(tiny_pair):
     admitted(d, list(b"1234567890"))
     spec = torch.tensor([list(b"12") + [EOS_ID, 0]])
     assert d.begin_round(BeginRoundMsg(1, [1], spec, torch.tensor([3]), [1, 1, 1, 1]))
-    masks = d.grammars.fork_masks([1], spec)
+    masks = d.grammars.fork_masks(d.grammars.spines([1], [spec[0, :3].tolist()]), 5)
     assert masks[0, 2].nonzero().flatten().tolist() == [EOS_ID]  # after 12 digits: EOS only
 
 

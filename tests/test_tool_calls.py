@@ -20,14 +20,14 @@ from ssd import LLM  # noqa: E402
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {"city": {"type": "string", "maxLength": 4}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
     "required": ["city", "days"],
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "A forecast.", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "now"}},  # no parameters
-]
+]  # short: the test model's context is 512 bytes, and the tools are part of the prompt (served tests use them too)
 CALL = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
 PARAMETERS = {"get_weather": WEATHER, "now": {"type": "object", "properties": {}, "additionalProperties": False}}
 

@@ -95,8 +95,8 @@ def round_ms(tokenizer, batch: int, repeats: int = 20) -> dict:
 
 def tree_ms(tokenizer, batch: int, fanout: tuple[int, ...] = (4, 2, 2, 2, 2), repeats: int = 5) -> dict:
     """Mean ms of an SSD drafter's grammar work for one round of `batch` rows mid-way through
-    DOCUMENT: the fork's masks along s_T (`fork`), the branch matchers (`branches`: a spine
-    along s_T, a copy per branch), K depths of branch masks and advances (`depths`) and of
+    DOCUMENT: the walk along s_T and the fork's masks (`fork`), a matcher per branch copied from
+    that walk (`branches`), K depths of branch masks and advances (`depths`) and of
     applying those masks to the [b, N, V] draft logits on the host (`apply`), with up to
     sum(fanout) branches a row (candidates the grammar allows)."""
     vocab = len(tokenizer)
@@ -107,16 +107,17 @@ def tree_ms(tokenizer, batch: int, fanout: tuple[int, ...] = (4, 2, 2, 2, 2), re
     for seq in range(batch):
         grammars.admit(seq, SequenceSampling(1.0, 0, 1.0, text, 0, tokenizer.eos_token_id), ids[:half])
     seqs, spec = list(range(batch)), [ids[half : half + K]] * batch
-    grammars.fork_masks(seqs, torch.tensor(spec))  # warm: the grammar's first masks build its lexer
+    grammars.fork_masks(grammars.spines(seqs, spec), K + 1)  # warm: the first masks build the grammar's lexer
     totals = {"fork": 0.0, "branches": 0.0, "depths": 0.0, "apply": 0.0}
     for _ in range(repeats):
         started = time.perf_counter()
-        allowed = grammars.fork_masks(seqs, torch.tensor(spec))
+        spines = grammars.spines(seqs, spec)
+        allowed = grammars.fork_masks(spines, K + 1)
         forked = time.perf_counter()
         grid = [(k, int(t)) for k, f in enumerate(fanout) for t in allowed[0, k].nonzero().flatten()[:f]]
         cand = torch.tensor([[t for _, t in grid]] * batch)
         outcome = torch.tensor([[k for k, _ in grid]] * batch)
-        branches = grammars.branches(seqs, spec, cand, outcome, allowed)
+        branches = grammars.branches(spines, cand, outcome, allowed)
         built = time.perf_counter()
         logits = torch.randn(*cand.shape, vocab)
         for _ in range(K):

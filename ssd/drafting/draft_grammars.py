@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ssd.core.grammar import GrammarCompiler, grammar_masks, unpack
+from ssd.core.grammar import GrammarCompiler, unpack
 from ssd.core.logits_processing import build
 from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.sampling_params import SamplingParams
@@ -87,10 +87,33 @@ class DraftGrammars:
     def any(self, seq_ids: list[int]) -> bool:
         return any(s in self.matchers for s in seq_ids)
 
-    def fork_masks(self, seq_ids: list[int], spec_tokens: torch.Tensor) -> torch.Tensor:
-        """spec_tokens [b, K] -> [b, K + 1, V] bool: the tokens allowed after s_T[:k] (padding
-        past a row's speculation is walked too; those positions are never forked)."""
-        return grammar_masks([self.matchers.get(s) for s in seq_ids], spec_tokens, self.vocab)
+    def spines(self, seq_ids: list[int], spec: list[list[int]]) -> list[list]:
+        """Per row, its matcher after s_T[:k] for k = 0, 1, ... as far as the grammar allows s_T
+        ([] for an unconstrained row). Walked once a round: the fork's masks and every branch's
+        matcher start from these (a consume is the costly step)."""
+        out = []
+        for s, tokens in zip(seq_ids, spec):
+            base = self.matchers.get(s)
+            spine, matcher = ([base], base.deep_copy()) if base is not None else ([], None)
+            for token in tokens if base is not None else []:
+                if matcher.is_stopped() or not matcher.consume_token(token):  # refused, or past EOS
+                    break
+                spine.append(matcher.deep_copy())
+            out.append(spine)
+        return out
+
+    def fork_masks(self, spines: list[list], positions: int) -> torch.Tensor:
+        """-> [b, positions, V] bool: the tokens allowed after s_T[:k]; everything where the row
+        is unconstrained or past what its grammar allows of s_T (never forked: verification
+        stops at the refused token)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        bits = torch.full((len(spines) * positions, (self.vocab + 31) // 32), -1, dtype=torch.int32)
+        for r, spine in enumerate(spines):
+            for k, matcher in enumerate(spine[:positions]):
+                fill_next_token_bitmask(matcher, bits, r * positions + k)
+        bits[(bits == 0).all(-1)] = -1  # a finished grammar (past EOS): nothing to follow
+        return unpack(bits, self.vocab).view(len(spines), positions, self.vocab)
 
     def first_position(self, views: list, sampling: BatchSampling) -> BatchSampling:
         """The neural backup's sampling: the grammar's masks at its first position (SDProposer
@@ -99,9 +122,9 @@ class DraftGrammars:
         neutral = [(NEUTRAL, [], [])] * len(views)
         return sampling.adjusted(build(neutral, torch.zeros(len(views), 0, dtype=torch.long), self.vocab, None, masks))
 
-    def branches(self, seq_ids: list[int], spec: list[list[int]], cand, outcome, allowed: torch.Tensor):
+    def branches(self, spines: list[list], cand, outcome, allowed: torch.Tensor) -> "Branches":
         """The tree's branch matchers: cand, outcome [b, N] (this shard's); allowed: fork_masks'."""
-        return Branches(self, seq_ids, spec, cand, outcome, allowed)
+        return Branches(self.vocab, spines, cand, outcome, allowed)
 
 
 class Branches:
@@ -109,22 +132,19 @@ class Branches:
 
     def __init__(
         self,
-        grammars: DraftGrammars,
-        seq_ids: list[int],
-        spec: list[list[int]],
+        vocab: int,
+        spines: list[list],
         cand: torch.Tensor,
         outcome: torch.Tensor,
         allowed: torch.Tensor,
     ) -> None:
-        """cand, outcome [b, N]: each branch's candidate and the accepted count it follows;
-        allowed [b, K + 1, V]: the fork's masks."""
-        self.vocab = grammars.vocab
+        """spines: DraftGrammars.spines; cand, outcome [b, N]: each branch's candidate and the
+        accepted count it follows; allowed [b, K + 1, V]: the fork's masks."""
+        self.vocab = vocab
         self.shape = tuple(cand.shape)  # (b, N)
         self.matchers: list[object | None] = []  # row-major [b * N]; None: unconstrained, or off the grammar
         cands, outcomes = cand.tolist(), outcome.tolist()
-        for r, s in enumerate(seq_ids):
-            base = grammars.matchers.get(s)
-            spine = _spine(base, spec[r]) if base is not None else []
+        for r, spine in enumerate(spines):
             for c, k in zip(cands[r], outcomes[r]):
                 # A candidate the grammar refuses (fewer tokens allowed than the fan-out) can
                 # never be the bonus: its branch stays unmasked, and no consume fails on it
@@ -159,17 +179,6 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     v = min(logits.shape[-1], allowed.shape[-1])
     head = logits[..., :v].masked_fill(~allowed[..., :v], float("-inf"))
     return torch.cat([head, logits[..., v:]], -1)
-
-
-def _spine(base, spec: list[int]) -> list:
-    """Copies of `base` after s_T[:k] for k = 0, 1, ... as far as the grammar allows s_T (each
-    consumed once, shared by every branch that follows it: a consume is the costly step)."""
-    spine, matcher = [base], base.deep_copy()
-    for token in spec:
-        if not matcher.consume_token(token):
-            break
-        spine.append(matcher.deep_copy())
-    return spine
 
 
 def _walked(base, tokens: list[int]):

@@ -208,9 +208,10 @@ class TreeDrafter:
         assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
         glue = self._glue(seq_ids, spec)
-        allowed = None
+        spines = allowed = None
         if self.grammars.any(seq_ids):  # candidates among the tokens the grammar allows there
-            allowed = self.grammars.fork_masks(seq_ids, msg.spec_tokens)
+            spines = self.grammars.spines(seq_ids, spec)
+            allowed = self.grammars.fork_masks(spines, self.k + 1)
             glue = dataclasses.replace(glue, logits=masked(glue.logits, allowed))
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
@@ -218,7 +219,7 @@ class TreeDrafter:
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
         cand, outcome = grid.candidates[:, shard], grid.outcome[:, shard]
-        branches = self.grammars.branches(seq_ids, spec, cand, outcome, allowed) if allowed is not None else None
+        branches = self.grammars.branches(spines, cand, outcome, allowed) if spines is not None else None
         tree = self._tree_decode(seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, branches)
         if tree is None:
             return False

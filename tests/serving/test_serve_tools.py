@@ -12,17 +12,8 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 4}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "now"}},
-]  # short: the test model's context is 512 bytes, and the tools are part of the prompt
-PARAMETERS = {"get_weather": WEATHER, "now": {"type": "object", "properties": {}, "additionalProperties": False}}
+from test_tool_calls import PARAMETERS, TOOLS  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "Weather?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
