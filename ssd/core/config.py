@@ -59,6 +59,15 @@ class EngineArgs(BaseModel):
         "accepted; bfloat16 drafts faster on CPUs with AVX512-BF16 or AMX.",
     )
     device: str = Field("cpu", description="torch device for both models, e.g. cpu, cuda, cuda:1.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks the target is split over (Megatron-style: attention heads and MLP columns, embedding "
+        "and LM head by vocabulary; ssd/model/shards.py). Rank 0 runs in the engine's process, the others as child "
+        "processes on this host: on CPU each with cores/t threads, on GPUs rank r on the device after `device` "
+        "plus r. Needs a Llama-architecture target in safetensors; its head counts must divide evenly.",
+    )
     draft_device: str | None = Field(None, description="torch device for the draft; None = same as device.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for this process; None = torch's default."
@@ -233,6 +242,7 @@ class EngineConfig:
     dtype: str
     draft_dtype: str
     device: str
+    tensor_parallel_size: int
     draft_device: str
     num_threads: int | None
     seed: int

@@ -388,3 +388,4 @@ class LLMEngine:
     def close(self) -> None:
         for proposer in self.proposers.values():
             proposer.close()
+        self.target.close()  # a tensor-parallel target's ranks stop (closing twice is a no-op)

@@ -39,7 +39,17 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 def unsupported_reason(model) -> str | None:
     """Why `model` cannot use the lean forward, or None when it can."""
-    config = model.config
+    reason = unsupported_config_reason(model.config)
+    if reason is not None:
+        return reason
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "not a *ForCausalLM with model.rotary_emb and lm_head"
+    return None
+
+
+def unsupported_config_reason(config) -> str | None:
+    """Why a model of this Hugging Face config cannot use the lean forward, or None."""
     if getattr(config, "model_type", None) not in _ARCHITECTURES:
         return f"model_type {getattr(config, 'model_type', None)!r} is not one of {_ARCHITECTURES}"
     if getattr(config, "hidden_act", None) != "silu":
@@ -51,9 +61,6 @@ def unsupported_reason(model) -> str | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") in _DYNAMIC_ROPE:
         return f"rope_type {rope.get('rope_type')!r} changes with the sequence length"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
-        return "not a *ForCausalLM with model.rotary_emb and lm_head"
     return None
 
 
@@ -161,7 +168,11 @@ class FastLlamaForward:
     [b, kv_heads, L, head_dim] by the n new columns, as Hugging Face's update does.
     """
 
-    def __init__(self, model, fused: bool = False, attention_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model, fused: bool = False, attention_dtype: torch.dtype | None = None, parallel=None) -> None:
+        """parallel: None, or this rank's tensor-parallel communicator (ssd/model/tensor_parallel.py)
+        when `model` is one rank's shard (its heads, MLP columns and vocabulary rows): it
+        embeds from the vocabulary slice, all-reduces the two row-parallel products of each layer
+        and gathers the LM head's vocabulary slices on rank 0."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support this model: {reason}")
@@ -180,6 +191,7 @@ class FastLlamaForward:
         self.groups = self.heads // self.kv_heads
         self.scaling = self.head_dim**-0.5
         self.fused = fused
+        self.parallel = parallel
         # Attention (and the cache) in this dtype; None: the model's. See runner.attention_dtype.
         self.attention_dtype = attention_dtype
         self._rope_table: torch.Tensor | None = None  # [2, positions, head_dim]: cos, sign-folded sin
@@ -219,7 +231,8 @@ class FastLlamaForward:
         covers), so a round on an accelerator can run it without waiting, or capture it. head:
         False fills the cache only (a prefill nobody reads logits of) and returns None."""
         b, n = input_ids.shape
-        x = F.embedding(input_ids, self.embed)
+        parallel = self.parallel
+        x = F.embedding(input_ids, self.embed) if parallel is None else parallel.embed(input_ids, self.embed)
         if self.fused:
             # Rotary embedding in [b, n, heads, head_dim] layout, q and k together, in the dtype
             # attention runs in (a reduced-precision model's q and k are upcast before rotating).
@@ -256,16 +269,22 @@ class FastLlamaForward:
                 values = values.repeat_interleave(self.groups, dim=1)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             a = a.transpose(1, 2).reshape(b, n, -1).to(x.dtype)
+            # o and down are row-parallel on a shard: each rank's product is a partial sum.
             if layer.fused:
-                x = x + layer.o_fused(a)
+                x = x + _reduced(layer.o_fused(a), parallel)
                 h = _rms_norm(x, layer.norm_post, layer.eps_post)
                 gate, up = layer.gate_up(h).split(layer.gate_up.sizes, dim=-1)
-                x = x + layer.down_fused(F.silu(gate) * up)
+                x = x + _reduced(layer.down_fused(F.silu(gate) * up), parallel)
             else:
-                x = x + _linear(a, layer.o)
+                x = x + _reduced(_linear(a, layer.o), parallel)
                 h = _rms_norm(x, layer.norm_post, layer.eps_post)
-                x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
+                x = x + _reduced(_linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down), parallel)
         if not head:
             return None
         x = _rms_norm(x, self.norm, self.norm_eps)
-        return self.head_fused(x) if self.head_fused is not None else _linear(x, self.lm_head)
+        logits = self.head_fused(x) if self.head_fused is not None else _linear(x, self.lm_head)
+        return logits if parallel is None else parallel.gather_vocabulary(logits)
+
+
+def _reduced(partial: torch.Tensor, parallel) -> torch.Tensor:
+    return partial if parallel is None else parallel.all_reduce(partial)

@@ -59,6 +59,34 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, d
         )
 
 
+def load_tensor_parallel(config: EngineConfig):
+    """The target split over config.tensor_parallel_size ranks -> rank 0's TensorParallelRunner
+    (with the model's `config` and `generation_config`, as a loaded model has them)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from ssd.model.tp_launch import start_target
+
+    if not Path(config.target).is_dir():
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} loads each rank's slices from a local checkpoint "
+            f"directory: {config.target!r} is not one (download it first, e.g. with `hf download`)"
+        )
+    hf_config = AutoConfig.from_pretrained(
+        config.target, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    dtype = str(hf_config.dtype).removeprefix("torch.") if config.dtype == "auto" else config.dtype
+    runner = start_target(
+        config.target, hf_config, config.tensor_parallel_size, dtype, config.device, config.pack_target_weights,
+        config.num_threads,
+    )  # fmt: skip
+    runner.config = hf_config
+    try:
+        runner.generation_config = GenerationConfig.from_pretrained(config.target, local_files_only=True)
+    except OSError:  # no generation_config.json: what the model's config implies, as from_pretrained does
+        runner.generation_config = GenerationConfig.from_model_config(hf_config)
+    return runner
+
+
 def context_limit(model) -> int:
     cfg = model.config
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -75,7 +103,10 @@ def load_pair(config: EngineConfig) -> LoadedPair:
         check_same_vocabulary(
             tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft
         )
-    target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
+    if config.tensor_parallel_size > 1:
+        target = load_tensor_parallel(config)
+    else:
+        target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
     limit = context_limit(target)
     if config.draft is not None:
         draft = load_model(config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code)

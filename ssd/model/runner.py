@@ -10,6 +10,7 @@ from transformers import Cache
 
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
 from ssd.model.kv_cache import StaticKVCache
+from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,24 +30,32 @@ class ModelRunner:
     development CPU), and the cache costs little next to the weights at a draft's size.
     """
 
-    def __init__(self, model, device: torch.device, lean: bool = True, fused: bool = False) -> None:
+    def __init__(self, model, device: torch.device, lean: bool = True, fused: bool = False, parallel=None) -> None:
+        """parallel: None, or a tensor-parallel rank's communicator, `model` being that rank's shard
+        (ssd/model/shards.py: shaped like a model as the lean forward reads it, which is the only
+        forward a shard has)."""
         self.model = model
         self.device = device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.model.embed_tokens.weight.dtype if parallel is not None else next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
         self.lean: FastLlamaForward | None = None
         self.attention_dtype = self.dtype  # of the attention masks, and of the cache
         # Hugging Face models take logits_to_keep (older or remote-code ones may not).
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        if lean:
-            reason = unsupported_reason(model)
+        self._keeps_logits = parallel is None and "logits_to_keep" in inspect.signature(model.forward).parameters
+        reason = unsupported_reason(model) if lean or parallel is not None else None
+        if reason is not None and parallel is not None:
+            raise ValueError(f"tensor parallelism runs the lean forward, which does not support this model: {reason}")
+        if lean or parallel is not None:
             if reason is None:
                 if device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
                     self.attention_dtype = torch.float32
                 upcast = self.attention_dtype if self.attention_dtype != self.dtype else None
-                self.lean = FastLlamaForward(model, fused=fused, attention_dtype=upcast)
+                self.lean = FastLlamaForward(model, fused=fused, attention_dtype=upcast, parallel=parallel)
             else:
                 logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
+
+    def close(self) -> None:
+        """Nothing to release (a TensorParallelRunner, the other target runner, stops its ranks)."""
 
     def new_cache(self, rows: int = 1) -> StaticKVCache:
         """An empty cache with room for `rows` rows at its first forward (it grows past that)."""
@@ -106,7 +115,7 @@ class ModelRunner:
                 use_cache=True, **keep,
             ).logits  # fmt: skip
         cache.commit(new_valid)
-        if not with_logits:
+        if not with_logits or logits is None:  # None: a tensor-parallel rank other than 0
             return None
         return logits.float().cpu() if on_host else logits.float()
 
@@ -135,6 +144,8 @@ def draft_runner(model, device: str, lean: bool) -> ModelRunner:
 def target_runner(model, device: str, lean: bool, pack: bool) -> ModelRunner:
     """The target's runner. With pack=True it fuses and prepacks its projections only where
     oneDNN can pack them (CPU): elsewhere fusing would copy the target's weights for nothing."""
+    if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_tensor_parallel)
+        return model
     weight = next(model.parameters())
     return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight))
 

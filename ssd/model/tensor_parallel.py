@@ -1,0 +1,219 @@
+"""A target split over t tensor-parallel ranks, one process each, behind ModelRunner's interface.
+
+Rank 0 lives in the engine's process: the engine calls `TensorParallelRunner.forward` and the
+cache methods exactly as it calls a ModelRunner's. Each call is first broadcast to ranks 1..t-1
+as a step (a fixed header, then one payload of token ids), and then every rank runs the same
+operation on its own shard and its own cache: a forward's attention and MLP each end in an
+all-reduce, the logits' vocabulary slices are gathered on rank 0 (shards.py says how the weights
+are cut). The other ranks run `serve_steps`: a loop that receives a step and runs it, with no
+Python per token beyond that.
+
+Step (header [HEADER] long, broadcast by rank 0; then the payload when its size is > 0):
+    op, cache id, a, b, c, payload size
+    NEW_CACHE  a = rows                  a cache the ranks keep in step with rank 0's
+    ADD_ROWS   a = count                 its new rows, as the window the next forward writes
+    KEEP       payload rows [m]          the kept rows, in order
+    DROP_LAST  payload counts [b]        each row rolled back by its count
+    FORWARD    a = window?, b = n, c = with_logits; payload tokens [b, n] then new_valid [b, n]
+    STOP                                 the rank exits
+Every rank's cache sees the same operations in the same order, so positions, lengths and masks
+agree without being sent.
+
+Communication: a gloo group carries the steps (CPU tensors, waited on indefinitely by idle
+ranks); the forward's collectives run on the same group on CPU and on an NCCL group on GPUs,
+each bounded by STEP_TIMEOUT, so a rank that hung fails the engine's call instead of stalling
+it. A failed call raises TensorParallelFailed and stops every rank: the group cannot be trusted
+after a collective failed midway, and the serving layer replaces an engine that raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from ssd.model.kv_cache import StaticKVCache
+from ssd.model.shards import ShardPlan
+
+HEADER = 6
+NEW_CACHE, ADD_ROWS, KEEP, DROP_LAST, FORWARD, STOP = range(1, 7)
+# A collective of a forward waits at most this long for the other ranks: a rank that died fails
+# at once (its sockets close), one that hung after this.
+STEP_TIMEOUT = datetime.timedelta(seconds=30)
+IDLE_TIMEOUT = datetime.timedelta(days=7)  # how long a rank waits for rank 0's next step
+
+
+class TensorParallelFailed(RuntimeError):
+    """A rank died or hung: the tensor-parallel target cannot run another forward."""
+
+
+class ShardComm:
+    """One rank's side of the collectives the lean forward calls on a shard (fast_forward.py)."""
+
+    def __init__(self, plan: ShardPlan, control, data) -> None:
+        self.plan, self.rank, self.world = plan, plan.rank, plan.world
+        self.control, self.data = control, data  # gloo group for steps; group of the forward's collectives
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids [b, n] -> their embeddings [b, n, hidden]: each rank looks up the ids in its
+        vocabulary slice (zeros elsewhere), the all-reduce adds the one non-zero row."""
+        first, end = self.plan.vocabulary
+        local = ids - first
+        inside = (local >= 0) & (local < end - first)
+        x = F.embedding(local.clamp(0, max(end - first - 1, 0)), weight)
+        return self.all_reduce(x.masked_fill(~inside.unsqueeze(-1), 0))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        self.data.allreduce([x]).wait(STEP_TIMEOUT)
+        return x
+
+    def gather_vocabulary(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[b, n, share] on every rank -> [b, n, V] on rank 0, None on the others."""
+        logits = logits.contiguous()
+        if self.rank != 0:
+            self.data.gather([], logits, 0, STEP_TIMEOUT).wait(STEP_TIMEOUT)
+            return None
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        self.data.gather(parts, logits, 0, STEP_TIMEOUT).wait(STEP_TIMEOUT)
+        return torch.cat(parts, dim=-1)[..., : self.plan.vocabulary_size]
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def send_step(self, op: int, cache_id: int, a: int = 0, b: int = 0, c: int = 0, payload=None) -> None:
+        size = 0 if payload is None else payload.numel()
+        header = torch.tensor([op, cache_id, a, b, c, size], dtype=torch.long)
+        self.control.broadcast(header, 0, STEP_TIMEOUT).wait(STEP_TIMEOUT)
+        if size:
+            self.control.broadcast(payload.contiguous(), 0, STEP_TIMEOUT).wait(STEP_TIMEOUT)
+
+    def receive_step(self) -> tuple[list[int], torch.Tensor]:
+        """-> the header's fields and the payload (empty when the step has none)."""
+        header = torch.zeros(HEADER, dtype=torch.long)
+        self.control.broadcast(header, 0, IDLE_TIMEOUT).wait(IDLE_TIMEOUT)
+        fields = header.tolist()
+        payload = torch.zeros(fields[5], dtype=torch.long)
+        if fields[5]:
+            self.control.broadcast(payload, 0, STEP_TIMEOUT).wait(STEP_TIMEOUT)
+        return fields, payload
+
+
+class MirroredCache:
+    """Rank 0's cache (or a window of it): every change is sent to the other ranks first."""
+
+    def __init__(self, runner: TensorParallelRunner, cache_id: int, local: StaticKVCache, window: bool) -> None:
+        self.runner, self.id, self.local, self.window = runner, cache_id, local, window
+
+    @property
+    def batch_size(self) -> int:
+        return self.local.batch_size
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        return self.local.capacity
+
+    def lengths(self) -> torch.Tensor:
+        return self.local.lengths()
+
+    def nbytes(self) -> int:
+        return self.local.nbytes()
+
+    def add_rows(self, count: int) -> MirroredCache:
+        return self.runner.run(
+            ADD_ROWS, self.id, count, then=lambda: MirroredCache(self.runner, self.id, self.local.add_rows(count), True)
+        )
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.runner.run(KEEP, self.id, payload=rows.long(), then=lambda: self.local.keep(rows))
+
+    def drop_last(self, counts: torch.Tensor) -> None:
+        self.runner.run(DROP_LAST, self.id, payload=counts.long(), then=lambda: self.local.drop_last(counts))
+
+
+class TensorParallelRunner:
+    """ModelRunner's interface (forward, new_cache, device, vocab_size) for rank 0 of t.
+
+    local: rank 0's ModelRunner over its shard; ranks: the other ranks' processes (poll() -> the
+    exit codes of those that died, close() stops them). Calls are serialized (a lock): every rank
+    must see the steps in one order."""
+
+    def __init__(self, local, comm: ShardComm, ranks) -> None:
+        self.local, self.comm, self.ranks = local, comm, ranks
+        self.device, self.vocab_size, self.dtype = local.device, local.vocab_size, local.dtype
+        self.world = comm.world
+        self._lock = threading.Lock()
+        self._caches = 0
+        self.failure: str | None = None
+
+    def run(self, op: int, cache_id: int, a: int = 0, b: int = 0, c: int = 0, payload=None, then=None):
+        """Send a step to the other ranks, then run `then()` here (its collectives meet theirs)."""
+        with self._lock:
+            if self.failure is not None:
+                raise TensorParallelFailed(self.failure)
+            try:
+                self.comm.send_step(op, cache_id, a, b, c, payload)
+                return then() if then is not None else None
+            except RuntimeError as err:
+                self.failure = f"tensor-parallel target failed ({self.ranks.describe()}): {err}"
+                self.ranks.close(kill=True)
+                raise TensorParallelFailed(self.failure) from err
+
+    def new_cache(self, rows: int = 1) -> MirroredCache:
+        cache_id = self._caches
+        self._caches += 1
+        local = self.run(NEW_CACHE, cache_id, rows, then=lambda: self.local.new_cache(rows))
+        return MirroredCache(self, cache_id, local, False)
+
+    def forward(
+        self, cache: MirroredCache, tokens: torch.Tensor, new_valid: torch.Tensor | None = None, *,
+        on_host: bool = True, with_logits: bool = True,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """ModelRunner.forward for the target's forwards (a prefill or a verification: each
+        row's next positions, the default mask)."""
+        b, n = tokens.shape
+        if new_valid is None:
+            new_valid = torch.ones(b, n, dtype=torch.bool)
+        payload = torch.cat([tokens.reshape(-1).long(), new_valid.reshape(-1).long()])
+        return self.run(
+            FORWARD, cache.id, int(cache.window), n, int(with_logits), payload,
+            then=lambda: self.local.forward(cache.local, tokens, new_valid, on_host=on_host, with_logits=with_logits),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the other ranks (idempotent)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = "the tensor-parallel target was closed"
+                try:
+                    self.comm.send_step(STOP, 0)
+                except RuntimeError:
+                    self.ranks.close(kill=True)
+                    return
+            self.ranks.close(kill=False)
+
+
+def serve_steps(runner, comm: ShardComm) -> None:
+    """Ranks 1..t-1: run rank 0's steps on this rank's shard until STOP. runner: this rank's
+    ModelRunner over its shard (its collectives meet rank 0's)."""
+    caches: dict[int, StaticKVCache] = {}
+    windows: dict[int, StaticKVCache] = {}
+    while True:
+        (op, cache_id, a, b, c, _), payload = comm.receive_step()  # fields as rank 0's run() sent them
+        if op == STOP:
+            return
+        if op == NEW_CACHE:
+            caches[cache_id] = runner.new_cache(a)
+        elif op == ADD_ROWS:
+            windows[cache_id] = caches[cache_id].add_rows(a)
+        elif op == KEEP:
+            caches[cache_id].keep(payload)
+        elif op == DROP_LAST:
+            caches[cache_id].drop_last(payload)
+        elif op == FORWARD:
+            tokens, valid = payload.view(2, -1, b)  # b = n, tokens per row
+            cache = windows.pop(cache_id) if a else caches[cache_id]
+            runner.forward(cache, tokens, valid.bool(), with_logits=bool(c))
+        else:
+            raise AssertionError(f"unknown step {op}")
