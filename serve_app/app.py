@@ -17,6 +17,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig, ServeSettings
 from serve_app.deployments import DraftPoolDeployment, IngressDeployment, TargetDeployment
+from serve_app.placement import draft_actor_options, target_actor_options
 
 # Extra in-flight requests Serve may route to a full target replica: they are refused there at
 # once with the configured status (the replica's own bound is exact), instead of waiting in
@@ -49,13 +50,12 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     settings = config.to_settings()
     pool = None
     if settings.draft_pool_size:
-        resources = dict(config.engine.draft_worker_resources or {"num_cpus": 1})
-        pool = DraftPoolDeployment.options(num_replicas=settings.draft_pool_size, ray_actor_options=resources).bind(
-            settings
-        )
+        pool = DraftPoolDeployment.options(
+            num_replicas=settings.draft_pool_size, ray_actor_options=draft_actor_options(config)
+        ).bind(settings)
     target = TargetDeployment.options(
         num_replicas=config.target_replicas,
-        ray_actor_options={"num_cpus": config.target_num_cpus, "num_gpus": config.target_num_gpus},
+        ray_actor_options=target_actor_options(config),
         max_ongoing_requests=settings.capacity + ROUTER_SLACK,
         max_queued_requests=max(1, settings.capacity * config.target_replicas),
     ).bind(settings, pool)

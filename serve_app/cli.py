@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import AppConfig
+from serve_app.placement import check_fits, cluster_view, cpus_needed, reservations
 from ssd.cli import ENGINE_DEST, Command, engine_arguments, flag_options
 
 logger = logging.getLogger("ssd.serve")
@@ -98,9 +100,10 @@ def app_config_from(args: argparse.Namespace) -> AppConfig:
     return parse_config({**base, **app, **({"engine": engine} if engine else {})})
 
 
-def _start_ray(address: str, metrics_port: int | None) -> bool:
-    """Attach to a running cluster or start one (see --ray-address). -> whether this process
-    started it (and so stops it on exit)."""
+def _start_ray(address: str, metrics_port: int | None, cpus: float) -> bool:
+    """Attach to a running cluster or start one (see --ray-address) with at least `cpus` logical
+    CPUs (the reservations; serve_app/placement.py). -> whether this process started it (and so
+    stops it on exit)."""
     import ray
 
     if address != "local":
@@ -115,7 +118,15 @@ def _start_ray(address: str, metrics_port: int | None) -> bool:
             if address != "auto":
                 raise
     options = {"_metrics_export_port": metrics_port} if metrics_port else {}
-    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, **options)
+    cores = os.cpu_count() or 1
+    logical = max(cores, math.ceil(cpus))
+    if logical > cores:
+        logger.warning(
+            "the deployment reserves %g CPUs and this machine has %d cores: the local Ray cluster counts %d, so "
+            "every replica is placed, sharing the cores",
+            cpus, cores, logical,
+        )  # fmt: skip
+    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, num_cpus=logical, **options)
     return True
 
 
@@ -125,9 +136,11 @@ def run(args: argparse.Namespace) -> int:
     settings = config.to_settings()
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
-    started = _start_ray(args.ray_address, args.metrics_port)
+    reserved = reservations(config)
+    started = _start_ray(args.ray_address, args.metrics_port, cpus_needed(reserved))
     signals = _Signals()
     try:
+        check_fits(reserved, *cluster_view())  # before anything is deployed that could never be placed
         _deploy(args, config)
         _announce(args, config, settings)
         signals.wait()

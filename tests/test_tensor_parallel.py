@@ -55,7 +55,7 @@ def gqa_target(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["sd", "ssd"])  # ar: the grouped-heads test below
 def test_demo_target_over_two_ranks_matches_hf_generate(demo_pair, prompts, mode):
     target, draft = demo_pair
     expected = hf_greedy(target, prompts, MAX_TOKENS)

@@ -1,0 +1,113 @@
+"""What a deployment reserves from Ray, and whether the cluster can give it, checked before
+deploying.
+
+Serve places a replica only where its reservation fits, and a replica that never fits waits
+forever: `/health` answers 503 and only Ray's scheduler log says why. So `ssd serve` adds up the
+reservations (target replicas x tensor-parallel ranks, the draft pool), compares them with the
+cluster it started or joined, and refuses to deploy what cannot be placed, naming the numbers and
+the flags that change them. A cluster `ssd serve` starts itself is given enough logical CPUs for
+the reservations (Ray's CPUs are a scheduling count, not cores: on a 2-core machine the draft
+workers and the target share the cores whatever Ray is told).
+
+A target replica with tensor_parallel_size t reserves t x target_num_cpus CPUs and t x
+target_num_gpus GPUs as one actor: its ranks are processes on the replica's node, so the
+reservation is on one node, and the GPUs Ray assigns it are the ones its ranks see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from serve_app.config import AppConfig
+
+# Flags that change each kind of reservation, for the messages.
+_TARGET_FLAGS = "--target-replicas, --target-num-cpus, --target-num-gpus, --tensor-parallel-size"
+_DRAFT_FLAGS = "--draft-pool-size, --draft-workers, --draft-worker-resources"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """`count` actors of one kind, each reserving `each` (Ray resource name -> amount)."""
+
+    kind: str
+    count: int
+    each: dict[str, float] = field(default_factory=dict)
+    flags: str = ""
+
+    def total(self, resource: str) -> float:
+        return self.count * self.each.get(resource, 0.0)
+
+
+def target_actor_options(config: AppConfig) -> dict:
+    """A target replica's ray_actor_options: its CPUs and GPUs once per tensor-parallel rank."""
+    ranks = config.engine.tensor_parallel_size
+    return {"num_cpus": config.target_num_cpus * ranks, "num_gpus": config.target_num_gpus * ranks}
+
+
+def draft_actor_options(config: AppConfig) -> dict:
+    """A draft pool replica's ray_actor_options (engine.draft_worker_resources; one CPU by default)."""
+    return dict(config.engine.draft_worker_resources or {"num_cpus": 1})
+
+
+def reservations(config: AppConfig) -> list[Reservation]:
+    """Every actor the application reserves resources for (the ingress reserves none)."""
+    target = target_actor_options(config)
+    out = [
+        Reservation(
+            f"target replicas ({config.engine.tensor_parallel_size} tensor-parallel rank(s) each)",
+            config.target_replicas,
+            _ray_resources(target),
+            _TARGET_FLAGS,
+        )
+    ]
+    pool = config.to_settings().draft_pool_size
+    if pool:
+        out.append(Reservation("draft workers", pool, _ray_resources(draft_actor_options(config)), _DRAFT_FLAGS))
+    return out
+
+
+def _ray_resources(options: Mapping) -> dict[str, float]:
+    """Ray actor options -> the resources they reserve, by Ray's names."""
+    out = {"CPU": float(options.get("num_cpus", 1)), "GPU": float(options.get("num_gpus", 0) or 0)}
+    if options.get("memory"):
+        out["memory"] = float(options["memory"])
+    out.update({name: float(amount) for name, amount in (options.get("resources") or {}).items()})
+    return {name: amount for name, amount in out.items() if amount}
+
+
+def cpus_needed(reserved: list[Reservation]) -> float:
+    return sum(r.total("CPU") for r in reserved)
+
+
+def check_fits(reserved: list[Reservation], free: Mapping[str, float], nodes: list[Mapping[str, float]]) -> None:
+    """ValueError naming the numbers and the flags when the reservations cannot be placed:
+    free: the cluster's free resources (Ray's names); nodes: each alive node's total resources.
+    Each resource's sum must fit what is free, and each actor must fit on one node (necessary,
+    not sufficient: Ray still packs them)."""
+    names = sorted({name for r in reserved for name in r.each})
+    for name in names:
+        needed = sum(r.total(name) for r in reserved)
+        if needed > free.get(name, 0.0) + 1e-9:
+            parts = " + ".join(f"{r.kind} {r.count} x {r.each.get(name, 0):g}" for r in reserved if r.total(name))
+            flags = "; ".join(r.flags for r in reserved if r.total(name))
+            raise ValueError(
+                f"the deployment reserves {needed:g} {name} ({parts}) but the Ray cluster has {free.get(name, 0.0):g} "
+                f"free: nothing would be placed beyond that and /health would answer 503. Reserve less ({flags}) "
+                "or add nodes"
+            )
+    for r in reserved:
+        if r.count and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in r.each.items()) for node in nodes):
+            wants = ", ".join(f"{v:g} {k}" for k, v in sorted(r.each.items()))
+            raise ValueError(
+                f"each one of the {r.kind} reserves {wants} on one node, and no node of the Ray cluster has that "
+                f"much: reserve less ({r.flags}) or add a larger node"
+            )
+
+
+def cluster_view() -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(free resources, each alive node's total resources) of the cluster ray.init attached to."""
+    import ray
+
+    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    return dict(ray.available_resources()), nodes

@@ -1,0 +1,55 @@
+"""What a deployment reserves, and the check `ssd serve` runs before deploying (no Ray needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.app import parse_config
+from serve_app.placement import check_fits, cpus_needed, reservations, target_actor_options
+
+
+def config(**kw):
+    return parse_config(kw)
+
+
+def test_a_tensor_parallel_replica_reserves_once_per_rank_on_one_actor():
+    app = config(engine={"tensor_parallel_size": 4, "device": "cuda"}, target_num_cpus=2, target_num_gpus=1)
+    assert target_actor_options(app) == {"num_cpus": 8, "num_gpus": 4}
+
+
+def test_reservations_add_up_targets_and_the_draft_pool():
+    app = config(engine={"mode": "ssd", "draft_workers": 2}, draft_pool_size=2, target_replicas=1)
+    reserved = reservations(app)
+    assert [(r.count, r.each) for r in reserved] == [(1, {"CPU": 1.0}), (2, {"CPU": 1.0})]
+    assert cpus_needed(reserved) == 3
+    custom = config(
+        engine={"mode": "ssd", "draft_worker_resources": {"num_cpus": 0.5, "resources": {"draft_node": 1}}},
+        extra_modes=[],
+    )
+    assert reservations(custom)[1].each == {"CPU": 0.5, "draft_node": 1.0}
+
+
+def test_a_pool_the_cluster_cannot_place_is_refused_naming_numbers_and_flags():
+    """The issue's case: `ssd serve --draft-workers 2 --draft-pool-size 2` on a 2-CPU cluster."""
+    reserved = reservations(config(engine={"mode": "ssd", "draft_workers": 2}, draft_pool_size=2, extra_modes=[]))
+    with pytest.raises(ValueError) as err:
+        check_fits(reserved, {"CPU": 2.0}, [{"CPU": 2.0}])
+    message = str(err.value)
+    assert "reserves 3 CPU (target replicas (1 tensor-parallel rank(s) each) 1 x 1 + draft workers 2 x 1)" in message
+    assert "has 2 free" in message and "--draft-pool-size" in message and "--target-num-cpus" in message
+    check_fits(reserved, {"CPU": 3.0}, [{"CPU": 3.0}])  # fits
+
+
+def test_a_replica_larger_than_any_node_is_refused():
+    app = config(engine={"mode": "ar", "tensor_parallel_size": 4}, extra_modes=[], target_num_gpus=1)
+    reserved = reservations(app)
+    nodes = [{"CPU": 16.0, "GPU": 2.0}, {"CPU": 16.0, "GPU": 2.0}]
+    with pytest.raises(ValueError, match="reserves 4 CPU, 4 GPU on one node, and no node"):
+        check_fits(reserved, {"CPU": 32.0, "GPU": 4.0}, nodes)
+    check_fits(reserved, {"CPU": 32.0, "GPU": 4.0}, [{"CPU": 16.0, "GPU": 4.0}])
+
+
+def test_a_missing_custom_resource_is_refused():
+    app = config(engine={"mode": "ssd", "draft_worker_resources": {"resources": {"draft_node": 1}}}, extra_modes=[])
+    with pytest.raises(ValueError, match="reserves 1 draft_node .* has 0 free"):
+        check_fits(reservations(app), {"CPU": 8.0}, [{"CPU": 8.0}])
