@@ -158,15 +158,19 @@ class RayLeasedWorkers:
         link.kill() if failed else link.close()
         with self._lock:
             held = self.held.pop(id(link), None)
-        if held is not None:
-            worker_id, address = held
-            try:
-                if failed:
-                    self._call("report_failed", self.lessee, worker_id, address)
-                else:
-                    self._call("release", self.lessee, [worker_id])
-            except ray.exceptions.RayError as err:  # the lease expires by itself; the round goes on
-                logger.warning("could not tell the pool about draft worker %s: %s", worker_id, err)
+        if held is None:
+            return
+        worker_id, address = held
+        if failed:
+            # Not waited for: a failure is discarded on the engine's round, which must not wait on
+            # the registry (behind a partition it would wait as long as the partition). Best
+            # effort: a report that is lost leaves the lease to expire by itself.
+            self.registry.report_failed.remote(self.lessee, worker_id, address)
+            return
+        try:
+            self._call("release", self.lessee, [worker_id])
+        except ray.exceptions.RayError as err:  # the lease expires by itself
+            logger.warning("could not tell the pool about draft worker %s: %s", worker_id, err)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):

@@ -104,6 +104,7 @@ class GrpcChannel:
         self._lock = threading.Lock()
         self._closed: str | None = None  # why this end closed
         self._over: str | None = None  # why the stream ended (the peer closed or is gone, the RPC ended)
+        self._stalled = False  # the last send or receive timed out: the peer may be unreachable (a partition)
         self.finished = threading.Event()  # the RPC is over
         self.accepted = threading.Event()  # the worker's end: accept() took it
         self._cancel = self._release = lambda: None  # cancel the RPC; close the target's grpc.Channel
@@ -132,9 +133,11 @@ class GrpcChannel:
                 self._out.put(frame, timeout=max(0.0, min(_WAKE_S, deadline - time.monotonic())))
             except queue.Full:
                 if time.monotonic() >= deadline:
+                    self._stalled = True
                     raise ChannelTimeout(f"{self.name}: the peer took no message within {wait:g} s") from None
                 continue
             self.counts.on_send(kind, len(frame.ints) + len(frame.floats))
+            self._stalled = False
             return
         raise ChannelClosed(f"{self.name}: {self._closed or self._over}")
 
@@ -149,7 +152,9 @@ class GrpcChannel:
         try:
             item = self._in.get(timeout=_seconds(timeout))
         except queue.Empty:
+            self._stalled = True
             raise ChannelTimeout(f"{self.name}: the peer sent nothing within {_seconds(timeout):g} s") from None
+        self._stalled = False
         if isinstance(item, _End):
             self._in.put(item)  # every later recv() says so too
             raise ChannelClosed(f"{self.name}: {item}")
@@ -173,7 +178,9 @@ class GrpcChannel:
             self._closed = "closed by this end"
         self._in.put(_End(self._closed))  # wakes a recv() waiting in another thread
         self._stop_writer()  # (a full queue: the writer stops once it drained it, or is cancelled below)
-        if not self.finished.wait(CLOSE_GRACE_S):
+        # A stalled peer gets no grace: the caller (the target's round, after a deadline passed)
+        # must not wait on a stream that may be cut off.
+        if self._stalled or not self.finished.wait(CLOSE_GRACE_S):
             logger.info("%s: the stream did not end within %g s of close(): cancelling it", self.name, CLOSE_GRACE_S)
             self._cancel()
         self._release()

@@ -227,11 +227,21 @@ class TorchChannel:
         except RuntimeError as err:
             logger.debug("pair aborted (%s): %s", reason, err)
         on_end, self._on_end = self._on_end, None  # it may hold the store: let it go
-        if on_end is not None:
-            try:
-                on_end()
-            except RuntimeError as err:  # e.g. the worker's store is gone with the worker
-                logger.debug("on_end after %s: %s", reason, err)
+        if on_end is None:
+            return
+        if reason == "closed by this end":
+            _end_quietly(on_end, reason)
+        else:
+            # After a failure the peer's store may be unreachable (a partition): its call would
+            # block this end (the target's round) until the link came back, so it runs aside.
+            threading.Thread(target=_end_quietly, args=(on_end, reason), name="ssd-channel-end", daemon=True).start()
+
+
+def _end_quietly(on_end: Callable[[], None], reason: str) -> None:
+    try:
+        on_end()
+    except RuntimeError as err:  # e.g. the worker's store is gone with the worker
+        logger.debug("on_end after %s: %s", reason, err)
 
 
 def parse_torch_address(address: str) -> tuple[str, int]:
