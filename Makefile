@@ -42,7 +42,7 @@ serve: install
 	$(BIN)/ssd serve
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The linter and the formatter's check, as CI runs them before the tests; `make format` rewrites.
 lint: install

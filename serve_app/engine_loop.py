@@ -68,6 +68,7 @@ def build_engines(
     except BaseException:
         for built in engines.values():
             built.close()
+        pair.close()
         raise
     return engines
 

@@ -35,7 +35,13 @@ class LLM:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         pair = load_pair(config)
-        self.engine = LLMEngine(config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider)
+        try:
+            self.engine = LLMEngine(
+                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
+            )
+        except BaseException:
+            pair.close()
+            raise
 
     @property
     def tokenizer(self):

@@ -8,7 +8,8 @@ as users run it:
 2. sampled output follows the target's distribution (chi-square of the first two tokens, as in
    test_sampling_exactness.py) in sd and ssd at T=1 and with top-p;
 3. the device functions on CUDA agree with the host reference on inputs where float rounding
-   cannot flip a decision.
+   cannot flip a decision;
+4. with two GPUs, a tensor-parallel target over NCCL gives Hugging Face's greedy output.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_pair, mode):
         outs = llm.generate(PROMPTS, params)
     for out, want, p in zip(outs, expected, params):
         assert out.token_ids == want[: p.max_tokens]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_tensor_parallel_on_two_gpus_matches_hf_generate(tiny_pair, mode):
+    """The target over two ranks on cuda:0 and cuda:1, its collectives over NCCL (never run so far:
+    the project's GPU machine has one GPU)."""
+    expected = hf_greedy_on(tiny_pair[0], PROMPTS, "cuda")
+    with LLM(*tiny_pair, mode=mode, k=4, device="cuda", tensor_parallel_size=2, max_num_seqs=2) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == expected
 
 
 @pytest.fixture(scope="module")

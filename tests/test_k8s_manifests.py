@@ -163,6 +163,7 @@ def serve_checks(rs: dict):
     from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
 
     import serve_app.app
+    import serve_app.placement
 
     if not isinstance(rs["spec"].get("serveConfigV2"), str):
         raise ManifestError("serveConfigV2 must be a YAML string")
@@ -197,9 +198,12 @@ def serve_checks(rs: dict):
             raise ManifestError(f"unknown actor option(s) {extra}")
         _attempt(f"{name}.ray_actor_options", RayActorOptionsSchema.model_validate, options)
         placement[name] = (dep.num_replicas, options)
-    target = placement["Target"][1]
-    if (target.get("num_cpus", 1), target.get("num_gpus", 0)) != (config.target_num_cpus, config.target_num_gpus):
-        raise ManifestError("the Target override's num_cpus/num_gpus disagree with target_num_cpus/target_num_gpus")
+    target, reserved = placement["Target"][1], serve_app.placement.target_actor_options(config)
+    if (target.get("num_cpus", 1), target.get("num_gpus", 0)) != (reserved["num_cpus"], reserved["num_gpus"]):
+        raise ManifestError(
+            "the Target override's num_cpus/num_gpus disagree with target_num_cpus/target_num_gpus x "
+            f"engine.tensor_parallel_size ({reserved})"
+        )
     return cfg, config, placement
 
 
@@ -331,7 +335,8 @@ def test_overlays_are_what_they_claim():
     )
     args = yaml.safe_load(gpu["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert "70B" in args["engine"]["target"] and args["engine"]["device"] == args["engine"]["draft_device"] == "cuda"
-    assert args["engine"]["draft_worker_resources"]["num_gpus"] == 1 and args["target_num_gpus"] == 4
+    assert args["engine"]["draft_worker_resources"]["num_gpus"] == 1 and args["target_num_gpus"] == 1
+    assert args["engine"]["tensor_parallel_size"] == 4
     for group, gpus in zip(gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"], ["4", "1"]):
         c = group["template"]["spec"]["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -471,3 +476,34 @@ def test_overlay_patch_refuses_a_reordered_base(tmp_path):
     base.write_text(yaml.safe_dump(rs))
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
         render(tmp_path / "k8s" / "overlays" / "gpu-70b")
+
+
+# Llama-3.1-70B-Instruct's config.json, the shapes that size it (written here: nothing is downloaded).
+LLAMA_31_70B = dict(
+    hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+)  # fmt: skip
+H100_BYTES = 80 * 10**9  # the layout's GPUs: H100 80GB (the README's and the paper's)
+
+
+def test_the_70b_layout_fits_its_gpus_per_rank():
+    """Each rank of the gpu-70b overlay's target holds its weights (bf16, cut as shards.py cuts
+    them) and its share of the KV cache the config asks for (max_num_seqs x max_model_len), with
+    a tenth of the GPU left for activations and the allocator."""
+    from types import SimpleNamespace
+
+    import serve_app.app
+    from ssd.model.shards import ShardPlan, planned_elements
+
+    args = yaml.safe_load(rayservice(rendered("overlays/gpu-70b"))["spec"]["serveConfigV2"])["applications"][0]["args"]
+    config = serve_app.app.parse_config(args)  # it validates
+    engine, shapes = config.engine, SimpleNamespace(**LLAMA_31_70B)
+    assert engine.dtype == "bfloat16" and config.target_num_gpus == 1
+    ranks = engine.tensor_parallel_size
+    weights = [2 * planned_elements(shapes, ShardPlan.of(shapes, r, ranks)) for r in range(ranks)]
+    assert abs(sum(weights) / 2 - 70.55e9) < 0.01e9  # the model's parameter count (LM head not padded: 128256 / 4)
+    kv_per_token = shapes.num_hidden_layers * 2 * (shapes.num_key_value_heads // ranks) * shapes.head_dim * 2
+    cache = engine.max_num_seqs * engine.max_model_len * kv_per_token
+    for w in weights:
+        assert w + cache <= 0.9 * H100_BYTES, (w / 1e9, cache / 1e9)
+    assert 2 * sum(weights) / ranks > H100_BYTES / 2 and sum(weights) > H100_BYTES  # it needs the split

@@ -40,6 +40,7 @@ def _base_spec(plan: BenchPlan) -> dict:
         "ssd_budgets": plan.ssd_budgets,
         "draft_workers": plan.draft_workers,
         "draft_transports": plan.draft_transports,
+        "tensor_parallel_sizes": plan.tensor_parallel_sizes,
         "repeats": plan.repeats,
         "contention_budget": (plan.ssd_budgets or [16])[0],
         "contention_reps": 10,
@@ -59,7 +60,14 @@ def run(args: argparse.Namespace) -> dict:
     settings = {name: SETTINGS[name].threads() for name in plan.settings}
     labels = [
         v.label
-        for v in variants(plan.modes, plan.saguaro_c, plan.ssd_budgets, plan.draft_workers, plan.draft_transports)
+        for v in variants(
+            plan.modes,
+            plan.saguaro_c,
+            plan.ssd_budgets,
+            plan.draft_workers,
+            plan.draft_transports,
+            plan.tensor_parallel_sizes,
+        )
     ]
     runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats
     total = 1 + (0 if plan.pair_stats_only else runs_per_setting * len(settings))

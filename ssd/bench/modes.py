@@ -70,6 +70,8 @@ class BenchContext:
     seed: int
     # SSD engine options of this variant (saguaro_c, ssd_budget); ignored by other modes.
     ssd_options: dict = field(default_factory=dict)
+    # Options of every mode of this engine in this variant (tensor_parallel_size).
+    engine_options: dict = field(default_factory=dict)
 
 
 class ModeRunner(Protocol):
@@ -87,6 +89,7 @@ class BenchMode:
     max_batch_size: int | None = None  # None = any batch size
     unsupported_reason: str = ""
     ssd: bool = False  # an SSD mode of this engine: --saguaro-c and --ssd-budget sweep it
+    engine: bool = False  # a mode of this engine: --tensor-parallel-size sweeps it
 
     def supports(self, batch_size: int) -> bool:
         return self.max_batch_size is None or batch_size <= self.max_batch_size
@@ -106,6 +109,10 @@ class EngineRunner:
     def __init__(self, ctx: BenchContext, mode: str, needs_draft: bool, **llm_kwargs) -> None:
         from ssd.llm import LLM
 
+        # SSD's draft process (auto runs one too) takes one core of the setting's budget for itself;
+        # tensor-parallel ranks share the rest.
+        threads = max(1, ctx.num_threads - 1) if mode in ("ssd", "auto") else ctx.num_threads
+        threads = max(1, threads // ctx.engine_options.get("tensor_parallel_size", 1))
         self.llm = LLM(
             target=ctx.target,
             draft=ctx.draft if needs_draft else None,
@@ -115,10 +122,9 @@ class EngineRunner:
             dtype=ctx.dtype,
             draft_dtype=ctx.draft_dtype,
             device=ctx.device,
-            # SSD's draft process (auto runs one too) takes one core of the setting's budget for itself.
-            num_threads=max(1, ctx.num_threads - 1) if mode in ("ssd", "auto") else ctx.num_threads,
+            num_threads=threads,
             seed=ctx.seed,
-            **{**llm_kwargs, **(ctx.ssd_options if mode in ("ssd", "auto") else {})},
+            **{**llm_kwargs, **ctx.engine_options, **(ctx.ssd_options if mode in ("ssd", "auto") else {})},
         )
 
     def generate(self, prompts: list[str], seeds: list[int], temperature: float, max_tokens: int) -> BatchCounters:
@@ -171,9 +177,10 @@ def engine_mode(mode: str, needs_draft: bool = True, **llm_kwargs) -> Callable[[
 class Variant:
     """One row group of the bench: a mode, with SSD options where the plan sweeps them."""
 
-    label: str  # the mode's name, then e.g. " C=0.5 B=32" for a swept SSD mode
+    label: str  # the mode's name, then e.g. " C=0.5 B=32" for a swept SSD mode, " tp=2" for a swept engine mode
     mode: str
     ssd_options: dict
+    engine_options: dict = field(default_factory=dict)
 
     @property
     def record(self) -> dict:
@@ -186,6 +193,7 @@ class Variant:
         for key in ("draft_workers", "draft_transport"):
             if key in self.ssd_options:
                 out[key] = self.ssd_options[key]
+        out.update(self.engine_options)
         return out
 
 
@@ -195,8 +203,21 @@ def variants(
     budgets: list[int] | None,
     workers: list[int] | None = None,
     transports: list[str] | None = None,
+    tp_sizes: list[int] | None = None,
 ) -> list[Variant]:
-    """Every mode once, and every SSD mode once per (C, B, D, transport) combination of the sweep."""
+    """Every mode once, every SSD mode once per (C, B, D, transport) combination of the sweep, and
+    each mode of this engine once per tensor-parallel size when those are swept."""
+    out = _ssd_variants(modes, saguaro_c, budgets, workers, transports)
+    if not tp_sizes:
+        return out
+    return [
+        Variant(f"{v.label} tp={t}", v.mode, v.ssd_options, {"tensor_parallel_size": t}) if MODES[v.mode].engine else v
+        for v in out
+        for t in (tp_sizes if MODES[v.mode].engine else [None])
+    ]
+
+
+def _ssd_variants(modes, saguaro_c, budgets, workers, transports) -> list[Variant]:
     out = []
     for name in modes:
         if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports)):
@@ -317,17 +338,30 @@ class HFAssistedRunner:
 
 register_mode(
     BenchMode(
-        "ar", "target only, one token per round (this engine)", engine_mode("ar", needs_draft=False), needs_draft=False
+        "ar",
+        "target only, one token per round (this engine)",
+        engine_mode("ar", needs_draft=False),
+        needs_draft=False,
+        engine=True,
     )
 )
-register_mode(BenchMode("sd", "ordinary speculative decoding (this engine)", engine_mode("sd")))
+register_mode(BenchMode("sd", "ordinary speculative decoding (this engine)", engine_mode("sd"), engine=True))
 register_mode(
     BenchMode(
-        "ssd", "speculative speculative decoding, Saguaro geometric fan-out (this engine)", engine_mode("ssd"), ssd=True
+        "ssd",
+        "speculative speculative decoding, Saguaro geometric fan-out (this engine)",
+        engine_mode("ssd"),
+        ssd=True,
+        engine=True,
     )
 )
 register_mode(
-    BenchMode("auto", "each round in the fastest of ssd, sd and ar, as measured (this engine)", engine_mode("auto"))
+    BenchMode(
+        "auto",
+        "each round in the fastest of ssd, sd and ar, as measured (this engine)",
+        engine_mode("auto"),
+        engine=True,
+    )
 )
 register_mode(
     BenchMode(
@@ -335,11 +369,16 @@ register_mode(
         "SSD with the marginal fan-out (integer optimum under the fitted miss law, this engine)",
         engine_mode("ssd", ssd_fanout="marginal"),
         ssd=True,
+        engine=True,
     )
 )
 register_mode(
     BenchMode(
-        "ssd-uniform", "SSD with uniform fan-out (this engine)", engine_mode("ssd", ssd_fanout="uniform"), ssd=True
+        "ssd-uniform",
+        "SSD with uniform fan-out (this engine)",
+        engine_mode("ssd", ssd_fanout="uniform"),
+        ssd=True,
+        engine=True,
     )
 )
 for _name, _constant, _what in (

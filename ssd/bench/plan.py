@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "labelled tr=...), to compare what each costs per round. Default: the engine's default (shm).",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        default=None,
+        help="Comma-separated tensor_parallel_size values: every mode of this engine runs once per value with the "
+        "target split over that many ranks (rows labelled tp=...; the ranks share the setting's threads). Default: 1.",
+    )
+    parser.add_argument(
         "--contention",
         action="store_true",
         help="Only run the contention A/B: the target's verification time with its drafter process idle, building a "
@@ -172,6 +178,7 @@ class BenchPlan:
     ssd_budgets: list[int] | None = None
     draft_workers: list[int] | None = None
     draft_transports: list[str] | None = None
+    tensor_parallel_sizes: list[int] | None = None
     repeats: int = 1
 
 
@@ -230,6 +237,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         ssd_budgets=budgets,
         draft_workers=workers,
         draft_transports=transports,
+        tensor_parallel_sizes=_tp_sizes(get("tensor_parallel_size")),
         repeats=repeats,
         contention=bool(get("contention", False)),
         contention_cycles=cycles,
@@ -304,3 +312,16 @@ def _ssd_values(saguaro_c: str | None, budgets: str | None) -> tuple[list[float]
         if any(b < 1 for b in bs):
             raise ValueError(f"--ssd-budget values must be >= 1, got {bs}")
     return cs, bs
+
+
+def _tp_sizes(sizes: str | None) -> list[int] | None:
+    """--tensor-parallel-size as a list (None when not given), validated."""
+    if sizes is None:
+        return None
+    try:
+        values = [int(t) for t in _split(sizes, "tensor-parallel-size")]
+    except ValueError as err:
+        raise ValueError(f"--tensor-parallel-size takes comma-separated integers in [1, 64]: {err}") from None
+    if any(not 1 <= t <= 64 for t in values):
+        raise ValueError(f"--tensor-parallel-size values must be in [1, 64], got {values}")
+    return values

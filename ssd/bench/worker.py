@@ -63,12 +63,15 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
         spec.get("ssd_budgets"),
         spec.get("draft_workers"),
         spec.get("draft_transports"),
+        spec.get("tensor_parallel_sizes"),
     )
     try:
         for v in todo:
             if any(MODES[v.mode].supports(b) for b in spec["batch_sizes"]):
                 logger.info("[%s] building %s", spec["setting"], v.label)
-                runners[v.label] = MODES[v.mode].build(replace(ctx, ssd_options=v.ssd_options))
+                runners[v.label] = MODES[v.mode].build(
+                    replace(ctx, ssd_options=v.ssd_options, engine_options=v.engine_options)
+                )
                 # Warm-up: one generation, not timed (first-call allocations, lazy inits).
                 runners[v.label].generate(prompts[:1], [seed], spec["temperatures"][0], max_tokens)
         for repeat in range(spec.get("repeats", 1)):

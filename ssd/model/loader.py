@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ssd.core.config import EngineConfig
+from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -17,10 +18,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass
 class LoadedPair:
-    target: object  # PreTrainedModel
+    target: object  # PreTrainedModel, or a TensorParallelRunner (rank 0 of a split target)
     draft: object | None
     tokenizer: object  # PreTrainedTokenizerBase (the target's)
     max_model_len: int
+
+    def close(self) -> None:
+        """Stop what loading started (a split target's ranks); for a caller whose engine did not
+        come up: an engine closes its target itself."""
+        if isinstance(self.target, TensorParallelRunner):
+            self.target.close()
 
 
 def _source_kwargs(name: str) -> dict:
@@ -74,7 +81,8 @@ def load_tensor_parallel(config: EngineConfig):
     hf_config = AutoConfig.from_pretrained(
         config.target, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
-    dtype = str(hf_config.dtype).removeprefix("torch.") if config.dtype == "auto" else config.dtype
+    stored = getattr(hf_config, "dtype", None)  # the checkpoint's, for dtype "auto" (float32 when it names none)
+    dtype = (str(stored).removeprefix("torch.") if stored else "float32") if config.dtype == "auto" else config.dtype
     runner = start_target(
         config.target, hf_config, config.tensor_parallel_size, dtype, config.device, config.pack_target_weights,
         config.num_threads,

@@ -172,3 +172,23 @@ def shard_bytes(shard) -> int:
     visit(shard.model)
     visit(shard.lm_head)
     return sum(t.nbytes for t in seen.values())
+
+
+def planned_elements(config, plan: ShardPlan) -> int:
+    """Parameters rank plan.rank will hold, from the config's shapes alone (nothing loaded): what
+    a layout is checked against before any weight is read. Counts the LM head padded, as loaded,
+    and no bias (Llama has none; a qwen2 rank's few thousand are noise next to its matrices)."""
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    heads = (plan.heads[1] - plan.heads[0]) * head_dim
+    kv = (plan.kv_heads[1] - plan.kv_heads[0]) * head_dim
+    mlp = plan.intermediate[1] - plan.intermediate[0]
+    layer = hidden * (2 * heads + 2 * kv) + 3 * hidden * mlp + 2 * hidden
+    embed = (plan.vocabulary[1] - plan.vocabulary[0]) * hidden
+    tied = getattr(config, "tie_word_embeddings", False)
+    head = (
+        plan.vocabulary_share * hidden
+        if not tied or plan.vocabulary_share > plan.vocabulary[1] - plan.vocabulary[0]
+        else 0
+    )
+    return config.num_hidden_layers * layer + embed + head + hidden

@@ -67,6 +67,8 @@ def _runner(spec: dict, rank: int, store: dist.Store, config, ranks: RankProcess
     processes, waited for before joining (a rank that died is reported instead of waited for)."""
     world = spec["world"]
     device = rank_device(spec["device"], rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives run on the current device
     plan = ShardPlan.of(config, rank, world)
     dtype = getattr(torch, spec["dtype"])
     shard = load_shard(spec["directory"], config, plan, dtype, device)
