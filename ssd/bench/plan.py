@@ -280,12 +280,7 @@ def _pool_values(workers: str | None, transports: str | None) -> tuple[list[int]
     """--draft-workers and --draft-transports as lists (None when not given), validated."""
     counts = names = None
     if workers is not None:
-        try:
-            counts = [int(d) for d in _split(workers, "draft-workers")]
-        except ValueError as err:
-            raise ValueError(f"--draft-workers takes comma-separated integers >= 1: {err}") from None
-        if any(not 1 <= d <= 64 for d in counts):
-            raise ValueError(f"--draft-workers values must be in [1, 64], got {counts}")
+        counts = _integers(workers, "draft-workers", 1, 64)
     if transports is not None:
         names = _split(transports, "draft-transports")
         unknown = [t for t in names if t not in ("shm", "gloo", "torch", "grpc")]
@@ -316,12 +311,15 @@ def _ssd_values(saguaro_c: str | None, budgets: str | None) -> tuple[list[float]
 
 def _tp_sizes(sizes: str | None) -> list[int] | None:
     """--tensor-parallel-size as a list (None when not given), validated."""
-    if sizes is None:
-        return None
+    return None if sizes is None else _integers(sizes, "tensor-parallel-size", 1, 64)
+
+
+def _integers(text: str, flag: str, low: int, high: int) -> list[int]:
+    """A flag's comma-separated integers, each in [low, high]; ValueError naming the flag."""
     try:
-        values = [int(t) for t in _split(sizes, "tensor-parallel-size")]
+        values = [int(v) for v in _split(text, flag)]
     except ValueError as err:
-        raise ValueError(f"--tensor-parallel-size takes comma-separated integers in [1, 64]: {err}") from None
-    if any(not 1 <= t <= 64 for t in values):
-        raise ValueError(f"--tensor-parallel-size values must be in [1, 64], got {values}")
+        raise ValueError(f"--{flag} takes comma-separated integers in [{low}, {high}]: {err}") from None
+    if any(not low <= v <= high for v in values):
+        raise ValueError(f"--{flag} values must be in [{low}, {high}], got {values}")
     return values

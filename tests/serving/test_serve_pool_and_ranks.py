@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import threading
 
 import pytest
 
@@ -23,7 +21,7 @@ requests = pytest.importorskip("requests")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from serving.test_serve_reliability import pool_workers, replicas, wait_for  # noqa: E402
+from serving.test_serve_reliability import pool_workers, post, replicas, stream_all, wait_for  # noqa: E402
 
 PROMPTS = [f"def g{i}(y):\n    return" for i in range(6)]
 MAX_TOKENS = 40
@@ -43,49 +41,17 @@ def deploy(served, tiny_pair, name: str, engine: dict, **app) -> None:
     serve.run(build_app(config), name=name, route_prefix=f"/{name}")
 
 
-def complete(served, name: str, prompt: str, mode: str | None = None, stream: bool = False, on_first=None):
+def complete(served, name: str, prompt: str, mode: str | None = None):
     body = {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     if mode is not None:
         body["speculation"] = {"mode": mode}
-    headers = {"Authorization": f"Bearer {served.api_key}"}
-    url = f"{served.http}/{name}/v1/completions"
-    if not stream:
-        return requests.post(url, json={**body}, headers=headers, timeout=120)
-    text = ""
-    with requests.post(url, json={**body, "stream": True}, headers=headers, timeout=120, stream=True) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text += event["choices"][0]["text"]
-                if on_first is not None:
-                    on_first()
-                    on_first = None
-    return text
+    return post(served, f"/{name}/v1/completions", body)
 
 
 def streams(served, name: str, on_all_started=None) -> list[str]:
     """The prompts as concurrent greedy streams -> their texts; on_all_started() once each has a chunk."""
-    out: list = [None] * len(PROMPTS)
-    started = threading.Barrier(len(PROMPTS) + 1)
-
-    def one(i: int) -> None:
-        try:
-            out[i] = complete(served, name, PROMPTS[i], stream=True, on_first=lambda: started.wait(60))
-        finally:
-            if out[i] is None:
-                started.abort()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    started.wait(60)
-    if on_all_started is not None:
-        on_all_started()
-    for t in threads:
-        t.join(180)
-    return out
+    out = stream_all(served, on_all_started, app=name, model=name, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    return [text for text, _ in out]
 
 
 @pytest.mark.parametrize("transport", ["torch", "grpc"])

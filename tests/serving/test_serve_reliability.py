@@ -128,24 +128,26 @@ def post(served, path: str, body: dict, **kw):
     )
 
 
-def stream_all(served, on_started=None) -> list[tuple[str, str | None]]:
-    """The 16 prompts as concurrent greedy streams on "rel" -> (text, finish_reason) of each;
+def stream_all(
+    served, on_started=None, app: str = "rel", model: str = "tiny-rel", prompts=PROMPTS, max_tokens: int = MAX_TOKENS
+) -> list[tuple[str, str | None]]:
+    """The prompts as concurrent greedy streams on `app` -> (text, finish_reason) of each;
     on_started() runs once every stream has its first chunk."""
-    out: list = [None] * len(PROMPTS)
-    barrier = threading.Barrier(len(PROMPTS) + 1)
+    out: list = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts) + 1)
 
     def one(i: int) -> None:
         body = {
-            "model": "tiny-rel",
-            "prompt": PROMPTS[i],
-            "max_tokens": MAX_TOKENS,
+            "model": model,
+            "prompt": prompts[i],
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
         }
         text, finish, first = "", None, True
         try:
-            with post(served, "/rel/v1/completions", body, stream=True) as r:
+            with post(served, f"/{app}/v1/completions", body, stream=True) as r:
                 assert r.status_code == 200, r.text
                 for line in r.iter_lines():
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -162,7 +164,7 @@ def stream_all(served, on_started=None) -> list[tuple[str, str | None]]:
                 barrier.abort()
         out[i] = (text, finish)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     barrier.wait(60)
