@@ -136,6 +136,12 @@ class EngineLoop:
         return len(self._callers)
 
     def healthy(self) -> bool:
+        if self.failure is None:
+            # A split target that lost a rank while idle fails its next round: say so now, so
+            # Serve replaces the replica before a request meets it.
+            broken = next(filter(None, (engine.broken() for engine in self.engines.values())), None)
+            if broken is not None:
+                self.failure = broken
         return self.failure is None and self._thread.is_alive()
 
     def engine_for(self, mode: str | None) -> str:

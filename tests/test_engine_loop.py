@@ -128,3 +128,21 @@ def test_requests_the_engine_refuses_name_the_param(loop):
     assert too_long.status == 400 and too_long.param == "max_tokens" and too_long.code == "context_length_exceeded"
     assert asyncio.run(run(req(1, [10**7]))).param == "prompt"
     assert asyncio.run(run(req(2, PROMPTS[0], mode="ssd"))).param == "speculation.mode"  # not served here
+
+
+def test_a_split_target_that_lost_a_rank_while_idle_is_unhealthy(tiny_pair):
+    """Serve's health check (TargetDeployment.check_health) sees a dead rank before any request
+    meets it, so the replica is replaced first."""
+    import os
+    import signal
+
+    engines = build_engines(EngineArgs(target=tiny_pair[0], mode="ar", tensor_parallel_size=2), ("ar",))
+    loop = EngineLoop(engines, capacity=2)
+    try:
+        assert loop.healthy()
+        rank = engines["ar"].target.ranks.processes[1]
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait(10)
+        assert not loop.healthy() and "rank 1 exited" in loop.failure
+    finally:
+        loop.close()

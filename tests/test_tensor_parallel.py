@@ -140,8 +140,10 @@ def test_a_rank_that_dies_fails_the_engine_at_once_and_close_leaves_no_process(d
     params = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate("Once", params)
     ranks = llm.engine.target.ranks.processes
+    assert llm.engine.broken() is None
     os.kill(ranks[1].pid, signal.SIGKILL)
     ranks[1].wait(10)
+    assert "rank 1 exited with code -9" in llm.engine.broken()  # seen while idle, before any call fails
     started = time.monotonic()
     with pytest.raises(TensorParallelFailed, match="rank 1 exited with code -9"):
         llm.generate("Once more", params)

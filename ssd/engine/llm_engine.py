@@ -385,6 +385,10 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs,
         )
 
+    def broken(self) -> str | None:
+        """Why this engine cannot run another round (its split target lost a rank), or None."""
+        return self.target.broken()
+
     def close(self) -> None:
         for proposer in self.proposers.values():
             proposer.close()

@@ -57,6 +57,10 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release (a TensorParallelRunner, the other target runner, stops its ranks)."""
 
+    def broken(self) -> str | None:
+        """Why this runner cannot run a forward: never, in-process (see TensorParallelRunner)."""
+        return None
+
     def new_cache(self, rows: int = 1) -> StaticKVCache:
         """An empty cache with room for `rows` rows at its first forward (it grows past that)."""
         return StaticKVCache(rows)

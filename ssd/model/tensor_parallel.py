@@ -192,6 +192,14 @@ class TensorParallelRunner:
                 self.ranks.close(kill=True)
                 raise TensorParallelFailed(self.failure) from err
 
+    def broken(self) -> str | None:
+        """Why this target cannot run another forward (a call failed, or a rank exited while it
+        was idle), or None. Polls the rank processes without waiting: a serving health check
+        calls it from another thread."""
+        if self.failure is None and self.ranks.poll():
+            return f"tensor-parallel target: {self.ranks.describe()}"
+        return self.failure
+
     def new_cache(self, rows: int = 1) -> MirroredCache:
         cache_id = self._caches
         self._caches += 1

@@ -95,8 +95,11 @@ def test_a_tensor_parallel_target_serves_and_a_dead_rank_gets_it_replaced(served
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the replica itself
         os.kill(ranks[0], signal.SIGKILL)
         failed = complete(served, name, PROMPTS[1])
-        assert failed.status_code in (500, 503), failed.text
-        assert failed.json()["error"]["code"] == "engine_failed", failed.text
+        if failed.status_code == 200:  # the health check (every 5 s) caught the dead rank first
+            assert set(replicas(name, "Target")) != first, "served by the replica that lost its rank"
+        else:
+            assert failed.status_code in (500, 503), failed.text
+            assert failed.json()["error"]["code"] == "engine_failed", failed.text
         # Serve's health check finds the replica unhealthy and starts another, which serves.
         wait_for(lambda: set(replicas(name, "Target")) - first, 90, "a replacement target replica")
         served_again = wait_for(
