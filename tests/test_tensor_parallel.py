@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample
 from ssd import LLM, SamplingParams
 from ssd.model import tensor_parallel
 from ssd.model.demo_models import EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, heldout_prompts
-from ssd.model.shards import ShardPlan, load_shard, shard_bytes
+from ssd.model.shards import ShardPlan, load_shard
 from ssd.model.tensor_parallel import TensorParallelFailed
 
 MAX_TOKENS = 40
@@ -127,6 +128,25 @@ def test_head_counts_that_do_not_divide_name_the_sizes_that_do(demo_pair):
         ValueError, match=r"6 query and 6 key/value heads split evenly over tensor_parallel_size in \[1, 2, 3, 6\]"
     ):
         LLM(demo_pair[0], None, mode="ar", tensor_parallel_size=4)
+
+
+def shard_bytes(shard) -> int:
+    """Bytes of a shard's weights (the embedding counted once when the LM head shares it)."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def visit(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            seen[obj.data_ptr()] = obj
+        elif isinstance(obj, SimpleNamespace):
+            for value in vars(obj).values():
+                visit(value)
+        elif isinstance(obj, list):
+            for value in obj:
+                visit(value)
+
+    visit(shard.model)
+    visit(shard.lm_head)
+    return sum(t.nbytes for t in seen.values())
 
 
 def _children() -> set[int]:

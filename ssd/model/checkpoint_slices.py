@@ -65,9 +65,6 @@ class CheckpointSlices:
     def has(self, name: str) -> bool:
         return name in self._entries
 
-    def shape(self, name: str) -> list[int]:
-        return list(self._entries[name][3])
-
     def rows(self, name: str, span: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows [span) of tensor `name` (all of it when span is None), in its stored dtype."""
         path, offset, dtype, shape = self._entries[name]

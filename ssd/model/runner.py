@@ -42,17 +42,17 @@ class ModelRunner:
         self.attention_dtype = self.dtype  # of the attention masks, and of the cache
         # Hugging Face models take logits_to_keep (older or remote-code ones may not).
         self._keeps_logits = parallel is None and "logits_to_keep" in inspect.signature(model.forward).parameters
-        reason = unsupported_reason(model) if lean or parallel is not None else None
+        lean = lean or parallel is not None  # a shard has no other forward
+        reason = unsupported_reason(model) if lean else None
         if reason is not None and parallel is not None:
             raise ValueError(f"tensor parallelism runs the lean forward, which does not support this model: {reason}")
-        if lean or parallel is not None:
-            if reason is None:
-                if device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
-                    self.attention_dtype = torch.float32
-                upcast = self.attention_dtype if self.attention_dtype != self.dtype else None
-                self.lean = FastLlamaForward(model, fused=fused, attention_dtype=upcast, parallel=parallel)
-            else:
-                logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
+        if reason is not None:
+            logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
+        elif lean:
+            if device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+                self.attention_dtype = torch.float32
+            upcast = self.attention_dtype if self.attention_dtype != self.dtype else None
+            self.lean = FastLlamaForward(model, fused=fused, attention_dtype=upcast, parallel=parallel)
 
     def close(self) -> None:
         """Nothing to release (a TensorParallelRunner, the other target runner, stops its ranks)."""

@@ -155,25 +155,6 @@ def load_shard(directory: str | Path, config, plan: ShardPlan, dtype: torch.dtyp
     return SimpleNamespace(config=local, model=inner, lm_head=_linear(head))
 
 
-def shard_bytes(shard) -> int:
-    """Bytes of a shard's weights (the embedding counted once when the LM head shares it)."""
-    seen: dict[int, torch.Tensor] = {}
-
-    def visit(obj) -> None:
-        if isinstance(obj, torch.Tensor):
-            seen[obj.data_ptr()] = obj
-        elif isinstance(obj, SimpleNamespace):
-            for value in vars(obj).values():
-                visit(value)
-        elif isinstance(obj, list):
-            for value in obj:
-                visit(value)
-
-    visit(shard.model)
-    visit(shard.lm_head)
-    return sum(t.nbytes for t in seen.values())
-
-
 def planned_elements(config, plan: ShardPlan) -> int:
     """Parameters rank plan.rank will hold, from the config's shapes alone (nothing loaded): what
     a layout is checked against before any weight is read. Counts the LM head padded, as loaded,

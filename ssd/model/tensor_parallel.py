@@ -173,8 +173,10 @@ class TensorParallelRunner:
 
     def __init__(self, local, comm: ShardComm, ranks) -> None:
         self.local, self.comm, self.ranks = local, comm, ranks
-        self.device, self.vocab_size, self.dtype = local.device, local.vocab_size, local.dtype
-        self.world = comm.world
+        self.device, self.vocab_size = local.device, local.vocab_size
+        # The model's Hugging Face config and generation config, as a loaded model has them (the
+        # engine reads its EOS there); set by the loader.
+        self.config = self.generation_config = None
         self._lock = threading.Lock()
         self._caches = 0
         self.failure: str | None = None

@@ -62,9 +62,12 @@ def _groups(store: dist.Store, rank: int, world: int, device: torch.device):
     return control, dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world, nccl)
 
 
-def _runner(spec: dict, rank: int, store: dist.Store, config, ranks: RankProcesses | None = None) -> ModelRunner:
-    """Load this rank's shard, join the groups -> its ModelRunner. ranks: on rank 0, the others'
-    processes, waited for before joining (a rank that died is reported instead of waited for)."""
+def _runner(
+    spec: dict, rank: int, store: dist.Store, config, ranks: RankProcesses | None = None
+) -> tuple[ModelRunner, ShardComm]:
+    """Load this rank's shard, join the groups -> its ModelRunner and communicator. ranks: on rank
+    0, the others' processes, waited for before joining (a rank that died is reported instead of
+    waited for)."""
     world = spec["world"]
     device = rank_device(spec["device"], rank)
     if device.type == "cuda":
@@ -77,7 +80,8 @@ def _runner(spec: dict, rank: int, store: dist.Store, config, ranks: RankProcess
         _await_ranks(store, ranks, world)
     control, data = _groups(store, rank, world, device)
     fused = spec["pack"] and can_pack(shard.model.layers[0].self_attn.q_proj.weight)
-    return ModelRunner(shard, device, lean=True, fused=fused, parallel=ShardComm(plan, control, data))
+    comm = ShardComm(plan, control, data)
+    return ModelRunner(shard, device, lean=True, fused=fused, parallel=comm), comm
 
 
 def _await_ranks(store: dist.Store, ranks: RankProcesses, world: int) -> None:
@@ -165,14 +169,14 @@ def start_target(
     try:
         store = dist.FileStore(spec["store"], world)
         store.set_timeout(JOIN_TIMEOUT)
-        runner = _runner(spec, 0, store, config, ranks)
+        runner, comm = _runner(spec, 0, store, config, ranks)
     except BaseException:
         ranks.close(kill=True)
         raise
     logger.info(
         "tensor-parallel target over %d ranks (%s)", world, ", ".join(f"pid {p.pid}" for p in ranks.processes.values())
     )
-    return TensorParallelRunner(runner, runner.lean.parallel, ranks)
+    return TensorParallelRunner(runner, comm, ranks)
 
 
 def _watch_lifeline() -> None:
@@ -191,9 +195,9 @@ def _rank_main() -> None:
     store = dist.FileStore(spec["store"], spec["world"])
     store.set_timeout(JOIN_TIMEOUT)
     config = AutoConfig.from_pretrained(spec["directory"], local_files_only=True)
-    runner = _runner(spec, spec["rank"], store, config)
+    runner, comm = _runner(spec, spec["rank"], store, config)
     with torch.inference_mode():
-        serve_steps(runner, runner.lean.parallel)
+        serve_steps(runner, comm)
 
 
 if __name__ == "__main__":
