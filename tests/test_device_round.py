@@ -145,24 +145,21 @@ def test_forwards_over_the_static_cache_trace_without_a_graph_break(demo_pair, r
 # ---- the engine's device round ---------------------------------------------------------------------
 
 
-def _generate(target, draft, device_round: bool, params, prompts, **engine) -> list[list[int]]:
-    # ssd_reproducible: SSD's draws then never depend on timing (trees built whole), so two runs
-    # with the same seeds can be compared token for token.
-    llm = LLM(target, draft, max_num_seqs=4, ssd_reproducible=True, **engine)
-    llm.engine.device_round = device_round
-    try:
-        return [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        llm.close()
-
-
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_the_device_round_gives_the_host_rounds_tokens(tiny_pair, mode):
     prompts = ["def add(a, b):\n    return", "x", "import os\n"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    got = _generate(*tiny_pair, True, greedy, prompts, mode=mode, k=4)
-    assert got == hf_greedy(tiny_pair[0], prompts, 24)
-    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=s) for s in range(3)]
-    for params in sampled:
-        host = _generate(*tiny_pair, False, params, prompts, mode=mode, k=4)
-        assert _generate(*tiny_pair, True, params, prompts, mode=mode, k=4) == host
+    # ssd_reproducible: SSD's draws then never depend on timing (trees built whole), so two runs
+    # with the same seeds can be compared token for token; one engine serves both kinds of round
+    # (its drafter's seeds come from each request's).
+    with LLM(*tiny_pair, max_num_seqs=4, ssd_reproducible=True, mode=mode, k=4) as llm:
+
+        def generate(device_round: bool, params) -> list[list[int]]:
+            llm.engine.device_round = device_round
+            return [o.token_ids for o in llm.generate(prompts, params)]
+
+        assert generate(True, SamplingParams(temperature=0.0, max_tokens=24)) == hf_greedy(tiny_pair[0], prompts, 24)
+        for seed in range(3):
+            params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=seed)
+            host = generate(False, params)
+            assert generate(True, params) == host
+            assert host != generate(False, params.model_copy(update={"seed": seed + 10}))  # seeds matter here

@@ -1,8 +1,9 @@
 """Served layouts beyond one draft worker and one device, on the real Ray Serve:
 
-1. a pool of two draft workers sharing each round's tree (engine.draft_workers = 2), over torch
-   and over grpc: concurrent greedy streams equal the target alone (the same app's mode "off"),
-   also when one of the two leased workers is killed mid-stream;
+1. a pool of two draft workers sharing each round's tree (engine.draft_workers = 2), over grpc:
+   concurrent greedy streams equal the target alone (the same app's mode "off"), also when one
+   of the two leased workers is killed mid-stream (over torch, a killed worker is
+   test_serve_reliability's, and a served pool on another host test_two_hosts');
 2. a target split over two tensor-parallel ranks: it answers as the target alone does; a rank
    killed gets the client the engine-failed status, and Serve replaces the replica, which then
    serves.
@@ -54,7 +55,7 @@ def streams(served, name: str, on_all_started=None) -> list[str]:
     return [text for text, _ in out]
 
 
-@pytest.mark.parametrize("transport", ["torch", "grpc"])
+@pytest.mark.parametrize("transport", ["grpc"])
 def test_two_worker_pool_streams_equal_the_target_alone_with_a_worker_killed(served, tiny_pair, transport):
     name = f"pool-{transport}"
     deploy(
