@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from ssd.core.logits_processing import Processing
 from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
@@ -40,9 +41,11 @@ def every_message() -> list[tuple[MsgType, object]]:
     round with committed lengths, each probability layout of a reply)."""
     gen = torch.Generator().manual_seed(0)
     grammar = '%llguidance {}\nstart: "é" /[0-9]+/'  # non-ASCII, and not a multiple of 8 bytes
+    # Every processing field set (values exact in float32), and only a bad word.
+    processing = Processing(1.25, 0.5, -1.5, 0.125, 7, {3: 2.5, 250: -100.0}, (1, 4, 9), (0, 2), ((5, 6, 7), (8,)))
     sampling = [
-        SequenceSampling(0.0, 0, 1.0),
-        SequenceSampling(0.5, 5, 0.75, grammar, 3, 256),
+        SequenceSampling(0.0, 0, 1.0, processing=Processing(bad_words=((4,),))),
+        SequenceSampling(0.5, 5, 0.75, grammar, 3, 256, processing),
         SequenceSampling(1.25, 50, 0.5, "12345678", 40, -1),
     ]
     spec = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]])

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import torch
-from refimpl import chi_square_bins, reference_probs
+from refimpl import adjusted_logits, chi_square_bins, min_p_filter, reference_probs
 from scipy.stats import chi2
 from tiny_models import noisy_copy, peaked_model, save_models
 
@@ -36,8 +36,12 @@ def save_peaked_pair(root) -> tuple[str, str]:
 
 
 @torch.no_grad()
-def exact_next(model, contexts: list[tuple[int, ...]], params: SamplingParams) -> dict[tuple[int, ...], np.ndarray]:
-    """Exact next-token distribution of the target after every context (HF forward, by length)."""
+def exact_next(
+    model, contexts: list[tuple[int, ...]], params: SamplingParams, prompt_len: int
+) -> dict[tuple[int, ...], np.ndarray]:
+    """Exact next-token distribution of the target after every context (HF forward, by length),
+    with the request's penalties, bias and min_p (refimpl.adjusted_logits: the output is the
+    context past prompt_len; samples ignore EOS)."""
     out = {}
     by_len = defaultdict(list)
     for c in contexts:
@@ -45,7 +49,11 @@ def exact_next(model, contexts: list[tuple[int, ...]], params: SamplingParams) -
     for group in by_len.values():
         logits = model(input_ids=torch.tensor(group)).logits[:, -1].double().numpy()
         for c, row in zip(group, logits):
+            row = adjusted_logits(row, params, list(c[:prompt_len]), list(c[prompt_len:]), None)
             out[c] = reference_probs(row, params.temperature, params.top_k, params.top_p)
+            if params.min_p:  # after temperature, before top-k and top-p (here: off)
+                assert params.top_k == 0 and params.top_p == 1, "min_p with top-k or top-p is not stated here"
+                out[c] = min_p_filter(out[c], params.min_p)
     return out
 
 
@@ -96,7 +104,7 @@ def check_conditionals(target, prompt_ids, samples, params: SamplingParams, min_
                 groups[f"{source}_later"][context][tok] += 1
             context = context + (tok,)
     contexts = {c for g in groups.values() for c, counts in g.items() if sum(counts.values()) >= min_count}
-    exact = exact_next(target, sorted(contexts), params)
+    exact = exact_next(target, sorted(contexts), params, len(prompt_ids))
     vocab = target.config.vocab_size
     result = {}
     for name, g in groups.items():

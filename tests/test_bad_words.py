@@ -2,7 +2,7 @@
 that position's own history (the output so far plus the earlier drafts of the speculation).
 
 1. greedy output equals Hugging Face `generate` with its NoBadWordsLogitsProcessor, in ar, sd and
-   ssd;
+   ssd (a 2-worker pool, whose drafters mask the words too: ssd/drafting/draft_processing.py);
 2. sampled output follows the masked distribution (chi-square of the first two tokens, a
    two-token word making the second token's mask depend on the first), and the check fails on a
    version whose masks ignore the speculation's earlier drafts;
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from refimpl import chi_square_p
+from test_penalties import ENGINES, SAMPLED
 from test_sampling_exactness import P_MIN, PROMPT, model_dirs, sample_first_two  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, NoBadWordsLogitsProcessor
 
@@ -24,11 +25,6 @@ import ssd.core.token_masks
 from ssd import LLM, SamplingParams
 from ssd.core.bad_words import word_tokens
 
-ENGINES = {
-    "ar": dict(mode="ar"),
-    "sd": dict(mode="sd", k=4),
-    "ssd": dict(mode="ssd", k=4, draft_transport="inprocess", ssd_autobudget=False),
-}
 GREEDY_PROMPT = "def add(a, b):\n    return"
 WORDS = ["self", "(", " de"]
 
@@ -102,7 +98,7 @@ def run_and_check(model_dirs, mode: str) -> None:  # noqa: F811
     prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
     words = chosen_words(target, prompt)
     params = SamplingParams(temperature=1.0, bad_words=words)
-    with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, **dict(ENGINES[mode], k=3)) as llm:
+    with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, **dict(SAMPLED[mode], k=3)) as llm:
         prompt, outs = sample_first_two(llm, params, seed_base=700_000, n=3000)
     ids = word_tokens(tokenizer, words)
     first = np.array([o.token_ids[0] for o in outs])

@@ -4,7 +4,8 @@ Each draft position is verified against the target's distribution processed with
 position's own history (the committed output plus the earlier drafts of the same speculation).
 Checked against an independent reference (tests/refimpl.py, token by token in float64):
 1. greedy output equals Hugging Face `generate` with the same processing as a logits processor,
-   in ar, sd and ssd, rows with different settings batched together;
+   in ar, sd and ssd (a 2-worker pool, whose drafters process too), rows with different
+   settings batched together;
 2. sampled output follows the processed distribution (chi-square of the first two tokens, where
    the second token's penalties depend on the first);
 3. the device versions of the processing equal the host versions;
@@ -23,7 +24,7 @@ from test_sampling_exactness import P_MIN, model_dirs, sample_first_two, single_
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from ssd import LLM, SamplingParams
-from ssd.core.logits_processing import build
+from ssd.core.logits_processing import Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits, process_logits_on_device
 
 PROMPTS = ["def add(a, b):\n    return", "x", "import os\nimport sys\n"]
@@ -36,8 +37,12 @@ SETTINGS = [
 ENGINES = {
     "ar": dict(mode="ar"),
     "sd": dict(mode="sd", k=4),
-    "ssd": dict(mode="ssd", k=4, draft_transport="inprocess", ssd_autobudget=False),
+    "ssd": dict(mode="ssd", k=4, draft_workers=2, ssd_autobudget=False),  # a 2-worker shm pool
 }
+# The chi-squares sample 3000 rows in one batch: through the pool that took 10-12 s longer per
+# test, so they run the same drafter in-process (the pool's chi-square under penalties is
+# tests/test_ssd_process_sampling.py's two_workers_penalties).
+SAMPLED = dict(ENGINES, ssd=dict(mode="ssd", k=4, draft_transport="inprocess", ssd_autobudget=False))
 
 
 def hf_adjusted_greedy(path: str, prompt: str, params: SamplingParams) -> list[int]:
@@ -90,7 +95,7 @@ def processed(row: np.ndarray, params: SamplingParams, prompt, output, eos) -> n
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampled_output_follows_the_processed_distribution(model_dirs, mode, case):  # noqa: F811
     params = CASES[case]
-    engine = dict(ENGINES[mode], k=3)
+    engine = dict(SAMPLED[mode], k=3)
     with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, **engine) as llm:
         prompt, outs = sample_first_two(llm, params, seed_base=500_000 + 1000 * list(CASES).index(case), n=3000)
         eos = llm.engine.stopper.eos_token_id
@@ -124,7 +129,8 @@ def test_processing_on_device_equals_the_host_version(seed):
     ]
     rows = [(p, torch.randint(0, vocab, (5,), generator=gen).tolist(), [7, 7, 3]) for p in params]
     drafted = torch.randint(0, vocab, (b, k), generator=gen)
-    sampling = BatchSampling.of([SequenceSampling.of(p) for p in params]).adjusted(build(rows, drafted, vocab, 0))
+    table = [(Processing.of(p, 0), prompt, out) for p, prompt, out in rows]
+    sampling = BatchSampling.of([SequenceSampling.of(p) for p in params]).adjusted(build(table, drafted, vocab))
     logits = torch.randn(b, k + 1, vocab, generator=gen) * 3
     assert torch.equal(process_logits_on_device(logits, sampling), process_logits(logits, sampling))
 
@@ -207,11 +213,11 @@ def test_advancing_the_adjustments_equals_building_them_with_the_token_in_the_hi
         SamplingParams(presence_penalty=1.0, logit_bias={7: 2.0}),
         SamplingParams(),
     ]
-    rows = [(p, [1, 2, 3], [4, 4, 9][: 3 - i]) for i, p in enumerate(params)]
+    rows = [(Processing.of(p, 0), [1, 2, 3], [4, 4, 9][: 3 - i]) for i, p in enumerate(params)]
     none = torch.zeros(3, 0, dtype=torch.long)
     logits = torch.randn(3, 1, 20, generator=torch.Generator().manual_seed(0))
     for tokens in (torch.tensor([4, 7, 2]), torch.tensor([15, 16, 17])):
-        stepped = build(rows, none, 20, 0).advanced(tokens)
-        rebuilt = build([(p, prompt, out + [int(t)]) for (p, prompt, out), t in zip(rows, tokens)], none, 20, 0)
+        stepped = build(rows, none, 20).advanced(tokens)
+        rebuilt = build([(p, prompt, out + [int(t)]) for (p, prompt, out), t in zip(rows, tokens)], none, 20)
         assert torch.equal(stepped.apply(logits), rebuilt.apply(logits))
         assert torch.equal(stepped.advanced(tokens).apply(logits), rebuilt.advanced(tokens).apply(logits))

@@ -48,6 +48,20 @@ CASES = {
         {**BIG_BATCH, "draft_workers": 2, "draft_split": "sequences"},
         N_SAMPLES,
     ),
+    # Penalties, bias and min_p: each branch drafts with its own history (draft_processing.py)
+    # and the target verifies each position with its own; the check's distributions apply them.
+    "two_workers_penalties": (
+        SamplingParams(
+            temperature=1.0,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+            repetition_penalty=1.5,
+            logit_bias={32: 3.0},
+            min_p=0.02,
+        ),
+        {**BIG_BATCH, "draft_workers": 2},
+        N_SAMPLES,
+    ),
     "two_workers_predicted": (
         SamplingParams(temperature=1.0),
         dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2),

@@ -13,11 +13,10 @@ the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
-from pathlib import Path
 
+from ssd.bench.report import write_json
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.structured import StructuredOutputs
 from ssd.llm import LLM
@@ -101,10 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += run_rows(llm, mode, args.requests, args.max_tokens)
     for ratio in ratios(rows):
         logger.info("ssd/sd %-11s T=%.0f: %.2f", ratio["fields"], ratio["temperature"], ratio["ssd_over_sd"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "ratios": ratios(rows)}, indent=2))
-    logger.info("wrote %s", out)
+    write_json(args.out, {"rows": rows, "ratios": ratios(rows)})
 
 
 if __name__ == "__main__":

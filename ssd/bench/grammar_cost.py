@@ -1,6 +1,6 @@
 """What structured output costs per round, and how the grammar engines compare on this CPU.
 
-    python -m ssd.bench.grammar_cost [--out bench_results/grammar_cost.json]
+    python -m ssd.bench.grammar_cost [--large-vocab 128256] [--out bench_results/grammar_cost.json]
 
 Two tokenizers: the demo pair's (258 byte tokens) and a byte-level BPE of 128256 tokens trained
 here on synthetic text (no hub download; Llama 3's vocabulary size, not its merges). For each:
@@ -22,10 +22,10 @@ import json
 import logging
 import random
 import time
-from pathlib import Path
 
 import torch
 
+from ssd.bench.report import write_json
 from ssd.core.grammar import GrammarCompiler, grammar_masks
 from ssd.core.sampling import SequenceSampling
 from ssd.core.structured import StructuredOutputs
@@ -213,6 +213,9 @@ def measure(name: str, tokenizer) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--large-vocab", type=int, default=128256, help="the trained BPE's vocabulary size; 0 measures the demo's only"
+    )
     parser.add_argument("--out", default="bench_results/grammar_cost.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -220,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     rows = [measure("demo", build_tokenizer())]
-    logger.info("training a 128256-token BPE (a minute or two)")
-    rows.append(measure("bpe-128k", large_tokenizer()))
+    if args.large_vocab:
+        logger.info("training a %d-token BPE (a minute or two at 128k)", args.large_vocab)
+        rows.append(measure(f"bpe-{args.large_vocab}", large_tokenizer(args.large_vocab)))
     for row in rows:
         logger.info(
             "%s (V=%d), ms per verification (K=%d): %s",
@@ -244,10 +248,7 @@ def main(argv: list[str] | None = None) -> None:
                 if isinstance(result, str)
                 else {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    logger.info("wrote %s", out)
+    write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -328,3 +328,12 @@ def write_plot(results: dict, path: Path) -> None:
         f"ssd bench: K={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens{repeats}", fontsize=10
     )
     fig.savefig(path, dpi=110)
+
+
+def write_json(path: str | Path, doc) -> Path:
+    """Write a bench command's results as indented JSON (making its folder) and log where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    logger.info("wrote %s", out)
+    return out

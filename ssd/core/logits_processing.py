@@ -6,8 +6,8 @@ proposals with the *processed* target distribution at each position, computed fr
 position's own history: the committed output plus the earlier draft tokens of the same
 speculation. That is what `Adjustments` holds. The draft need not apply them (verification is
 exact for any draft distribution), but accepts less often when it does not: the SD draft applies
-them position by position (`advanced`); SSD's drafters apply a grammar's masks
-(ssd/drafting/draft_grammars.py) but not yet the rest.
+them position by position (`advanced`), SSD's drafters per tree branch (`branched`;
+ssd/drafting/draft_processing.py).
 
 Order, per position (the same as the reference in tests/refimpl.py):
     1. repetition_penalty  (Hugging Face / vLLM): a token seen in the prompt or the output so
@@ -26,9 +26,52 @@ and top-p.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import itertools
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+@dataclass(frozen=True)
+class Processing:
+    """A request's logits processing as every role that processes logits for it needs it: the
+    engine's verification and SD draft, and SSD's drafters (the draft protocol carries it, so it
+    holds token ids, not text). The fields mean what SamplingParams' of the same names mean, with
+    two resolved at admission: stop_token_ids includes EOS unless the request ignores it (what
+    min_tokens holds back), and bad_words holds each word's token ids (bad_words.word_tokens)."""
+
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None  # sorted, unique
+    stop_token_ids: tuple[int, ...] = ()  # sorted, unique
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, params, eos: int | None, bad_words: tuple[tuple[int, ...], ...] = ()) -> "Processing":
+        """From a request's SamplingParams, the tokenizer's EOS and its bad words' token ids."""
+        stops = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
+        allowed = None if params.allowed_token_ids is None else tuple(sorted(set(params.allowed_token_ids)))
+        return cls(
+            params.repetition_penalty, params.frequency_penalty, params.presence_penalty, params.min_p,
+            params.min_tokens, dict(params.logit_bias), allowed, tuple(sorted(stops)), tuple(bad_words),
+        )  # fmt: skip
+
+    @property
+    def active(self) -> bool:
+        """Whether it changes logits beyond token masks (a row with none skips the sparse pass)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.min_tokens
+            or self.min_p
+        )
 
 
 @dataclass(frozen=True)
@@ -61,15 +104,19 @@ class Adjustments:
     # (token_masks.py; all True for a row with neither); None: no row has any.
     masks: torch.Tensor | None = None
 
-    def advanced(self, tokens: torch.Tensor, masks: torch.Tensor | None = None) -> "Adjustments":
+    def advanced(
+        self, tokens: torch.Tensor, masks: torch.Tensor | None = None, where: torch.Tensor | None = None
+    ) -> "Adjustments":
         """After each row appends tokens [b] to its history (a draft drafting position by
         position: the next position's adjustments count them). A token the row does not track
         yet gets a column of its own (seen once, no bias, not banned: bias keys and stop ids are
         tracked from the start). masks [b, 1, V]: the next position's token masks, required where
-        this has any (only the caller's matchers and histories know them)."""
+        this has any (only the caller's matchers and histories know them). where [b] bool: the
+        rows that append (None: all); the others stay as they are."""
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
-        hit = self.ids == tokens.view(-1, 1)  # [b, m]
-        new = ~hit.any(1, keepdim=True)  # [b, 1]
+        take = torch.ones(tokens.numel(), 1, dtype=torch.bool) if where is None else where.view(-1, 1)
+        hit = (self.ids == tokens.view(-1, 1)) & take  # [b, m]
+        new = ~hit.any(1, keepdim=True) & take  # [b, 1]
         ids = torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1)
         counts = torch.cat([self.counts + hit, torch.where(new, 1.0, self.counts[:, :1] + hit[:, :1])], 1)
         seen = torch.cat([self.seen | hit, new | self.seen[:, :1] | hit[:, :1]], 1)
@@ -80,9 +127,25 @@ class Adjustments:
             seen=seen,
             bias=torch.cat([self.bias, torch.where(new, 0.0, self.bias[:, :1])], 1),
             banned=torch.cat([self.banned, ~new & self.banned[:, :1]], 1),
-            output_len=self.output_len + 1,
+            output_len=self.output_len + take.view(-1).long(),
             masks=masks,
         )
+
+    def branched(self, rows: torch.Tensor, prefix: torch.Tensor, valid: torch.Tensor) -> "Adjustments":
+        """One row per branch of a speculation tree, at the branch's first drafted position:
+        rows [r] the row each branch grows from; prefix [r, L] the tokens it appends to that
+        row's history first (the accepted drafts its outcome assumes, then its candidate), where
+        valid [r, L]. -> adjustments for r rows at one position (no masks: the caller's)."""
+        out = Adjustments(
+            *(getattr(self, f)[rows] for f in ("ids", "counts", "seen", "bias", "banned")),
+            None if self.allowed is None else self.allowed[rows],
+            *(getattr(self, f)[rows] for f in ("repetition", "frequency", "presence", "output_len", "min_tokens")),
+            self.min_p[rows],
+            prefix.new_zeros(rows.numel(), 0),
+        )
+        for i in range(prefix.shape[1]):
+            out = out.advanced(prefix[:, i], where=valid[:, i])
+        return out
 
     def to(self, device: torch.device) -> "Adjustments":
         return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
@@ -123,77 +186,29 @@ def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None
     return None if value is None else value.to(device)
 
 
-def needs_adjustments(params) -> bool:
-    """Whether a request's SamplingParams change its logits beyond temperature, top-k, top-p."""
-    return bool(
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty
-        or params.presence_penalty
-        or params.logit_bias
-        or params.allowed_token_ids is not None
-        or params.min_tokens
-        or params.min_p
-        or params.structured_outputs is not None
-        or params.bad_words
-    )
-
-
-def build(
-    rows: list[tuple], drafted: torch.Tensor, vocab: int, eos: int | None, masks: torch.Tensor | None = None
-) -> Adjustments:
-    """rows: per row (params, prompt_ids, output_ids); drafted [b, K] (host); masks [b, K + 1, V]
-    (token_masks.token_masks) or None. Rows that need no adjustment get neutral values (and no
-    tracked tokens)."""
+def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, masks: torch.Tensor | None = None) -> Adjustments:
+    """rows: per row (Processing, prompt_ids, output_ids); drafted [b, K] (host); masks
+    [b, K + 1, V] (token_masks.token_masks) or None. Rows whose processing is not active get
+    neutral values (and no tracked tokens)."""
     b = len(rows)
-    tracked: list[list[int]] = []
-    columns: list[tuple] = []  # per row: counts, seen, bias, banned over its tracked ids
-    allowed = torch.ones(b, vocab, dtype=torch.bool)
+    on = [p.active for p, _, _ in rows]
     scalars = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p] for p, _, _ in rows],
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p] if a else [1.0, 0.0, 0.0, 0.0]
+         for (p, _, _), a in zip(rows, on)],
         dtype=torch.float32,
-    ).view(b, 4)
-    lengths = torch.tensor([[len(out), p.min_tokens] for p, _, out in rows], dtype=torch.long).view(b, 2)
-    for r, (params, prompt, output) in enumerate(rows):
-        if not needs_adjustments(params):
-            scalars[r] = torch.tensor([1.0, 0.0, 0.0, 0.0])
-            lengths[r, 1] = 0
-            tracked.append([])
-            columns.append(([], [], [], []))
-            continue
-        stops = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
-        history = set(prompt) | set(output)
-        ids = sorted(history | set(params.logit_bias) | stops | set(drafted[r].tolist()))
-        occurrences: dict[int, int] = {}
-        for t in output:
-            occurrences[t] = occurrences.get(t, 0) + 1
-        tracked.append(ids)
-        columns.append(
-            (
-                [float(occurrences.get(t, 0)) for t in ids],
-                [t in history for t in ids],
-                [float(params.logit_bias.get(t, 0.0)) for t in ids],
-                [t in stops for t in ids],
-            )
-        )
-        if params.allowed_token_ids is not None:
-            allowed[r] = False
-            allowed[r, torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
-    m = max(1, max(len(ids) for ids in tracked))
-    if all(p.allowed_token_ids is None for p, _, _ in rows):
-        allowed = None  # no [b, n, V] pass for a mask that keeps everything
-
-    def padded(values: list, fill, dtype) -> torch.Tensor:
-        # Pad with the row's first column (see the class doc), or `fill` for a row with none.
-        return torch.tensor(values + [values[0] if values else fill] * (m - len(values)), dtype=dtype)
-
+    ).view(b, 4)  # fmt: skip
+    lengths = torch.tensor(
+        [[len(out), p.min_tokens if a else 0] for (p, _, out), a in zip(rows, on)], dtype=torch.long
+    ).view(b, 2)
+    allowed = None  # no [b, n, V] pass for a mask that keeps everything
+    if any(p.allowed_token_ids is not None for p, _, _ in rows):
+        allowed = torch.ones(b, vocab, dtype=torch.bool)
+        for r, (p, _, _) in enumerate(rows):
+            if p.allowed_token_ids is not None:
+                allowed[r] = False
+                allowed[r, torch.tensor(p.allowed_token_ids, dtype=torch.long)] = True
     return Adjustments(
-        torch.stack([padded(ids, 0, torch.long) for ids in tracked]),
-        *(
-            torch.stack([padded(col[i], fill, dtype) for col in columns])
-            for i, (fill, dtype) in enumerate(
-                [(0.0, torch.float32), (False, torch.bool), (0.0, torch.float32), (False, torch.bool)]
-            )
-        ),
+        *_tracked(rows, [r for r, a in enumerate(on) if a], drafted, vocab),
         allowed,
         scalars[:, 0].contiguous(),
         scalars[:, 1].contiguous(),
@@ -204,3 +219,48 @@ def build(
         drafted,
         masks,
     )
+
+
+def _tracked(rows: list[tuple], active: list[int], drafted: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
+    """The tracked columns of every row, [b, m] each: ids, counts, seen, bias, banned (see
+    Adjustments). One pass over all active rows at once: every token is keyed row * vocab +
+    token, so one sorted unique gives each row's ids in order and where each token sits among
+    them (a loop of set and dict work per row took 0.95 ms for 8 rows of 500 tokens, this 0.52:
+    python -m ssd.bench.processing_cost)."""
+    b = len(rows)
+    if not active:
+        return (torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool),
+                torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool))  # fmt: skip
+    procs = [rows[r][0] for r in active]
+    # Four sections, each a list per active row: prompt, output, bias keys, stop ids.
+    lists = [rows[r][1] for r in active] + [rows[r][2] for r in active]
+    lists += [list(p.logit_bias) for p in procs] + [list(p.stop_token_ids) for p in procs]
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.long)
+    owners = torch.tensor(active, dtype=torch.long)
+    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    keyed = flat + torch.repeat_interleave(owners.repeat(4) * vocab, lens)
+    drafts = (drafted[owners].long() + owners.view(-1, 1) * vocab).flatten()
+    # Sorted unique keys (by row, then token), and where each token sits among them.
+    keys, where = torch.unique(torch.cat([keyed, drafts]), return_inverse=True)
+    prompt, output, bias_at, stops, _ = where.split(lens.view(4, -1).sum(1).tolist() + [drafts.numel()])
+    counts = torch.bincount(output, minlength=keys.numel()).float()
+    seen = torch.zeros(keys.numel(), dtype=torch.bool)
+    seen[torch.cat([prompt, output])] = True
+    bias = torch.zeros(keys.numel())
+    bias[bias_at] = torch.tensor([v for p in procs for v in p.logit_bias.values()], dtype=torch.float32)
+    banned = torch.zeros(keys.numel(), dtype=torch.bool)
+    banned[stops] = True
+    # Lay the rows out [b, m], padding each with its first column (see the class doc).
+    row = keys // vocab
+    per_row = torch.bincount(row, minlength=b)
+    start = per_row.cumsum(0) - per_row
+    col = torch.arange(keys.numel()) - start[row]
+    first, has = start.clamp(max=keys.numel() - 1), (per_row > 0).view(b, 1)
+    m = int(per_row.max())
+
+    def laid_out(values: torch.Tensor) -> torch.Tensor:
+        out = torch.where(has, values[first].view(b, 1), torch.zeros((), dtype=values.dtype)).expand(b, m).clone()
+        out[row, col] = values
+        return out
+
+    return laid_out(keys % vocab), laid_out(counts), laid_out(seen), laid_out(bias), laid_out(banned)

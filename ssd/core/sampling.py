@@ -12,11 +12,11 @@ Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ssd.core.logits_processing import Adjustments
+from ssd.core.logits_processing import Adjustments, Processing
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,15 @@ class SequenceSampling:
     top_k: int  # 0 = disabled
     top_p: float  # 1 = disabled
     # The request's grammar as llguidance's text ("" = none), for a drafter that masks its
-    # speculations with it (tree_drafter.py): it governs the tokens from index grammar_from on
-    # (the output) and ends with token grammar_eos (-1 = none). Verification never reads it: the
-    # target's masks are the engine's own (grammar.py).
+    # speculations with it (tree_drafter.py): it governs the output (the tokens from index
+    # output_from on) and ends with token grammar_eos (-1 = none). Verification never reads it:
+    # the target's masks are the engine's own (grammar.py).
     grammar: str = ""
-    grammar_from: int = 0
+    output_from: int = 0
     grammar_eos: int = -1
+    # Penalties, bias, allowed tokens, min_tokens, min_p and bad words, for a drafter that
+    # processes its speculations as verification will (ssd/drafting/draft_processing.py).
+    processing: Processing = field(default_factory=Processing)
 
     @classmethod
     def of(cls, params) -> "SequenceSampling":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.detokenizer import IncrementalDetokenizer
+from ssd.core.logits_processing import Processing
 from ssd.core.logprobs import TokenLogprobs
 from ssd.core.sampling import SequenceSampling
 from ssd.core.sampling_params import SamplingParams
@@ -44,8 +45,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # With params.structured_outputs: the grammar's matcher, at the end of output_ids (grammar.py).
     matcher: object | None = field(default=None, repr=False)
-    # With params.bad_words: each word's token ids (bad_words.py; tokenized once, at admission).
-    bad_words: tuple[tuple[int, ...], ...] = ()
+    # The request's penalties, bias, allowed tokens, stop ids and bad words' token ids, resolved
+    # once at admission (logits_processing.Processing): what verification and every drafter read.
+    processing: Processing = field(default_factory=Processing)
     # With params.structured_outputs: its grammar as llguidance's text and the EOS it ends with,
     # what a drafter needs to mask its own speculations (SequenceSampling.grammar).
     grammar: str = ""
@@ -58,9 +60,21 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def adjusted(self) -> bool:
+        """Whether its logits change beyond temperature, top-k and top-p (logits_processing.py)."""
+        return self.processing.active or bool(self.processing.bad_words) or self.matcher is not None
+
+    @property
+    def bad_words(self) -> tuple[tuple[int, ...], ...]:
+        """Each of params.bad_words' token ids (bad_words.py; tokenized once, at admission)."""
+        return self.processing.bad_words
+
+    @property
     def sampling(self) -> SequenceSampling:
         p = self.params
-        return SequenceSampling(p.temperature, p.top_k, p.top_p, self.grammar, len(self.prompt_ids), self.grammar_eos)
+        return SequenceSampling(
+            p.temperature, p.top_k, p.top_p, self.grammar, len(self.prompt_ids), self.grammar_eos, self.processing
+        )
 
     @property
     def num_tokens(self) -> int:

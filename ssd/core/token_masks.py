@@ -18,9 +18,14 @@ def token_masks(seqs: list, drafted: torch.Tensor, vocab: int, last_only: bool =
     if any(s.bad_words for s in seqs):
         rows = [(s.bad_words, s.output_ids) if s.bad_words else None for s in seqs]
         bad = bad_word_masks(rows, drafted, vocab, last_only)
+    return joined(grammar, bad)
+
+
+def joined(grammar: torch.Tensor | None, bad: torch.Tensor | None) -> torch.Tensor | None:
+    """A grammar's masks and bad words' [..., V] bool (either None) -> the tokens both allow.
+    Where the grammar allows only banned words the grammar wins (a distribution needs a token)."""
     if grammar is None or bad is None:
         return grammar if bad is None else bad
     both = grammar & bad
-    # Where the grammar allows only banned words the grammar wins (a distribution needs a token).
     dead = ~both.any(-1, keepdim=True)
     return torch.where(dead, grammar, both)

@@ -6,7 +6,7 @@ so only tokens the grammar allows after s_T[:k] can be bonuses: the fork ranks i
 among those (`fork_masks`). Each branch of the tree then drafts from its own matcher, a copy
 walked along s_T[:k] and the branch's candidate, advanced by each token the branch draws
 (`Branches`). The neural backup drafts a miss's speculation under the grammar too
-(`first_position`). Exactness never depends on any of this: verification uses the draft
+(draft_processing.first_position). Exactness never depends on any of this: verification uses the draft
 probabilities the drafter reports, masked or not, and the engine's own masks.
 
 A drafter compiles a grammar from llguidance's text (SequenceSampling.grammar) with the
@@ -22,13 +22,9 @@ from collections.abc import Callable
 import torch
 
 from ssd.core.grammar import GrammarCompiler, unpack
-from ssd.core.logits_processing import build
-from ssd.core.sampling import BatchSampling, SequenceSampling
-from ssd.core.sampling_params import SamplingParams
-from ssd.core.token_masks import token_masks
+from ssd.core.sampling import SequenceSampling
 
 logger = logging.getLogger(__name__)
-NEUTRAL = SamplingParams()  # no penalty, bias or other mask: only the grammar's apply
 
 
 class DraftGrammars:
@@ -54,7 +50,7 @@ class DraftGrammars:
         return self._compilers[eos]
 
     def admit(self, seq_id: int, sampling: SequenceSampling, tokens: list[int]) -> None:
-        """tokens: the sequence's committed tokens (its output from sampling.grammar_from on)."""
+        """tokens: the sequence's committed tokens (its output from sampling.output_from on)."""
         if not sampling.grammar:
             return
         compiler = self._compiler(sampling.grammar_eos)
@@ -66,7 +62,7 @@ class DraftGrammars:
             logger.warning("the drafter cannot follow a request's grammar (%s): its speculations are unmasked", err)
             return
         self.matchers[seq_id] = matcher
-        self.commit(seq_id, tokens[sampling.grammar_from :])
+        self.commit(seq_id, tokens[sampling.output_from :])
 
     def commit(self, seq_id: int, tokens: list[int]) -> None:
         """The sequence committed tokens (each one the engine's masked target allowed)."""
@@ -114,13 +110,6 @@ class DraftGrammars:
                 fill_next_token_bitmask(matcher, bits, r * positions + k)
         bits[(bits == 0).all(-1)] = -1  # a finished grammar (past EOS): nothing to follow
         return unpack(bits, self.vocab).view(len(spines), positions, self.vocab)
-
-    def first_position(self, views: list, sampling: BatchSampling) -> BatchSampling:
-        """The neural backup's sampling: the grammar's masks at its first position (SDProposer
-        advances them with each drafted token), nothing else adjusted."""
-        masks = token_masks(views, torch.zeros(len(views), 0, dtype=torch.long), self.vocab)
-        neutral = [(NEUTRAL, [], [])] * len(views)
-        return sampling.adjusted(build(neutral, torch.zeros(len(views), 0, dtype=torch.long), self.vocab, None, masks))
 
     def branches(self, spines: list[list], cand, outcome, allowed: torch.Tensor) -> "Branches":
         """The tree's branch matchers: cand, outcome [b, N] (this shard's); allowed: fork_masks'."""

@@ -52,9 +52,11 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import BatchSampling, SequenceSampling, sample_from
 from ssd.core.speculation import Speculation
-from ssd.drafting.draft_grammars import DraftGrammars, masked
+from ssd.drafting.draft_grammars import DraftGrammars
+from ssd.drafting.draft_processing import DraftView, first_position, processes
 from ssd.drafting.saguaro import row_fanout, saguaro_probs
 from ssd.drafting.sd_proposer import SDProposer
+from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
 from ssd.model.runner import ModelRunner, pad_rows
 
@@ -64,20 +66,6 @@ class _SeqState:
     tokens: list[int]  # committed tokens (prompt + output) as the drafter knows them
     generator: torch.Generator
     sampling: SequenceSampling
-
-
-class _DraftView:
-    """A sequence as SDProposer.propose reads it, for the neural backup: its committed tokens,
-    the generator its draws come from and its grammar's matcher (token_masks.py reads it)."""
-
-    def __init__(self, state: _SeqState, generator: torch.Generator, matcher=None) -> None:
-        self.generator = generator
-        self.num_tokens = len(state.tokens)
-        self._tokens = state.tokens
-        self.matcher, self.bad_words, self.output_ids = matcher, (), []
-
-    def tokens_from(self, start: int) -> list[int]:
-        return self._tokens[start:]
 
 
 @dataclass(frozen=True)
@@ -208,19 +196,17 @@ class TreeDrafter:
         assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
         glue = self._glue(seq_ids, spec)
-        spines = allowed = None
-        if self.grammars.any(seq_ids):  # candidates among the tokens the grammar allows there
-            spines = self.grammars.spines(seq_ids, spec)
-            allowed = self.grammars.fork_masks(spines, self.k + 1)
-            glue = dataclasses.replace(glue, logits=masked(glue.logits, allowed))
+        rows = [(self.states[s].sampling, self.states[s].tokens) for s in seq_ids]
+        shaping = RoundShaping(self.grammars, seq_ids, rows, spec, msg.spec_tokens, self.k)
+        glue = dataclasses.replace(glue, logits=shaping.glue(glue.logits))
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
             return False
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
         cand, outcome = grid.candidates[:, shard], grid.outcome[:, shard]
-        branches = self.grammars.branches(spines, cand, outcome, allowed) if spines is not None else None
-        tree = self._tree_decode(seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, branches)
+        shaped = shaping.tree(cand, outcome, self._sampling(seq_ids))
+        tree = self._tree_decode(seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, shaped)
         if tree is None:
             return False
         tokens, probs, tree_started = tree
@@ -262,13 +248,14 @@ class TreeDrafter:
         undo: list[torch.Tensor],
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
-        branches=None,
+        shaped: TreeShaping | None = None,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
-        when the round went stale and was taken back. branches: the grammars' branch matchers
-        (draft_grammars.Branches), None when no row has a grammar. The tree is a scratch forward past every
-        row's length: its columns are gone when it ends, and s_T's glue columns are rolled back."""
+        when the round went stale and was taken back. shaped: the branches' grammars and
+        processing (shaping.py), None when no row has any. The tree is a scratch forward past
+        every row's length: its columns are gone when it ends, and s_T's glue columns are rolled
+        back."""
         b, n = cand.shape
         k = self.k
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
@@ -290,14 +277,15 @@ class TreeDrafter:
             step = self.runner.forward(
                 self.cache, feed, positions=positions, attn_mask=mask[..., :width], columns=columns
             )
-            if branches is not None:
-                step = masked(step, branches.masks())
-            probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
+            if shaped is None:
+                probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
+            else:
+                probs = shaped.probs(step, sampling, self.jit.draft_probs)
             if self.saguaro_c < 1:
                 probs = saguaro_probs(probs, fan_t[d].expand(b, n), self.saguaro_c)
             feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
-            if branches is not None and d < k - 1:
-                branches.advance(feed)
+            if shaped is not None and d < k - 1:
+                shaped.advance(feed)
             out_tokens.append(feed)
             out_probs.add(probs, narrow)
             if stale is not None and stale():
@@ -401,12 +389,18 @@ class TreeDrafter:
         self._rows(seq_ids)
         scratch = torch.Generator()
         views = [
-            _DraftView(self.states[s], self.states[s].generator if n else scratch, self.grammars.matchers.get(s))
+            DraftView(
+                self.states[s].tokens,
+                self.states[s].sampling,
+                self.states[s].generator if n else scratch,
+                self.grammars.matchers.get(s),
+            )
             for s, n in zip(seq_ids, need)
         ]
         sampling = self._sampling(seq_ids)
-        if self.grammars.any(seq_ids):  # drafted under the grammar, position by position, as SD drafts
-            sampling = self.grammars.first_position(views, sampling)
+        rows = [self.states[s].sampling for s in seq_ids]
+        if self.grammars.any(seq_ids) or any(map(processes, rows)):  # processed position by position, as SD drafts
+            sampling = first_position(views, rows, sampling, self.jit.target_vocab)
         spec = self.jit.propose(views, self.k, sampling)
         # Keep only committed tokens in the cache: the drafts are rolled back at once.
         committed = torch.tensor([v.num_tokens for v in views])

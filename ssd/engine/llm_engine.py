@@ -22,8 +22,8 @@ import torch
 from ssd.core.bad_words import word_tokens
 from ssd.core.config import EngineConfig
 from ssd.core.grammar import GrammarCompiler, consume
+from ssd.core.logits_processing import Processing
 from ssd.core.logits_processing import build as build_adjustments
-from ssd.core.logits_processing import needs_adjustments
 from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
@@ -143,8 +143,8 @@ class LLMEngine:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
             seq.grammar = params.structured_outputs.grammar_text()
             seq.grammar_eos = -1 if self.stopper.eos_token_id is None else self.stopper.eos_token_id
-        if params.bad_words:
-            seq.bad_words = word_tokens(self.tokenizer, params.bad_words)
+        words = word_tokens(self.tokenizer, params.bad_words) if params.bad_words else ()
+        seq.processing = Processing.of(params, self.stopper.eos_token_id, words)
         self.waiting.append(seq)
         return seq.request_id
 
@@ -210,7 +210,8 @@ class LLMEngine:
             return scored
         started = time.perf_counter()
         self._choose_mode()
-        sampling = self._sampling()
+        # Only SD's draft reads the first position's adjustments (verification builds its own).
+        sampling = self._sampling(adjusted=self.mode == "sd")
         k = self._round_k()
         with self.metrics.timed("draft"):
             spec = self._speculate(k, sampling)
@@ -244,18 +245,18 @@ class LLMEngine:
             self.proposers["ssd"].rejoin(self.running)
             self._ssd_behind = False
 
-    def _sampling(self, drafted: torch.Tensor | None = None) -> BatchSampling:
+    def _sampling(self, drafted: torch.Tensor | None = None, adjusted: bool = True) -> BatchSampling:
         """The running rows' sampling settings, with the penalties, bias and masks of the rows that
-        have any: for the round's first position (drafting advances them), or for every position
-        of the speculation drafted [b, K] (verification)."""
+        have any (unless not `adjusted`): for the round's first position (drafting advances
+        them), or for every position of the speculation drafted [b, K] (verification)."""
         seqs = self.running
         sampling = BatchSampling.of([s.sampling for s in seqs])
-        if not any(needs_adjustments(s.params) for s in seqs):
+        if not adjusted or not any(s.adjusted for s in seqs):
             return sampling
-        rows = [(s.params, s.prompt_ids, s.output_ids) for s in seqs]
+        rows = [(s.processing, s.prompt_ids, s.output_ids) for s in seqs]
         drafted = torch.zeros(len(seqs), 0, dtype=torch.long) if drafted is None else drafted
         masks = token_masks(seqs, drafted, self.vocab_size)
-        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, self.stopper.eos_token_id, masks))
+        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, masks))
 
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
         """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
@@ -277,8 +278,7 @@ class LLMEngine:
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
-        if sampling.adjust is not None:  # each position processed with its own history
-            sampling = self._sampling(spec.tokens)
+        sampling = self._sampling(spec.tokens)  # each position processed with its own history
         if self.device_round:
             return self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
         logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]

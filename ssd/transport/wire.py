@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssd.core.logits_processing import Processing
 from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
@@ -31,7 +32,8 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import SequenceSampling
 
-MAGIC = 0x55D0_0004  # 4: admissions carry each sequence's grammar (3: replies carry the bonus token's rank)
+# 5: admissions carry each sequence's logits processing (4: its grammar; 3: replies carry the bonus token's rank)
+MAGIC = 0x55D0_0005
 HEADER = 8
 
 
@@ -128,22 +130,56 @@ def _encode_admit(msg: AdmitMsg):
     b = len(msg.seq_ids)
     s = msg.sampling
     grammars = [x.grammar.encode() for x in s]
+    procs = [_encode_processing(x.processing) for x in s]
     ints = _i(
         [b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(p) for p in msg.prompts], *msg.prompts,
-        [len(g) for g in grammars], [x.grammar_from for x in s], [x.grammar_eos for x in s], *map(_text, grammars),
+        [len(g) for g in grammars], [x.output_from for x in s], [x.grammar_eos for x in s], *map(_text, grammars),
+        *(i for i, _ in procs),
     )  # fmt: skip
-    return 0, ints, torch.tensor([x.temperature for x in s] + [x.top_p for x in s], dtype=torch.float32)
+    floats = [x.temperature for x in s] + [x.top_p for x in s] + [f for _, fs in procs for f in fs]
+    return 0, ints, torch.tensor(floats, dtype=torch.float32)
 
 
 def _decode_admit(r: _Reader, round_id: int, floats: torch.Tensor) -> AdmitMsg:
     b = r.one()
     seq_ids, seeds, top_k, lens = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
     prompts = [r.take(n).tolist() for n in lens]
-    grammar_lens, grammar_from, grammar_eos = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
+    grammar_lens, output_from, grammar_eos = r.take(b).tolist(), r.take(b).tolist(), r.take(b).tolist()
     grammars = [_untext(r.take((n + 7) // 8), n) for n in grammar_lens]
     temperature, top_p = floats[:b].tolist(), floats[b : 2 * b].tolist()
-    fields = zip(temperature, top_k, top_p, grammars, grammar_from, grammar_eos)
+    values = _Reader(floats[2 * b :])
+    procs = [_decode_processing(r, values) for _ in range(b)]
+    fields = zip(temperature, top_k, top_p, grammars, output_from, grammar_eos, procs)
     return AdmitMsg(seq_ids, prompts, seeds, [SequenceSampling(*x) for x in fields])
+
+
+def _encode_processing(p: Processing) -> tuple[torch.Tensor, list[float]]:
+    """-> (ints, floats) of one sequence's processing:
+    ints   = [min_tokens, n_bias, n_allowed (-1: None), n_stops, n_words, len(word) per word,
+              bias ids, allowed ids, stop ids, the words' tokens]
+    floats = [repetition, frequency, presence, min_p, bias values]
+    Bounded by the request's own bounds (300 biased tokens, 64 words of 256 characters) and the
+    vocabulary (allowed and stop ids are unique)."""
+    allowed = p.allowed_token_ids
+    ints = _i(
+        [p.min_tokens, len(p.logit_bias), -1 if allowed is None else len(allowed), len(p.stop_token_ids)],
+        [len(p.bad_words)], [len(w) for w in p.bad_words], list(p.logit_bias), allowed or [], p.stop_token_ids,
+        *p.bad_words,
+    )  # fmt: skip
+    floats = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p, *p.logit_bias.values()]
+    return ints, floats
+
+
+def _decode_processing(r: _Reader, values: _Reader) -> Processing:
+    min_tokens, n_bias, n_allowed, n_stops, n_words = r.take(5).tolist()
+    word_lens = r.take(n_words).tolist()
+    bias_ids = r.take(n_bias).tolist()
+    allowed = tuple(r.take(n_allowed).tolist()) if n_allowed >= 0 else None
+    stops = tuple(r.take(n_stops).tolist())
+    words = tuple(tuple(r.take(n).tolist()) for n in word_lens)
+    repetition, frequency, presence, min_p = values.take(4).tolist()
+    bias = dict(zip(bias_ids, values.take(n_bias).tolist()))
+    return Processing(repetition, frequency, presence, min_p, min_tokens, bias, allowed, stops, words)
 
 
 def _text(data: bytes) -> torch.Tensor:

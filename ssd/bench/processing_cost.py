@@ -1,0 +1,113 @@
+"""What a request's penalties and bias cost per round on the host, beside what sampling costs anyway.
+
+    python -m ssd.bench.processing_cost [--vocab 258 128256] [--out bench_results/processing_cost.json]
+
+Rows carry frequency and presence penalty 0.5, repetition penalty 1.1, a bias on 10 tokens and a
+history of 200 prompt and 300 output tokens; K = 6; one thread. Per vocabulary V and batch b (1, 8):
+- `verify_build_ms`: logits_processing.build for a verification (the round's table of tracked
+  tokens, on the host);
+- `verify_apply_ms`: Adjustments.apply to the [b, K+1, V] verification logits;
+- `sampling_ms`: process_logits on the same logits without any processing (the round's sampling
+  cost with no processors, for scale);
+- `sd_draft_ms`: the SD draft's processing over its K positions (advanced + apply on [b, 1, V]);
+- `tree_ms`: an SSD drafter's (ssd/drafting/draft_processing.py): the fork's processing of the
+  [b, K+1, V] glue logits and the branches' (12 a row) over K depths.
+Random logits: the cost does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from ssd.bench.report import write_json
+from ssd.core.logits_processing import Processing, build
+from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits
+from ssd.drafting.draft_processing import RoundProcessing
+
+logger = logging.getLogger(__name__)
+
+K = 6
+BRANCHES = 12  # a row's branches in the tree (an SSD budget of 12)
+PROCESSING = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1)
+
+
+def _ms(fn, repeats: int) -> float:
+    """Median wall time of fn() in milliseconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _rows(batch: int, vocab: int, gen: torch.Generator) -> list[tuple[SequenceSampling, list[int]]]:
+    bias = {int(t): 1.0 for t in torch.randint(vocab, (10,), generator=gen)}
+    processing = Processing(
+        PROCESSING["repetition_penalty"], PROCESSING["frequency_penalty"], PROCESSING["presence_penalty"],
+        logit_bias=bias, stop_token_ids=(0,),
+    )  # fmt: skip
+    sampling = SequenceSampling(1.0, 0, 1.0, output_from=200, processing=processing)
+    return [(sampling, torch.randint(vocab, (500,), generator=gen).tolist()) for _ in range(batch)]
+
+
+def measure(vocab: int, batch: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    rows = _rows(batch, vocab, gen)
+    table = [(s.processing, t[: s.output_from], t[s.output_from :]) for s, t in rows]
+    drafted = torch.randint(vocab, (batch, K), generator=gen)
+    logits = torch.randn(batch, K + 1, vocab, generator=gen)
+    plain = BatchSampling.of([s for s, _ in rows])
+    adjust = build(table, drafted, vocab)
+
+    def sd_draft() -> None:
+        step = build(table, drafted[:, :0], vocab)
+        for i in range(K):
+            step.apply(logits[:, i : i + 1])
+            step = step.advanced(drafted[:, i])
+
+    cand = torch.randint(vocab, (batch, BRANCHES), generator=gen)
+    outcome = torch.randint(K + 1, (batch, BRANCHES), generator=gen)
+    branch_logits = torch.randn(batch * BRANCHES, 1, vocab, generator=gen)
+
+    def tree() -> None:
+        rnd = RoundProcessing(rows, drafted, vocab)
+        rnd.glue(logits, None)
+        branches = rnd.tree(cand, outcome, plain)
+        for _ in range(K):
+            branches.adjust.apply(branch_logits)
+            branches.advance(cand)
+
+    return {
+        "vocab": vocab,
+        "batch": batch,
+        "verify_build_ms": _ms(lambda: build(table, drafted, vocab), repeats),
+        "verify_apply_ms": _ms(lambda: adjust.apply(logits), repeats),
+        "sampling_ms": _ms(lambda: process_logits(logits, plain), repeats),
+        "sd_draft_ms": _ms(sd_draft, repeats),
+        "tree_ms": _ms(tree, max(3, repeats // 4)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[258, 128256], help="vocabulary sizes")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (the median is kept)")
+    parser.add_argument("--out", default="bench_results/processing_cost.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    rows = [measure(v, b, args.repeats) for v in args.vocab for b in args.batch]
+    for row in rows:
+        logger.info("%s", {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The benchmark commands the docs quote for requests with constraints and processing run as
+written (at small sizes here) and write the JSON they promise: a figure in the docs must stay
+reproducible by its command."""
+
+from __future__ import annotations
+
+import json
+
+from ssd.bench import constrained, grammar_cost, processing_cost
+
+
+def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):
+    out = tmp_path / "processing_cost.json"
+    processing_cost.main(["--vocab", "64", "512", "--batch", "1", "3", "--repeats", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["vocab"], r["batch"]) for r in rows] == [(64, 1), (64, 3), (512, 1), (512, 3)]
+    for row in rows:
+        assert all(row[f] > 0 for f in ("verify_build_ms", "verify_apply_ms", "sampling_ms", "sd_draft_ms", "tree_ms"))
+
+
+def test_grammar_cost_on_the_demo_tokenizer(tmp_path):
+    out = tmp_path / "grammar_cost.json"
+    grammar_cost.main(["--large-vocab", "0", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["tokenizer"] == "demo" and set(row["round_ms"]) == {"b1", "b8"} and set(row["tree_ms"]) == {"b1", "b8"}
+    assert isinstance(row["engines"]["llguidance"], dict)
+
+
+def test_constrained_rows_for_every_mode_field_and_temperature(demo_pair, tmp_path):
+    out = tmp_path / "constrained.json"
+    constrained.main(["--requests", "2", "--max-tokens", "12", "--ssd-budget", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    cells = {(r["mode"], r["fields"], r["temperature"]) for r in rows}
+    assert cells == {(m, f, t) for m in ("sd", "ssd") for f in ("none", "json_schema", "penalties") for t in (0.0, 1.0)}
+    assert all(r["tokens_per_round"] >= 1 for r in rows)
