@@ -82,6 +82,9 @@ CASES = {
         temperature=1.0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={101: 2.0}
     ),
     "min_p_t0.8": SamplingParams(temperature=0.8, min_p=0.05, frequency_penalty=1.0),
+    # Sixteen printable tokens held back as stop ids for both sampled positions (ignore_eos as the
+    # samples are drawn, so EOS is not one of them).
+    "min_tokens": SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=list(range(32, 48)), ignore_eos=True),
 }
 
 
