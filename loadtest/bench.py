@@ -25,7 +25,9 @@ from pathlib import Path
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
-def run_cell(host: str, mode: str, users: int, duration: int, model: str, api_key: str, workdir: Path) -> dict:
+def run_cell(
+    host: str, mode: str, users: int, duration: int, model: str, api_key: str, workdir: Path, think_ms: float = 200.0
+) -> dict:
     prefix = workdir / f"{mode}_{users}"
     cmd = [
         sys.executable,
@@ -53,6 +55,8 @@ def run_cell(host: str, mode: str, users: int, duration: int, model: str, api_ke
         model,
         "--api-key",
         api_key,
+        "--think-ms",
+        str(think_ms),
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=duration + 300)
     with open(f"{prefix}_stats.csv") as f:
@@ -91,13 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="ssd,sd,off")
     parser.add_argument("--users", default="1,4,16")
     parser.add_argument("--duration", type=int, default=30, help="Seconds per cell.")
+    parser.add_argument(
+        "--think-ms", type=float, default=200.0, help="Each user's pause between requests: uniform 0 to this (ms)."
+    )
     parser.add_argument("--out", default="bench_results/loadtest_bench.json")
     args = parser.parse_args(argv)
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
         for users in [int(u) for u in args.users.split(",")]:
             for mode in args.modes.split(","):
-                cell = run_cell(args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp))
+                cell = run_cell(
+                    args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp), args.think_ms
+                )
                 cells.append(cell)
                 sys.stdout.write(
                     f"{mode:4s} users {users:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s  "

@@ -26,7 +26,7 @@ import random
 import time
 from pathlib import Path
 
-from locust import HttpUser, between, events, task
+from locust import HttpUser, events, task
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
@@ -45,6 +45,12 @@ def _arguments(parser) -> None:
         "--api-key", default=os.environ.get("SSD_API_KEY", ""), help="Bearer key (default: $SSD_API_KEY)."
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature of every request.")
+    parser.add_argument(
+        "--think-ms",
+        type=float,
+        default=200.0,
+        help="Each user waits uniformly 0 to this many ms between requests (0: back to back, a closed loop).",
+    )
 
 
 def _load(path: str) -> list[dict]:
@@ -55,7 +61,8 @@ def _load(path: str) -> list[dict]:
 
 
 class OpenAIUser(HttpUser):
-    wait_time = between(0.0, 0.2)
+    def wait_time(self) -> float:
+        return random.uniform(0.0, self.environment.parsed_options.think_ms / 1000)
 
     def on_start(self) -> None:
         options = self.environment.parsed_options

@@ -1,11 +1,12 @@
-"""The benchmark commands the docs quote for requests with constraints and processing run as
-written (at small sizes here) and write the JSON they promise: a figure in the docs must stay
-reproducible by its command."""
+"""Benchmark commands the docs quote (constraints and processing; the load benchmark's workload
+offline) run as written (at small sizes here) and write the JSON they promise: a figure in the
+docs must stay reproducible by its command."""
 
 from __future__ import annotations
 
 import json
 
+from loadtest import offline
 from ssd.bench import constrained, grammar_cost, processing_cost
 
 
@@ -34,3 +35,11 @@ def test_constrained_rows_for_every_mode_field_and_temperature(demo_pair, tmp_pa
     cells = {(r["mode"], r["fields"], r["temperature"]) for r in rows}
     assert cells == {(m, f, t) for m in ("sd", "ssd") for f in ("none", "json_schema", "penalties") for t in (0.0, 1.0)}
     assert all(r["tokens_per_round"] >= 1 for r in rows)
+
+
+def test_the_load_benchmarks_workload_offline(demo_pair, tmp_path):
+    out = tmp_path / "offline.json"
+    offline.main(["--modes", "off", "--users", "1,2", "--duration", "2", "--num-threads", "1", "--out", str(out)])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["mode"], c["users"]) for c in cells] == [("off", 1), ("off", 2)]
+    assert all(c["tok_per_s"] > 0 and c["req_per_s"] > 0 for c in cells)
