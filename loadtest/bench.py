@@ -115,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{cell['failures']}\n"
                 )
                 sys.stdout.flush()
+    write_cells(args, cells)
+    return 0
+
+
+def write_cells(args: argparse.Namespace, cells: list[dict]) -> None:
+    """The command's arguments and cells as JSON at args.out (its folder made)."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "cells": cells}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.bench import write_cells
 from serve_app.config import REQUEST_MODES
 from serve_app.openai_api import DEFAULT_CHAT_TEMPLATE
 from ssd import LLM, SamplingParams
@@ -98,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{mode:4s} users {n:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s\n"
                 )
                 sys.stdout.flush()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cells": cells}, indent=2))
+    write_cells(args, cells)
     return 0
 
 
