@@ -138,9 +138,18 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
     reserved = reservations(config)
     started = _start_ray(args.ray_address, args.metrics_port, cpus_needed(reserved))
+    try:
+        # Before anything is deployed that could never be placed; on a cluster this process joined,
+        # a running ssd app is replaced by this deploy, so what it holds counts as free.
+        check_fits(reserved, *cluster_view(None if started else APP_NAME))
+    except ValueError:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise  # nothing deployed: a joined cluster's applications stay as they were
     signals = _Signals()
     try:
-        check_fits(reserved, *cluster_view())  # before anything is deployed that could never be placed
         _deploy(args, config)
         _announce(args, config, settings)
         signals.wait()
@@ -231,7 +240,12 @@ def _shutdown(started: bool, signals: _Signals) -> None:
 
     signals.draining.clear()
     try:
-        serve.shutdown()
+        # Serve itself on a cluster this process started; only its own application on one it
+        # joined, whose other applications are not ours to stop.
+        if started:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
     finally:
         try:
             remove_board(APP_NAME)  # after the ingress replicas, which would create it again

@@ -16,10 +16,13 @@ reservation is on one node, and the GPUs Ray assigns it are the ones its ranks s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from serve_app.config import AppConfig
+
+logger = logging.getLogger(__name__)
 
 # Flags that change each kind of reservation, for the messages.
 _TARGET_FLAGS = "--target-replicas, --target-num-cpus, --target-num-gpus, --tensor-parallel-size"
@@ -105,9 +108,42 @@ def check_fits(reserved: list[Reservation], free: Mapping[str, float], nodes: li
             )
 
 
-def cluster_view() -> tuple[dict[str, float], list[dict[str, float]]]:
-    """(free resources, each alive node's total resources) of the cluster ray.init attached to."""
+def cluster_view(app: str | None = None) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(free resources, each alive node's total resources) of the cluster ray.init attached to.
+    app: a Serve application this deploy replaces (a redeploy of `ssd serve` to a cluster that
+    runs it): what its replicas hold counts as free, since Serve stops them to place the new."""
     import ray
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
-    return dict(ray.available_resources()), nodes
+    free = dict(ray.available_resources())
+    if app is not None:
+        for name, amount in _held_by(app).items():
+            free[name] = free.get(name, 0.0) + amount
+    return free, nodes
+
+
+def held_by_app(app: str, actors) -> dict[str, float]:
+    """What the replicas of Serve application `app` hold, from Ray's actor states (class name
+    'ServeReplica:<app>:<deployment>', required_resources by Ray's names)."""
+    held: dict[str, float] = {}
+    for actor in actors:
+        if actor.class_name.startswith(f"ServeReplica:{app}:"):
+            for name, amount in (actor.required_resources or {}).items():
+                held[name] = held.get(name, 0.0) + float(amount)
+    return held
+
+
+def _held_by(app: str) -> dict[str, float]:
+    from ray.util.state import list_actors
+    from ray.util.state.exception import RayStateApiException
+
+    try:  # 10000: the most Ray's state API answers unless its server is configured for more
+        actors = list_actors(
+            filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, raise_on_missing_output=False
+        )
+    except RayStateApiException as err:  # no dashboard on that cluster: Ray's state API is off
+        logger.warning(
+            "cannot list the cluster's actors (%s): the fit check counts a running %r application as used", err, app
+        )
+        return {}
+    return held_by_app(app, actors)

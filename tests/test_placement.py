@@ -53,3 +53,25 @@ def test_a_missing_custom_resource_is_refused():
     app = config(engine={"mode": "ssd", "draft_worker_resources": {"resources": {"draft_node": 1}}}, extra_modes=[])
     with pytest.raises(ValueError, match="reserves 1 draft_node .* has 0 free"):
         check_fits(reservations(app), {"CPU": 8.0}, [{"CPU": 8.0}])
+
+
+def test_a_redeploy_counts_what_the_running_app_holds_as_free():
+    """`ssd serve` on a cluster that already runs its app replaces that app: the old replicas'
+    reservations (Ray's actor states) count as free, other applications' and actors' do not."""
+    from types import SimpleNamespace
+
+    from serve_app.placement import held_by_app
+
+    actors = [
+        SimpleNamespace(class_name="ServeReplica:ssd:Target", required_resources={"CPU": 2.0}),
+        SimpleNamespace(class_name="ServeReplica:ssd:DraftPool", required_resources={"CPU": 1.0}),
+        SimpleNamespace(class_name="ServeReplica:ssd:Ingress", required_resources=None),
+        SimpleNamespace(class_name="ServeReplica:other:Target", required_resources={"CPU": 4.0}),
+        SimpleNamespace(class_name="ServeController", required_resources={"CPU": 0.0}),
+    ]
+    assert held_by_app("ssd", actors) == {"CPU": 3.0}
+    reserved = reservations(config(engine={"mode": "ssd"}, draft_pool_size=1, extra_modes=[]))
+    assert cpus_needed(reserved) == 2
+    with pytest.raises(ValueError, match="reserves 2 CPU"):
+        check_fits(reserved, {"CPU": 0.0}, [{"CPU": 3.0}])  # the running app holds the cluster's 3 CPUs
+    check_fits(reserved, held_by_app("ssd", actors), [{"CPU": 3.0}])
