@@ -75,3 +75,24 @@ def test_a_redeploy_counts_what_the_running_app_holds_as_free():
     with pytest.raises(ValueError, match="reserves 2 CPU"):
         check_fits(reserved, {"CPU": 0.0}, [{"CPU": 3.0}])  # the running app holds the cluster's 3 CPUs
     check_fits(reserved, held_by_app("ssd", actors), [{"CPU": 3.0}])
+
+
+def test_a_refused_deploy_on_a_joined_cluster_stops_nothing_there(monkeypatch):
+    """A bug fixed: `ssd serve --ray-address ...` whose check refused the deploy went on to its
+    shutdown, which stopped Serve on the joined cluster and the application running there."""
+    import argparse
+
+    from ray import serve
+
+    import serve_app.cli as cli
+
+    stopped = []
+    monkeypatch.setattr(cli, "_start_ray", lambda *a: False)  # joined, not started
+    monkeypatch.setattr(cli, "cluster_view", lambda app=None: ({"CPU": 0.0}, [{"CPU": 2.0}]))
+    monkeypatch.setattr(serve, "shutdown", lambda: stopped.append("serve.shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name: stopped.append(f"serve.delete {name}"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match="reserves 2 CPU"):
+        cli.run(parser.parse_args(["--ray-address", "127.0.0.1:6379", "--mode", "ssd", "--extra-modes"]))
+    assert stopped == []
