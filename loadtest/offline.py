@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.offline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=None, help="Target model directory (default: the demo pair's).")
     parser.add_argument("--draft", default=None, help="Draft model directory (default: the demo pair's).")
-    parser.add_argument("--modes", default="sd,off", help="Comma-separated: auto, ssd, sd, off.")
+    parser.add_argument("--modes", default="sd,off", help=f"Comma-separated, of: {', '.join(REQUEST_MODES)}.")
     parser.add_argument("--users", default="1,4", help="Comma-separated closed-loop user counts.")
     parser.add_argument("--duration", type=float, default=20.0, help="Seconds per cell.")
     parser.add_argument(
@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-file", default=str(PROMPTS))
     parser.add_argument("--out", default="bench_results/loadtest_offline.json")
     args = parser.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        parser.error("--target and --draft go together (neither: the demo pair)")
+    unknown = [m for m in args.modes.split(",") if m not in REQUEST_MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(REQUEST_MODES)}")
     from ssd.bench.plan import demo_pair
 
     target, draft = (args.target, args.draft) if args.target else demo_pair()

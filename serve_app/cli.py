@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import yaml
@@ -138,24 +139,28 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
     reserved = reservations(config)
     started = _start_ray(args.ray_address, args.metrics_port, cpus_needed(reserved))
+    # On a cluster this process joined, a running ssd app is replaced by this deploy, so what it
+    # holds counts as free.
+    view = cluster_view(None if started else APP_NAME)
     try:
-        # Before anything is deployed that could never be placed; on a cluster this process joined,
-        # a running ssd app is replaced by this deploy, so what it holds counts as free.
-        check_fits(reserved, *cluster_view(None if started else APP_NAME))
+        check_fits(reserved, *view)  # before anything is deployed that could never be placed
     except ValueError:
         if started:
             import ray
 
             ray.shutdown()
         raise  # nothing deployed: a joined cluster's applications stay as they were
-    signals = _Signals()
+    signals, owner = _Signals(), uuid.uuid4().hex
     try:
-        _deploy(args, config)
+        _deploy(args, config, owner)
         _announce(args, config, settings)
         signals.wait()
-        _drain(config, signals)
+        if _ours(owner):
+            _drain(config, signals)
+        else:
+            logger.warning("another `ssd serve` has replaced this one's application since; leaving it running")
     finally:
-        _shutdown(started, signals)
+        _shutdown(started, signals, owner)
     return 0
 
 
@@ -181,7 +186,7 @@ class _Signals:
             pass
 
 
-def _deploy(args: argparse.Namespace, config: AppConfig) -> None:
+def _deploy(args: argparse.Namespace, config: AppConfig, owner: str) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
@@ -193,7 +198,7 @@ def _deploy(args: argparse.Namespace, config: AppConfig) -> None:
         http_options=HTTPOptions(host=args.host, port=args.port),
         grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
     )
-    reset_board(APP_NAME)  # a drain of an earlier run that was killed must not carry over
+    reset_board(APP_NAME, owner)  # this deploy is the app's now; an earlier killed run's drain does not carry over
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
 
 
@@ -232,7 +237,15 @@ def _drain(config: AppConfig, signals: _Signals) -> None:
         sys.stdout.write("drain skipped: shutting down now\n")
 
 
-def _shutdown(started: bool, signals: _Signals) -> None:
+def _ours(owner: str) -> bool:
+    """Whether the application is still this process's deploy: a later `ssd serve` on the same
+    cluster replaces it, and then it is that one's to drain and stop."""
+    from serve_app.drain import deployed_by
+
+    return deployed_by(APP_NAME) == owner
+
+
+def _shutdown(started: bool, signals: _Signals, owner: str) -> None:
     import ray
     from ray import serve
 
@@ -241,16 +254,17 @@ def _shutdown(started: bool, signals: _Signals) -> None:
     signals.draining.clear()
     try:
         # Serve itself on a cluster this process started; only its own application on one it
-        # joined, whose other applications are not ours to stop.
+        # joined, whose other applications (and a later deploy of this one) are not ours to stop.
         if started:
             serve.shutdown()
-        else:
+        elif _ours(owner):
             serve.delete(APP_NAME)
-    finally:
-        try:
             remove_board(APP_NAME)  # after the ingress replicas, which would create it again
-        finally:
-            if started:
+    finally:
+        if started:
+            try:
+                remove_board(APP_NAME)
+            finally:
                 ray.shutdown()
 
 

@@ -43,6 +43,7 @@ class DrainBoard:
     def __init__(self) -> None:
         self.draining = False
         self.inflight: dict[str, tuple[int, bool, float]] = {}  # replica -> (count, had seen the flag, when)
+        self.owner = ""  # the `ssd serve` whose deploy is the application's current one
 
     def report(self, replica: str, inflight: int, saw_flag: bool) -> bool:
         """An ingress replica's count, and whether it had seen the flag when it counted;
@@ -53,10 +54,15 @@ class DrainBoard:
     def start_draining(self) -> None:
         self.draining = True
 
-    def reset(self) -> None:
-        """Serving again (a new `ssd serve` on a cluster whose last drain left the board)."""
+    def reset(self, owner: str = "") -> None:
+        """Serving again, deployed by `owner` (a new `ssd serve`, on a cluster whose last drain
+        left the board or whose running application it replaces)."""
         self.draining = False
         self.inflight.clear()
+        self.owner = owner
+
+    def deployed_by(self) -> str:
+        return self.owner
 
     def left(self, fresh_s: float = 5.0) -> int | None:
         """In-flight generations over the replicas that reported within fresh_s (one that stopped
@@ -122,14 +128,20 @@ def drain(app_name: str, timeout_s: float) -> tuple[int | None, float]:
         time.sleep(REPORT_PERIOD_S)
 
 
-def reset_board(app_name: str) -> None:
-    """Clear a board an earlier drain of this application left on the cluster (its process was
-    killed before it could remove it), so the new ingress replicas do not start draining."""
+def reset_board(app_name: str, owner: str) -> None:
+    """Before `owner` (one `ssd serve`) deploys the application: the board exists, marks it the
+    current deploy's, and clears what an earlier drain left (its process was killed before it
+    could remove the board), so the new ingress replicas do not start draining."""
+    ray.get(get_board(app_name).reset.remote(owner))
+
+
+def deployed_by(app_name: str) -> str | None:
+    """The owner of the application's current deploy (reset_board), None without a board."""
     try:
         board = ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE)
-    except ValueError:  # none: the usual case
-        return
-    ray.get(board.reset.remote())
+    except ValueError:  # none: never deployed through `ssd serve`, or removed
+        return None
+    return ray.get(board.deployed_by.remote())
 
 
 def remove_board(app_name: str) -> None:

@@ -139,9 +139,11 @@ def _held_by(app: str) -> dict[str, float]:
 
     try:  # 10000: the most Ray's state API answers unless its server is configured for more
         actors = list_actors(
-            filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, raise_on_missing_output=False
+            filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, timeout=5, raise_on_missing_output=False
         )
-    except RayStateApiException as err:  # no dashboard on that cluster: Ray's state API is off
+    # The state API is served by the cluster's dashboard: without one, or unreachable, it fails
+    # with its own error, a connection error (OSError) or a bad address (ValueError).
+    except (RayStateApiException, OSError, ValueError) as err:
         logger.warning(
             "cannot list the cluster's actors (%s): the fit check counts a running %r application as used", err, app
         )

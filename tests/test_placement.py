@@ -96,3 +96,24 @@ def test_a_refused_deploy_on_a_joined_cluster_stops_nothing_there(monkeypatch):
     with pytest.raises(ValueError, match="reserves 2 CPU"):
         cli.run(parser.parse_args(["--ray-address", "127.0.0.1:6379", "--mode", "ssd", "--extra-modes"]))
     assert stopped == []
+
+
+@pytest.mark.parametrize("current, stopped", [("me", ["serve.delete ssd", "board removed"]), ("later", [])])
+def test_exiting_on_a_joined_cluster_stops_only_its_own_deploy(monkeypatch, current, stopped):
+    """On a joined cluster `ssd serve` deletes its application when it exits, unless a later
+    `ssd serve` has replaced it since (then it is that one's); Serve itself stays."""
+    import threading
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    import serve_app.cli as cli
+    import serve_app.drain as drain
+
+    calls = []
+    monkeypatch.setattr(drain, "deployed_by", lambda app: current)
+    monkeypatch.setattr(drain, "remove_board", lambda app: calls.append("board removed"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(f"serve.delete {name}"))
+    cli._shutdown(False, SimpleNamespace(draining=threading.Event()), "me")
+    assert calls == stopped

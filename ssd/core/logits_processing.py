@@ -62,7 +62,8 @@ class Processing:
 
     @property
     def active(self) -> bool:
-        """Whether it changes logits beyond token masks (a row with none skips the sparse pass)."""
+        """Whether `build` must give the row its real scalars and tracked columns (a row without
+        gets neutral ones and no tracked tokens; its bad words are token masks, not this)."""
         return bool(
             self.repetition_penalty != 1.0
             or self.frequency_penalty
@@ -72,6 +73,11 @@ class Processing:
             or self.min_tokens
             or self.min_p
         )
+
+    @property
+    def any(self) -> bool:
+        """Whether it changes the row's distribution at all (bad words included)."""
+        return self.active or bool(self.bad_words)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class Adjustments:
         this has any (only the caller's matchers and histories know them). where [b] bool: the
         rows that append (None: all); the others stay as they are."""
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
-        take = torch.ones(tokens.numel(), 1, dtype=torch.bool) if where is None else where.view(-1, 1)
+        take = tokens.new_ones(tokens.numel(), 1, dtype=torch.bool) if where is None else where.view(-1, 1)
         hit = (self.ids == tokens.view(-1, 1)) & take  # [b, m]
         new = ~hit.any(1, keepdim=True) & take  # [b, 1]
         ids = torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1)
@@ -136,12 +142,13 @@ class Adjustments:
         rows [r] the row each branch grows from; prefix [r, L] the tokens it appends to that
         row's history first (the accepted drafts its outcome assumes, then its candidate), where
         valid [r, L]. -> adjustments for r rows at one position (no masks: the caller's)."""
-        out = Adjustments(
-            *(getattr(self, f)[rows] for f in ("ids", "counts", "seen", "bias", "banned")),
-            None if self.allowed is None else self.allowed[rows],
-            *(getattr(self, f)[rows] for f in ("repetition", "frequency", "presence", "output_len", "min_tokens")),
-            self.min_p[rows],
-            prefix.new_zeros(rows.numel(), 0),
+        per_row = ("ids", "counts", "seen", "bias", "banned", "repetition", "frequency", "presence", "output_len")
+        out = replace(
+            self,
+            **{f: getattr(self, f)[rows] for f in (*per_row, "min_tokens", "min_p")},
+            allowed=None if self.allowed is None else self.allowed[rows],
+            drafted=prefix.new_zeros(rows.numel(), 0),
+            masks=None,
         )
         for i in range(prefix.shape[1]):
             out = out.advanced(prefix[:, i], where=valid[:, i])
@@ -186,7 +193,11 @@ def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None
     return None if value is None else value.to(device)
 
 
-def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, masks: torch.Tensor | None = None) -> Adjustments:
+# One row of a build: its processing, prompt ids and output ids.
+Row = tuple[Processing, list[int], list[int]]
+
+
+def build(rows: list[Row], drafted: torch.Tensor, vocab: int, masks: torch.Tensor | None = None) -> Adjustments:
     """rows: per row (Processing, prompt_ids, output_ids); drafted [b, K] (host); masks
     [b, K + 1, V] (token_masks.token_masks) or None. Rows whose processing is not active get
     neutral values (and no tracked tokens)."""
@@ -221,7 +232,7 @@ def build(rows: list[tuple], drafted: torch.Tensor, vocab: int, masks: torch.Ten
     )
 
 
-def _tracked(rows: list[tuple], active: list[int], drafted: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
+def _tracked(rows: list[Row], active: list[int], drafted: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
     """The tracked columns of every row, [b, m] each: ids, counts, seen, bias, banned (see
     Adjustments). One pass over all active rows at once: every token is keyed row * vocab +
     token, so one sorted unique gives each row's ids in order and where each token sits among
@@ -238,6 +249,8 @@ def _tracked(rows: list[tuple], active: list[int], drafted: torch.Tensor, vocab:
     lens = torch.tensor([len(x) for x in lists], dtype=torch.long)
     owners = torch.tensor(active, dtype=torch.long)
     flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    # Keys stay in their row's range only for ids in the vocabulary (the engine checked them).
+    assert flat.numel() == 0 or (int(flat.min()) >= 0 and int(flat.max()) < vocab), "token id outside the vocabulary"
     keyed = flat + torch.repeat_interleave(owners.repeat(4) * vocab, lens)
     drafts = (drafted[owners].long() + owners.view(-1, 1) * vocab).flatten()
     # Sorted unique keys (by row, then token), and where each token sits among them.

@@ -62,7 +62,7 @@ class Sequence:
     @property
     def adjusted(self) -> bool:
         """Whether its logits change beyond temperature, top-k and top-p (logits_processing.py)."""
-        return self.processing.active or bool(self.processing.bad_words) or self.matcher is not None
+        return self.processing.any or self.matcher is not None
 
     @property
     def bad_words(self) -> tuple[tuple[int, ...], ...]:

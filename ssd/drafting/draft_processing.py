@@ -32,21 +32,13 @@ from ssd.core.bad_words import refused
 from ssd.core.logits_processing import build
 from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.token_masks import joined, token_masks
+from ssd.drafting.sd_proposer import to_vocab
 
 
 def processes(sampling: SequenceSampling) -> bool:
     """Whether a sequence's speculations need processing beyond temperature, top-k and top-p
     (its grammar is draft_grammars.py's)."""
-    return sampling.processing.active or bool(sampling.processing.bad_words)
-
-
-def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft logits [..., V_draft] -> [..., vocab]: cut, or padded with -inf where the draft's
-    vocabulary is the smaller (those tokens are never drafted)."""
-    logits = logits[..., :vocab]
-    if logits.shape[-1] < vocab:
-        logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
-    return logits
+    return sampling.processing.any
 
 
 class RoundProcessing:
@@ -78,8 +70,9 @@ class RoundProcessing:
         allowed = torch.ones(b, k + 1, self.vocab, dtype=torch.bool)
         spec = self.spec.tolist()
         for r, words in enumerate(self.words):
+            tail = _tail(self.outputs[r], _span(words))  # all a word can look back at
             for j in range(k + 1) if words else ():
-                allowed[r, j, refused(words, self.outputs[r] + spec[r][:j])] = False
+                allowed[r, j, refused(words, tail + spec[r][:j])] = False
         return allowed
 
     def tree(self, cand: torch.Tensor, outcome: torch.Tensor, sampling: BatchSampling) -> TreeProcessing:
@@ -104,10 +97,10 @@ class TreeProcessing:
         self.sampling = BatchSampling(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
         # Bad words look at a history's last tokens only: each branch keeps that tail.
         self.words = [rnd.words[r] for r in rows.tolist()]
-        self.spans = [max((len(w) for w in words), default=1) - 1 for words in self.words]
+        self.spans = [_span(words) for words in self.words]
         starts = zip(rows.tolist(), prefix.tolist(), j.flatten().tolist())
         self.tails = [
-            _tail(rnd.outputs[r] + p[: o + 1], span) if words else []
+            _tail(_tail(rnd.outputs[r], span) + p[: o + 1], span) if words else []
             for (r, p, o), words, span in zip(starts, self.words, self.spans)
         ]
 
@@ -150,6 +143,11 @@ class DraftView:
 
     def tokens_from(self, start: int) -> list[int]:
         return self._tokens[start:]
+
+
+def _span(words: tuple[tuple[int, ...], ...]) -> int:
+    """How many tokens of history the words look back at (each word's length less one)."""
+    return max((len(w) for w in words), default=1) - 1
 
 
 def _tail(history: list[int], span: int) -> list[int]:

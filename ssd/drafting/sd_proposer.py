@@ -11,6 +11,15 @@ from ssd.core.token_masks import token_masks
 from ssd.model.runner import ModelRunner, pad_rows
 
 
+def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits [..., V_draft] -> [..., vocab]: cut, or padded with -inf where the draft's
+    vocabulary is the smaller (those tokens are never drafted)."""
+    logits = logits[..., :vocab]
+    if logits.shape[-1] < vocab:
+        logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
+    return logits
+
+
 class SDProposer:
     """Keeps a draft KV cache per running sequence and drafts autoregressively.
 
@@ -34,11 +43,7 @@ class SDProposer:
     def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
         """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab:
         padded with -inf logits, so the request's adjustments see the target's vocabulary)."""
-        v_t = self.target_vocab
-        logits = logits[..., :v_t]
-        if logits.shape[-1] < v_t:
-            logits = torch.nn.functional.pad(logits, (0, v_t - logits.shape[-1]), value=float("-inf"))
-        return process_logits(logits, sampling)
+        return process_logits(to_vocab(logits, self.target_vocab), sampling)
 
     def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
         b = len(seqs)

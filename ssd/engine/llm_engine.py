@@ -216,7 +216,7 @@ class LLMEngine:
         with self.metrics.timed("draft"):
             spec = self._speculate(k, sampling)
         with self.metrics.timed("verify"):
-            outcome, logprobs = self._verify(spec, sampling)
+            outcome, logprobs = self._verify(spec)
         if self.proposer is not None and k > 0:
             with self.metrics.timed("draft"):  # overlaps the drafter's answer with the bookkeeping below
                 self.proposer.outcome_known(self.running, spec, outcome)
@@ -269,7 +269,7 @@ class LLMEngine:
             spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
         return spec
 
-    def _verify(self, spec: Speculation, sampling: BatchSampling) -> tuple[RoundOutcome, dict | None]:
+    def _verify(self, spec: Speculation) -> tuple[RoundOutcome, dict | None]:
         """The target's forward over [last token, speculation] and the verification rule; -> the
         outcome and the log-probabilities of the rows that asked (LogprobRecorder.round)."""
         seqs = self.running

@@ -191,3 +191,17 @@ def test_a_body_far_over_the_limit_still_gets_413_with_the_envelope(served, mega
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="tiny", prompt="x" * (megabytes << 20), max_tokens=1)
     assert err.value.status_code == 413
+
+
+def test_the_drain_board_names_the_current_deploy(served):
+    """`ssd serve` stamps its deploy on the app's drain board (a real detached actor here); a
+    later deploy of the same app takes it over, and the one it replaced then stops nothing."""
+    from serve_app.drain import deployed_by, remove_board, reset_board
+
+    assert deployed_by("owner-test") is None
+    reset_board("owner-test", "first")
+    assert deployed_by("owner-test") == "first"
+    reset_board("owner-test", "second")
+    assert deployed_by("owner-test") == "second"
+    remove_board("owner-test")
+    assert deployed_by("owner-test") is None
