@@ -205,8 +205,11 @@ class TreeDrafter:
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
         cand, outcome = grid.candidates[:, shard], grid.outcome[:, shard]
-        shaped = shaping.tree(cand, outcome, self._sampling(seq_ids))
-        tree = self._tree_decode(seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, shaped)
+        sampling = self._sampling(seq_ids)
+        shaped = shaping.tree(cand, outcome, sampling)
+        tree = self._tree_decode(
+            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, shaped
+        )
         if tree is None:
             return False
         tokens, probs, tree_started = tree
@@ -248,14 +251,15 @@ class TreeDrafter:
         undo: list[torch.Tensor],
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
+        sampling: BatchSampling,
         shaped: TreeShaping | None = None,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
-        when the round went stale and was taken back. shaped: the branches' grammars and
-        processing (shaping.py), None when no row has any. The tree is a scratch forward past
-        every row's length: its columns are gone when it ends, and s_T's glue columns are rolled
-        back."""
+        when the round went stale and was taken back. sampling: the rows' settings; shaped: the
+        branches' grammars and processing (shaping.py), None when no row has any. The tree is a
+        scratch forward past every row's length: its columns are gone when it ends, and s_T's
+        glue columns are rolled back."""
         b, n = cand.shape
         k = self.k
         committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
@@ -263,7 +267,6 @@ class TreeDrafter:
         lengths = self.cache.lengths()  # the glue's included
         tree_start = int(lengths.max())  # every row's depth d is written at columns tree_start + d N + 0..N-1
         mask = tree_mask(lengths, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
-        sampling = self._sampling(seq_ids)
         uniforms = torch.stack([torch.rand(k, n, generator=self.states[s].generator) for s in seq_ids])
         one_hot = bool(sampling.greedy.all())
         fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
