@@ -37,7 +37,7 @@ def test_every_branch_follows_the_grammar(tiny_pair):
     assert d.begin_round(BeginRoundMsg(1, [1], spec, torch.tensor([4]), fanout))
     tree = d.round
     digits = set(b"0123456789")
-    for (k, candidate), n in tree.branch_index[0].items():
+    for n, (k, candidate) in enumerate(zip(tree.grid.outcome[0].tolist(), tree.grid.candidates[0].tolist())):
         assert candidate in digits, (k, candidate)  # the fork ranked digits only
         assert set(tree.tokens[0, n].tolist()) <= digits  # and the branch drafted digits only
     # The outcome commits s_T[:2] and a bonus; the next round's drafts follow from there.

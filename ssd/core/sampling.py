@@ -153,6 +153,15 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = Fal
     return ids
 
 
+def no_mass(role: str, option: str) -> RuntimeError:
+    """The error of a device round whose `role` ("draft" or "target") drew from a distribution
+    without positive mass (sample_on_device's -1), as the host's sampler raises it."""
+    return RuntimeError(
+        f"a {role} distribution has no positive mass (non-finite logits): load the {role} in a wider dtype "
+        f"({option}='float32')"
+    )
+
+
 # ---- the same rules as device functions ---------------------------------------------------------
 # process_logits and sample_from branch on the batch (a greedy batch skips the softmax, top-k alone
 # skips the sort, a rounding miss is repaired only where it happened): each branch reads a device

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ssd.core.sampling import BatchSampling
+from ssd.core.sampling import BatchSampling, no_mass
 
 if TYPE_CHECKING:  # annotations only: a Sequence holds SpecMetrics, defined here
     from ssd.core.sequence import Sequence
@@ -27,7 +27,9 @@ class Source(enum.IntEnum):
 class Speculation:
     """K proposed tokens per running sequence and the distributions they were drawn from."""
 
-    tokens: torch.Tensor  # [b, K] long (entries past num_draft are padding)
+    # [b, K] long (entries past num_draft are padding); a proposer on an accelerator leaves its
+    # tokens and probs there, and marks a token drawn from a distribution without mass -1
+    tokens: torch.Tensor
     probs: torch.Tensor  # [b, K, V] float32, V = the target's vocabulary size
     num_draft: torch.Tensor  # [b] long, real proposals per row (<= K)
     source: torch.Tensor | None = field(default=None)  # [b] long Source; None = all DRAFT
@@ -35,6 +37,18 @@ class Speculation:
     @property
     def k(self) -> int:
         return self.tokens.shape[1]
+
+    def on_host(self, rows: torch.Tensor | None = None) -> "Speculation":
+        """The same speculation with its tokens and probs on the host (num_draft and source are
+        host tensors wherever the drafts are). Raises where a real draft token of `rows` [b]
+        bool (default: all) is -1."""
+        tokens = self.tokens.cpu()
+        real = torch.arange(self.k).unsqueeze(0) < self.num_draft.unsqueeze(1)
+        if rows is not None:
+            real &= rows.unsqueeze(1)
+        if bool(((tokens < 0) & real).any()):
+            raise no_mass("draft", "draft_dtype")
+        return Speculation(tokens, self.probs.cpu(), self.num_draft, self.source)
 
     @staticmethod
     def empty(batch: int, vocab: int) -> "Speculation":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.sampling import BatchSampling, process_logits, sample_from
+from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device, sample_from, sample_on_device
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
 from ssd.core.token_masks import token_masks
@@ -32,6 +32,10 @@ class SDProposer:
         self.runner = runner
         self.target_vocab = target_vocab
         self.cache = runner.new_cache()
+        # On an accelerator a proposal reads nothing back per token (tests force it on the CPU):
+        # its tokens and probs stay on the draft's device, a token drawn from a distribution
+        # without mass is -1 there (the host's sampler raises), and whoever copies them checks.
+        self.device_round = runner.device.type != "cpu"
 
     def add(self, seqs: list[Sequence]) -> None:
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in seqs])
@@ -40,34 +44,41 @@ class SDProposer:
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.keep(rows)
 
-    def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling, on_device: bool = False) -> torch.Tensor:
         """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab:
-        padded with -inf logits, so the request's adjustments see the target's vocabulary)."""
-        return process_logits(to_vocab(logits, self.target_vocab), sampling)
+        padded with -inf logits, so the request's adjustments see the target's vocabulary).
+        on_device: with no host read (sampling's tensors on the logits' device)."""
+        process = process_logits_on_device if on_device else process_logits
+        return process(to_vocab(logits, self.target_vocab), sampling)
 
     def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
-        b = len(seqs)
-        uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs])  # [b, K]
+        b, on_device = len(seqs), self.device_round
+        device = self.runner.device if on_device else torch.device("cpu")
+        uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs]).to(device)  # [b, K]
+        sampling = sampling.to(device)
         synced = self.cache.lengths().tolist()
         pending = [s.tokens_from(synced[r]) for r, s in enumerate(seqs)]
         tokens, valid = pad_rows(pending)
-        logits = self.runner.forward(self.cache, tokens, valid)
-        last = valid.long().sum(1) - 1
-        step_logits = logits[torch.arange(b), last].unsqueeze(1)  # [b, 1, V]
+        logits = self.runner.forward(self.cache, tokens, valid, on_host=not on_device)
+        last = (valid.long().sum(1) - 1).to(device)
+        step_logits = logits[torch.arange(b, device=device), last].unsqueeze(1)  # [b, 1, V]
         drafted, probs = [], []
-        one_hot = bool(sampling.greedy.all())
+        one_hot = not on_device and bool(sampling.greedy.all())
         for i in range(k):
-            p = self.draft_probs(step_logits, sampling)[:, 0]  # [b, V]
-            tok = sample_from(p, uniforms[:, i], one_hot)
+            p = self.draft_probs(step_logits, sampling, on_device)[:, 0]  # [b, V]
+            tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
             if sampling.adjust is not None and i < k - 1:  # penalties count this draft token from here on
                 masks = None
                 if sampling.adjust.masks is not None:  # and the grammar's and bad words' next masks follow it
-                    masks = token_masks(seqs, torch.stack(drafted, 1), self.target_vocab, True)
+                    # (host matchers: the one read per token a constrained proposal costs on a device)
+                    masks = token_masks(seqs, torch.stack(drafted, 1).cpu(), self.target_vocab, True)
+                    masks = masks.to(device)
                 sampling = sampling.adjusted(sampling.adjust.advanced(tok, masks))
             if i < k - 1:
-                step_logits = self.runner.forward(self.cache, tok.unsqueeze(1))
+                feed = tok.clamp(min=0) if on_device else tok  # what a -1 feeds is never verified
+                step_logits = self.runner.forward(self.cache, feed.unsqueeze(1), on_host=not on_device)
         return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:

@@ -39,6 +39,11 @@ class RoundShaping:
         if any(processes(s) for s, _ in rows):  # ranked as the target's bonus token is drawn
             self.processing = RoundProcessing(rows, spec_tokens, grammars.vocab)
 
+    @property
+    def active(self) -> bool:
+        """Whether any row has a grammar or processing (its shaping runs on the host)."""
+        return self.spines is not None or self.processing is not None
+
     def glue(self, logits: torch.Tensor) -> torch.Tensor:
         """The glue's draft logits [b, K+1, V_draft] -> what the fork ranks."""
         if self.processing is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.protocol import RANK_DEPTH
+from ssd.core.sampling import no_mass
 from ssd.model.kv_cache import additive_mask
 
 
@@ -24,18 +25,36 @@ class SpeculationTree:
 
     seq_ids: list[int]
     spec_tokens: list[list[int]]  # s_T per row (real tokens only)
-    branch_index: list[dict[tuple[int, int], int]]  # per row: (k, bonus) -> branch n of the whole grid
+    grid: Fork  # the whole grid's candidates and outcomes (every shard's), what the outcome is looked up in
     tokens: torch.Tensor  # [b, N_own, depth]: this shard's branches, branch n at n // num_shards
     probs: BranchProbs  # [b, N_own, depth, V], kept sparse per row
     fanout: list[int] = field(default_factory=list)
-    # [b, K+1, R] the candidates of each outcome in the draft's order: the bonus token's rank is
-    # its place here
-    ranked: torch.Tensor | None = None
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
     # A round begun on a prediction: how to take it back (generator states, committed columns
     # the glue added per row) if the target's announcement turns out different.
     undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
+
+    def lookup(self, rows: list[int], accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """The outcomes of rows `rows` of this round (accepted, bonus [m], host) -> [3, m] long,
+        host (find_branches: covered, branch n of the whole grid, the bonus token's rank): the
+        round's one small copy before its reply."""
+        grid, device = self.grid, self.grid.candidates.device
+        index = torch.tensor(rows, dtype=torch.long)
+        found = find_branches(
+            grid.candidates[index.to(device)], grid.outcome[index].to(device), grid.ranked[index.to(device)],
+            accepted.to(device), bonus.to(device),
+        )  # fmt: skip
+        return found.cpu()
+
+    def branches(self, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Branches of this shard, (row i, branch n // num_shards) each -> tokens [m, depth] and
+        probs [m, depth, V], on the host (one copy). A -1 token (a round on an accelerator drew
+        from a distribution without mass) raises as the host's sampler does."""
+        tokens = torch.stack([self.tokens[i, n] for i, n in picks]).cpu()
+        if bool((tokens < 0).any()):
+            raise no_mass("draft", "draft_dtype")
+        return tokens, torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
 
 
 @dataclass
@@ -51,17 +70,21 @@ class BranchProbs:
     values: list[torch.Tensor] = field(default_factory=list)  # per row: [N_own, depth, S_r] (S_r = V: dense)
     indices: list[torch.Tensor | None] = field(default_factory=list)  # per row: [N_own, depth, S_r], None if dense
 
-    def add(self, probs: torch.Tensor, narrow: list[bool]) -> None:
+    def add(self, probs: torch.Tensor, narrow: list[bool], counted: bool = True) -> None:
         """Append one depth: probs [b, N_own, V]; narrow [b]: the rows that may be kept sparse
         (greedy or top-k: their support is counted; any other row is kept dense uncounted, a
-        count over b x N x V costing milliseconds per depth at V = 128k)."""
+        count over b x N x V costing milliseconds per depth at V = 128k). counted=False (a round
+        on an accelerator: a count is a host read) keeps the narrow rows at one entry, which
+        must be their whole support (greedy rows: one-hot), and every other row dense."""
         b, n, vocab = probs.shape
         if not self.values:  # every row starts sparse, with no depth yet
             self.values = [probs.new_zeros(n, 0, 0) for _ in range(b)]
             self.indices = [torch.zeros(n, 0, 0, dtype=torch.long, device=probs.device) for _ in range(b)]
         support = [vocab] * b  # the widest distribution of each row
         rows = [r for r in range(b) if narrow[r]]
-        if rows:
+        if not counted:
+            support = [1 if wide else vocab for wide in narrow]
+        elif rows:
             for r, s in zip(rows, (probs[rows] > 0).sum(-1).amax(-1).tolist()):
                 support[r] = s
         for r in range(b):
@@ -111,39 +134,67 @@ def _cat_padded(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 class Fork:
     """The branch grid of a round, as every shard computes it alike."""
 
-    candidates: torch.Tensor  # [b, N] long: branch n's first token (its bonus candidate)
-    outcome: torch.Tensor  # [b, N] long: the outcome j (accepted tokens) branch n stands for
-    branch_index: list[dict[tuple[int, int], int]]  # per row: (j, candidate) -> branch n
-    ranked: torch.Tensor  # [b, K+1, R] long: each outcome's first R candidates, in order
+    candidates: torch.Tensor  # [b, N] long, on the glue's device: branch n's first token (its bonus candidate)
+    outcome: torch.Tensor  # [b, N] long, host: the outcome j (accepted tokens) branch n stands for
+    ranked: torch.Tensor  # [b, K+1, R] long, on the glue's device: each outcome's first R candidates, in order
 
 
-def fork(glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec: list[list[int]], row_fan: list[list[int]]) -> Fork:
+def fork(
+    glue_logits: torch.Tensor, spec_tokens: torch.Tensor, spec_lens: torch.Tensor, row_fan: list[list[int]]
+) -> Fork:
     """Bonus candidates: for each row r and outcome j, the top row_fan[r][j] tokens of the glue
     distribution at j (raw draft logits), never the drafted token s_T[j] (had it been right,
     more tokens would have been accepted).
 
-    glue_logits [b, K+1, V], spec_tokens [b, K] (padded), spec the real tokens per row,
-    row_fan [b][K+1] the fan-out per row (ssd.drafting.saguaro.row_fanout)."""
+    glue_logits [b, K+1, V] (on any device), spec_tokens [b, K] (padded), spec_lens [b] the real
+    tokens per row (host), row_fan [b][K+1] the fan-out per row (ssd.drafting.saguaro.row_fanout;
+    every row's sums to the same N). The grid's layout comes from the host's fan-outs; the
+    ranking stays where the logits are (`rank_candidates`: no host read)."""
+    vocab = glue_logits.shape[-1]
+    outcome, rank = _layout(row_fan)  # [b, N] each
+    depth = min(max(max(max(f) for f in row_fan), RANK_DEPTH), vocab)
+    device = glue_logits.device
+    real = torch.arange(spec_tokens.shape[1]) < spec_lens.unsqueeze(1)  # [b, K]
+    flat = (outcome * depth + rank).to(device)  # [b, N]: where each branch's candidate sits in ranked
+    candidates, ranked = rank_candidates(glue_logits, spec_tokens.to(device), real.to(device), flat, depth)
+    return Fork(candidates, outcome, ranked[..., :RANK_DEPTH])
+
+
+def rank_candidates(
+    glue_logits: torch.Tensor, spec_tokens: torch.Tensor, real: torch.Tensor, flat: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fork's device step: glue_logits [b, K+1, V], spec_tokens [b, K], real [b, K] bool (the
+    real drafted tokens), flat [b, N] (outcome * depth + rank of each branch) -> candidates [b,
+    N] and ranked [b, K+1, depth]: at each outcome the draft's `depth` likeliest tokens other
+    than the drafted one."""
     b, k1, vocab = glue_logits.shape
-    k = k1 - 1
-    lens = torch.tensor([len(x) for x in spec])
-    drafted = torch.zeros(b, k1, vocab, dtype=torch.bool)
-    real = (torch.arange(k) < lens.unsqueeze(1)).unsqueeze(-1)  # [b, K, 1]
-    drafted[:, :k].scatter_(-1, spec_tokens[:, :k].long().unsqueeze(-1), real)
-    widest = max(max(f) for f in row_fan)
-    ranked = glue_logits.masked_fill(drafted, float("-inf")).topk(min(max(widest, RANK_DEPTH), vocab), dim=-1).indices
-    top = ranked[..., :widest].tolist()  # [b][K+1][widest]
-    cand, branch_index = [], []
-    for r in range(b):
-        row, index = [], {}
-        for j, f in enumerate(row_fan[r]):
-            for t in top[r][j][:f]:
-                index[(j, t)] = len(row)
-                row.append(t)
-        cand.append(row)
-        branch_index.append(index)
-    outcome = torch.tensor([[j for j, f in enumerate(rf) for _ in range(f)] for rf in row_fan], dtype=torch.long)
-    return Fork(torch.tensor(cand, dtype=torch.long), outcome, branch_index, ranked[..., :RANK_DEPTH])
+    drafted = torch.zeros(b, k1, vocab, dtype=torch.bool, device=glue_logits.device)
+    drafted[:, : k1 - 1].scatter_(-1, spec_tokens[:, : k1 - 1].long().unsqueeze(-1), real.unsqueeze(-1))
+    ranked = glue_logits.masked_fill(drafted, float("-inf")).topk(depth, dim=-1).indices  # [b, K+1, depth]
+    return ranked.reshape(b, -1).gather(1, flat), ranked
+
+
+def _layout(row_fan: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branches numbered by outcome, then rank: -> outcome [b, N] and rank [b, N] (host)."""
+    outcome = [[j for j, f in enumerate(fan) for _ in range(f)] for fan in row_fan]
+    rank = [[i for f in fan for i in range(f)] for fan in row_fan]
+    return torch.tensor(outcome, dtype=torch.long), torch.tensor(rank, dtype=torch.long)
+
+
+def find_branches(
+    candidates: torch.Tensor, outcome: torch.Tensor, ranked: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor
+) -> torch.Tensor:
+    """The speculation-cache lookup, on whatever device the grid is: candidates, outcome [b, N],
+    ranked [b, K+1, R], accepted and bonus [b] (the outcome of each row) -> [3, b] long: whether
+    the grid holds the branch (k, bonus), its number n (0 where not), and the bonus token's rank
+    among outcome k's candidates (RANK_DEPTH where not among the first R)."""
+    match = (outcome == accepted.unsqueeze(1)) & (candidates == bonus.unsqueeze(1))  # [b, N]: at most one per row
+    covered = match.any(1)
+    branch = match.long().argmax(1)
+    at_k = ranked.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, ranked.shape[-1])).squeeze(1)  # [b, R]
+    place = at_k == bonus.unsqueeze(1)
+    rank = torch.where(place.any(1), place.long().argmax(1), RANK_DEPTH)
+    return torch.stack([covered.long(), branch, rank])
 
 
 def tree_mask(

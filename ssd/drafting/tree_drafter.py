@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from ssd.core.protocol import (
-    RANK_DEPTH,
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
@@ -50,14 +49,15 @@ from ssd.core.protocol import (
     ResolveMsg,
     SpeculationReply,
 )
-from ssd.core.sampling import BatchSampling, SequenceSampling, sample_from
+from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.speculation import Speculation
 from ssd.drafting.draft_grammars import DraftGrammars
 from ssd.drafting.draft_processing import DraftView, first_position, processes
-from ssd.drafting.saguaro import row_fanout, saguaro_probs
+from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
+from ssd.drafting.tree_decode import TreeRound, decode_tree
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -102,6 +102,8 @@ class TreeDrafter:
         self.shard, self.num_shards = shard, num_shards
         self.jit = SDProposer(runner, target_vocab)  # the neural backup; shares the cache and probs handling
         self.cache = self.jit.cache
+        # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
+        self.device_round = runner.device.type != "cpu"
         self.grammars = DraftGrammars(tokenizer, target_vocab)
         self.states: dict[int, _SeqState] = {}
         self.order: list[int] = []  # seq id of each cache row
@@ -195,16 +197,18 @@ class TreeDrafter:
         shard = torch.arange(self.shard, sum(msg.fanout), self.num_shards)
         assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
-        glue = self._glue(seq_ids, spec)
         rows = [(self.states[s].sampling, self.states[s].tokens) for s in seq_ids]
         shaping = RoundShaping(self.grammars, seq_ids, rows, spec, msg.spec_tokens, self.k)
+        # Grammars and processing follow host-side matchers and histories: such rounds run on the host.
+        on_device = self.device_round and not shaping.active
+        glue = self._glue(seq_ids, spec, on_device)
         glue = dataclasses.replace(glue, logits=shaping.glue(glue.logits))
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
             return False
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
-        grid = fork(glue.logits, msg.spec_tokens, spec, row_fan)
-        cand, outcome = grid.candidates[:, shard], grid.outcome[:, shard]
+        grid = fork(glue.logits, msg.spec_tokens, torch.tensor([len(s) for s in spec]), row_fan)
+        cand, outcome = grid.candidates[:, shard.to(grid.candidates.device)], grid.outcome[:, shard]
         sampling = self._sampling(seq_ids)
         shaped = shaping.tree(cand, outcome, sampling)
         tree = self._tree_decode(
@@ -216,26 +220,28 @@ class TreeDrafter:
         depth = tokens.shape[-1]
         now = time.perf_counter()
         self.round = SpeculationTree(
-            seq_ids, spec, grid.branch_index, tokens, probs, list(msg.fanout), grid.ranked,
+            seq_ids, spec, grid, tokens, probs, list(msg.fanout),
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.pending) if stale is not None else None,
         )  # fmt: skip
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
 
-    def _glue(self, seq_ids: list[int], spec: list[list[int]]) -> _Glue:
-        """Step 1: one forward over [committed tokens the cache lacks, s_T] per row."""
+    def _glue(self, seq_ids: list[int], spec: list[list[int]], on_device: bool) -> _Glue:
+        """Step 1: one forward over [committed tokens the cache lacks, s_T] per row (its logits
+        left on the draft's device when `on_device`)."""
         start = self.cache.lengths()
         synced = start.tolist()
         pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
         assert all(pending), "the last committed token is always pending"
         tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
-        logits = self.runner.forward(self.cache, tokens, valid)  # [b, P+K, V_draft]
+        logits = self.runner.forward(self.cache, tokens, valid, on_host=not on_device)  # [b, P+K, V_draft]
         # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
         base = torch.tensor([len(p) - 1 for p in pending])
         cols = base.unsqueeze(1) + torch.arange(self.k + 1).unsqueeze(0)  # [b, K+1]
         last = torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1)
         cols = torch.minimum(cols, last)
+        cols = cols.to(logits.device)
         glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
         pending_lens = torch.tensor([len(p) for p in pending])
         return _Glue(glue_logits[..., : self.jit.target_vocab], start, base, valid.sum(1), pending_lens)
@@ -256,48 +262,34 @@ class TreeDrafter:
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
-        when the round went stale and was taken back. sampling: the rows' settings; shaped: the
-        branches' grammars and processing (shaping.py), None when no row has any. The tree is a
-        scratch forward past every row's length: its columns are gone when it ends, and s_T's
-        glue columns are rolled back."""
-        b, n = cand.shape
-        k = self.k
-        committed = torch.tensor([len(self.states[s].tokens) for s in seq_ids])  # [b]
+        when the round went stale and was taken back (tree_decode.py). The tree is a scratch
+        forward past every row's length: its columns are gone when it ends, and s_T's glue
+        columns are rolled back."""
+        k, device = self.k, cand.device
         spec_lens = torch.tensor([len(s) for s in spec])
         lengths = self.cache.lengths()  # the glue's included
-        tree_start = int(lengths.max())  # every row's depth d is written at columns tree_start + d N + 0..N-1
         mask = tree_mask(lengths, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
-        uniforms = torch.stack([torch.rand(k, n, generator=self.states[s].generator) for s in seq_ids])
-        one_hot = bool(sampling.greedy.all())
-        fan_t = torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long)
-        feed, out_tokens, out_probs = cand, [], BranchProbs(self.jit.target_vocab)
-        narrow = (sampling.greedy | (sampling.top_k > 0)).tolist()
-        tree_started = time.perf_counter()
-        for d in range(k):
-            positions = committed.view(b, 1) + outcome + d
-            columns = (tree_start + d * n + torch.arange(n)).expand(b, n)
-            width = tree_start + (d + 1) * n
-            step = self.runner.forward(
-                self.cache, feed, positions=positions, attn_mask=mask[..., :width], columns=columns
-            )
-            if shaped is None:
-                probs = self.jit.draft_probs(step, sampling)  # [b, N, V]
-            else:
-                probs = shaped.probs(step, sampling, self.jit.draft_probs)
-            if self.saguaro_c < 1:
-                probs = saguaro_probs(probs, fan_t[d].expand(b, n), self.saguaro_c)
-            feed = sample_from(probs, uniforms[:, d], one_hot)  # [b, N]
-            if shaped is not None and d < k - 1:
-                shaped.advance(feed)
-            out_tokens.append(feed)
-            out_probs.add(probs, narrow)
+        rnd = TreeRound(
+            cand, outcome, torch.tensor([len(self.states[s].tokens) for s in seq_ids]),
+            mask.to(self.runner.device),  # built once a round; each depth attends to a slice of it
+            torch.stack([torch.rand(k, cand.shape[1], generator=self.states[s].generator) for s in seq_ids]).to(device),
+            torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long, device=device), sampling,
+        )  # fmt: skip
+
+        def halt(d: int) -> str | None:
             if stale is not None and stale():
-                self._take_back(seq_ids, undo, glue.columns)
-                return None
-            if d < k - 1 and interrupted is not None and interrupted():
-                break
+                return "stale"
+            return "cut" if interrupted is not None and interrupted() else None
+
+        tree_started = time.perf_counter()
+        on_device = self.device_round and shaped is None
+        probs_of, vocab = self.jit.draft_probs, self.jit.target_vocab
+        tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, shaped, halt)
+        if tree is None:
+            self._take_back(seq_ids, undo, glue.columns)
+            return None
         self.cache.drop_last(spec_lens)  # the tree's columns were scratch: only s_T's glue columns remain
-        return torch.stack(out_tokens, -1), out_probs, tree_started
+        return *tree, tree_started
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
         """Undo a predicted round: drop the `columns` [b] its glue added and rewind the
@@ -338,20 +330,21 @@ class TreeDrafter:
         hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         rank = torch.full((b,), -1, dtype=torch.long)
         tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, self.jit.target_vocab)
-        for r, s in enumerate(seq_ids):
-            if rnd is None or s not in rnd.seq_ids:
-                continue
-            i, acc, bonus = rnd.seq_ids.index(s), int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
-            self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
-            self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
-            n = rnd.branch_index[i].get((acc, bonus))
-            covered[r] = n is not None
-            place = (rnd.ranked[i, acc] == bonus).nonzero()
-            rank[r] = int(place[0, 0]) if place.numel() else RANK_DEPTH
-            if n is not None and n % self.num_shards == self.shard:
-                hit[r] = True
-                tokens[r, : rnd.depth] = rnd.tokens[i, n // self.num_shards]
-                probs[r, : rnd.depth] = rnd.probs.branch(i, n // self.num_shards)
+        known = [r for r, s in enumerate(seq_ids) if rnd is not None and s in rnd.seq_ids]
+        if known:
+            index = [rnd.seq_ids.index(seq_ids[r]) for r in known]
+            for r, i in zip(known, index):
+                s, acc, bonus = seq_ids[r], int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
+                self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
+                self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
+            rows = torch.tensor(known, dtype=torch.long)
+            found, branch, rank[rows] = rnd.lookup(index, msg.num_accepted[rows], msg.bonus_tokens[rows])
+            covered[rows] = found.bool()
+            mine = found.bool() & (branch % self.num_shards == self.shard)
+            hit[rows] = mine
+            if bool(mine.any()):
+                picks = [(i, n // self.num_shards) for i, n, m in zip(index, branch.tolist(), mine.tolist()) if m]
+                tokens[hit, : rnd.depth], probs[hit, : rnd.depth] = rnd.branches(picks)
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         if rnd is not None:
             self.counters.rounds += 1
@@ -361,6 +354,7 @@ class TreeDrafter:
         # answered by that one); the pool asks one drafter per round.
         if msg.neural_backup and not bool(covered.all()):
             spec = self._draft_just_in_time(seq_ids, (~covered).tolist())
+            spec = spec.on_host(~covered)
             tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
             num_draft = torch.where(covered, num_draft, k)
         self._reply = SpeculationReply(
@@ -378,7 +372,7 @@ class TreeDrafter:
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         """Speculations drafted just in time for the rows in msg.need (sequences with no cached one)."""
         spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
-        b = len(msg.seq_ids)
+        spec, b = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool)), len(msg.seq_ids)
         return SpeculationReply(
             msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), spec.tokens, spec.probs, spec.num_draft,
             counters=dataclasses.replace(self.counters), one_hot=self._greedy(msg.seq_ids),

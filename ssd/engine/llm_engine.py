@@ -24,7 +24,7 @@ from ssd.core.config import EngineConfig
 from ssd.core.grammar import GrammarCompiler, consume
 from ssd.core.logits_processing import Processing
 from ssd.core.logits_processing import build as build_adjustments
-from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device
+from ssd.core.sampling import BatchSampling, no_mass, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
@@ -273,8 +273,9 @@ class LLMEngine:
         """The target's forward over [last token, speculation] and the verification rule; -> the
         outcome and the log-probabilities of the rows that asked (LogprobRecorder.round)."""
         seqs = self.running
-        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
-        tokens = torch.cat([last, spec.tokens], 1)  # [b, K+1]
+        spec = spec if self.device_round else spec.on_host()
+        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=spec.tokens.device)
+        tokens = torch.cat([last, spec.tokens.clamp(min=0)], 1)  # [b, K+1]; a -1 draft fails the round below
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
@@ -301,13 +302,16 @@ class LLMEngine:
         drafted, draft_probs, num_draft, uniforms = (
             t.to(device, non_blocking=True) for t in (spec.tokens, spec.probs, spec.num_draft, uniforms)
         )
+        # A draft token of -1: its distribution had no mass (sample_on_device); the host's sampler raises there.
+        in_spec = torch.arange(spec.k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
+        broken = ((drafted < 0) & in_spec).any(1)
+        drafted = drafted.clamp(min=0)
         result = verify_on_device(drafted, draft_probs, target_probs, num_draft, uniforms[:, :-1], uniforms[:, -1])
-        counts = torch.stack([result.num_accepted, result.bonus_tokens]).cpu()  # the round's one copy to the host
+        counts = torch.stack([result.num_accepted, result.bonus_tokens, broken.long()]).cpu()  # the round's one copy
+        if bool((counts[2] > 0).any()):
+            raise no_mass("draft", "draft_dtype")
         if bool((counts[1] < 0).any()):
-            raise RuntimeError(
-                "a target distribution has no positive mass (non-finite logits): load the target in a wider dtype "
-                "(dtype='float32')"
-            )
+            raise no_mass("target", "dtype")
         outcome = RoundOutcome(counts[0], counts[1], before)
         return outcome, self._round_logprobs(logits, target_probs, spec, outcome)
 

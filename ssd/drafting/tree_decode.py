@@ -1,0 +1,94 @@
+"""SSD drafter step 3, the tree decode: K forwards over the branches of this drafter's shard,
+every branch attending to its own history only (tree.py's mask), each depth drawing one token
+per branch and feeding it to the next.
+
+On an accelerator (a round with no grammar or processing, whose shaping follows host-side
+matchers) a depth reads nothing back: the draw, Saguaro's scaling and the kept distributions
+stay on the device until the reply. A draw from a distribution without mass is -1 there (the
+host's sampler raises); the reply refuses a branch holding one (SpeculationTree.branches).
+
+Shapes: b sequences, N branches per sequence (this shard's), K speculation length, V the
+target's vocabulary, W the cache's width before the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ssd.core.sampling import BatchSampling, sample_from, sample_on_device
+from ssd.drafting.saguaro import saguaro_probs
+from ssd.drafting.shaping import TreeShaping
+from ssd.drafting.tree import BranchProbs
+from ssd.model.kv_cache import StaticKVCache
+from ssd.model.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class TreeRound:
+    """What one round's tree decode starts from."""
+
+    candidates: torch.Tensor  # [b, N] long, on the draft's device: each branch's first token
+    outcome: torch.Tensor  # [b, N] long, host: the outcome each branch stands for
+    committed: torch.Tensor  # [b] long, host: committed tokens per row (a branch's positions follow them)
+    mask: torch.Tensor  # [b, 1, N, W + K N], on the draft's device: the whole tree's (tree_mask), sliced per depth
+    uniforms: torch.Tensor  # [b, K, N], on the draft's device: one draw per branch and depth
+    fanout: torch.Tensor  # [K] long, on the draft's device: Saguaro's F_d at depth d
+    sampling: BatchSampling  # the rows' settings (host)
+
+
+# What the caller says after each depth d: None (go on), "cut" (the outcome arrived: stop at
+# this depth) or "stale" (a predicted round that was not announced: give it up).
+Halt = Callable[[int], str | None]
+
+
+def decode_tree(
+    runner: ModelRunner,
+    cache: StaticKVCache,
+    rnd: TreeRound,
+    saguaro_c: float,
+    draft_probs,
+    vocab: int,
+    on_device: bool,
+    shaped: TreeShaping | None,
+    halt: Halt,
+) -> tuple[torch.Tensor, BranchProbs] | None:
+    """-> tokens [b, N, depth] and their distributions (kept sparse per row), depth <= K; None
+    when `halt` said stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
+    scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
+    the target's vocabulary of `vocab` tokens; shaped: the branches' grammars and processing
+    (shaping.py), None when no row has any."""
+    b, n, k = *rnd.candidates.shape, rnd.uniforms.shape[1]
+    tree_start = rnd.mask.shape[-1] - k * n
+    one_hot = not on_device and bool(rnd.sampling.greedy.all())
+    # Sparse rows: greedy and top-k by their counted support on the host; greedy (one-hot) alone,
+    # uncounted, on the device.
+    narrow = (rnd.sampling.greedy if on_device else rnd.sampling.greedy | (rnd.sampling.top_k > 0)).tolist()
+    sampling = rnd.sampling.to(rnd.candidates.device)
+    feed, tokens, kept = rnd.candidates, [], BranchProbs(vocab)
+    for d in range(k):
+        positions = rnd.committed.view(b, 1) + rnd.outcome + d
+        columns = (tree_start + d * n + torch.arange(n)).expand(b, n)
+        mask = rnd.mask[..., : tree_start + (d + 1) * n]
+        step = runner.forward(cache, feed, positions=positions, attn_mask=mask, columns=columns, on_host=not on_device)
+        if shaped is None:
+            probs = draft_probs(step, sampling, on_device)  # [b, N, V]
+        else:
+            probs = shaped.probs(step, rnd.sampling, draft_probs)
+        if saguaro_c < 1:
+            probs = saguaro_probs(probs, rnd.fanout[d].expand(b, n), saguaro_c)
+        u = rnd.uniforms[:, d]
+        drawn = sample_on_device(probs, u) if on_device else sample_from(probs, u, one_hot)  # [b, N]
+        if shaped is not None and d < k - 1:
+            shaped.advance(drawn)
+        tokens.append(drawn)
+        kept.add(probs, narrow, counted=not on_device)
+        feed = drawn.clamp(min=0) if on_device else drawn  # what a -1 feeds is never read
+        said = halt(d)
+        if said == "stale":
+            return None
+        if said == "cut" and d < k - 1:
+            break
+    return torch.stack(tokens, -1), kept
