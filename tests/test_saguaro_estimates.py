@@ -149,3 +149,17 @@ def test_estimates_converge_through_the_proposer(backup, a_true, m_true, r_true)
     backup_source = Source.FAST if backup == "fast" else Source.NEURAL
     assert sources.count(int(Source.CACHE)) > 0.2 * len(sources)
     assert sources.count(int(backup_source)) > 0.2 * len(sources)
+
+
+def test_the_miss_law_is_refitted_at_the_first_learned_round_and_every_few_after(monkeypatch):
+    """A fit costs a few tenths of a millisecond between the reply and the next announcement:
+    the proposer refits at its first learned round, then once in MISS_LAW_REFIT_ROUNDS."""
+    from ssd.drafting.saguaro import OnlineEstimates
+    from ssd.drafting.ssd_proposer import MISS_LAW_REFIT_ROUNDS
+
+    fits = []
+    fit = OnlineEstimates.fit
+    monkeypatch.setattr(OnlineEstimates, "fit", lambda self: fits.append(1) or fit(self))
+    rounds = 2 * MISS_LAW_REFIT_ROUNDS + 1
+    run_rounds("fast", 0.8, 1.0, 0.6, a_fast=0.05, rounds=rounds, seed=3)
+    assert len(fits) == 3  # rounds 1, 1 + R and 1 + 2R
