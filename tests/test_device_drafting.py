@@ -148,6 +148,9 @@ def test_the_engine_gives_the_same_tokens_with_the_drafts_device_round(tiny_pair
         for seed in range(2):
             params = SamplingParams(temperature=1.0, top_k=20, max_tokens=20, seed=seed)
             assert generate(True, params) == generate(False, params)
+        # Penalties and logprobs follow the drafts on the host: the device round reads them back first.
+        params = SamplingParams(temperature=1.0, max_tokens=20, seed=5, repetition_penalty=1.3, logprobs=2)
+        assert generate(True, params) == generate(False, params)
 
 
 def test_a_draft_without_mass_fails_the_device_round_as_it_fails_the_host_round(tiny_pair):
@@ -160,8 +163,11 @@ def test_a_draft_without_mass_fails_the_device_round_as_it_fails_the_host_round(
             return None if logits is None else logits * float("nan")
 
         sd.runner.forward = non_finite
-        params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+        plain = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+        # With penalties the drafts meet the adjustments' lookups first, and the engine's host copy.
+        penalized = SamplingParams(temperature=1.0, max_tokens=8, seed=0, repetition_penalty=1.3, logprobs=1)
         for device_round in (False, True):
             llm.engine.device_round = sd.device_round = device_round
-            with pytest.raises(RuntimeError, match="distribution has no positive mass"):
-                llm.generate(["x"], params)
+            for params in (plain, penalized):
+                with pytest.raises(RuntimeError, match="distribution has no positive mass"):
+                    llm.generate(["x"], params)

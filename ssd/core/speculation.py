@@ -38,17 +38,21 @@ class Speculation:
     def k(self) -> int:
         return self.tokens.shape[1]
 
-    def on_host(self, rows: torch.Tensor | None = None) -> "Speculation":
-        """The same speculation with its tokens and probs on the host (num_draft and source are
-        host tensors wherever the drafts are). Raises where a real draft token of `rows` [b]
-        bool (default: all) is -1."""
+    def host_tokens(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens [b, K] on the host. Raises where a real draft token of `rows` [b] bool
+        (default: all) is -1, as the host's sampler raises where it would have been drawn."""
         tokens = self.tokens.cpu()
         real = torch.arange(self.k).unsqueeze(0) < self.num_draft.unsqueeze(1)
         if rows is not None:
             real &= rows.unsqueeze(1)
         if bool(((tokens < 0) & real).any()):
             raise no_mass("draft", "draft_dtype")
-        return Speculation(tokens, self.probs.cpu(), self.num_draft, self.source)
+        return tokens
+
+    def on_host(self, rows: torch.Tensor | None = None) -> "Speculation":
+        """The same speculation with its tokens (host_tokens) and probs on the host; num_draft
+        and source are host tensors wherever the drafts are."""
+        return Speculation(self.host_tokens(rows), self.probs.cpu(), self.num_draft, self.source)
 
     @staticmethod
     def empty(batch: int, vocab: int) -> "Speculation":

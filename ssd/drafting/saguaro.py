@@ -229,7 +229,7 @@ class OnlineEstimates:
 
     Feed every sequence-round with observe_round (acceptance) and observe_rank (the bonus
     token's rank among the candidates, when the drafter reports it) or observe_hit (hit or miss
-    at the fan-out); the miss law is refitted by fit, once per round (fit_miss_law over the
+    at the fan-out); the miss law is refitted by fit (fit_miss_law over the
     window)."""
 
     a: float = 0.7

@@ -69,15 +69,16 @@ class SDProposer:
             tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
+            # A -1 (no mass) fails the round where the drafts are read; until then it feeds token 0.
+            feed = tok.clamp(min=0) if on_device else tok
             if sampling.adjust is not None and i < k - 1:  # penalties count this draft token from here on
                 masks = None
                 if sampling.adjust.masks is not None:  # and the grammar's and bad words' next masks follow it
                     # (host matchers: the one read per token a constrained proposal costs on a device)
-                    masks = token_masks(seqs, torch.stack(drafted, 1).cpu(), self.target_vocab, True)
-                    masks = masks.to(device)
-                sampling = sampling.adjusted(sampling.adjust.advanced(tok, masks))
+                    fed = torch.stack(drafted, 1).clamp(min=0).cpu()
+                    masks = token_masks(seqs, fed, self.target_vocab, True).to(device)
+                sampling = sampling.adjusted(sampling.adjust.advanced(feed, masks))
             if i < k - 1:
-                feed = tok.clamp(min=0) if on_device else tok  # what a -1 feeds is never verified
                 step_logits = self.runner.forward(self.cache, feed.unsqueeze(1), on_host=not on_device)
         return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))
 

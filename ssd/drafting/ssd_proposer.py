@@ -210,7 +210,7 @@ class SSDProposer:
                 self._observe_miss_law(accepted[r], fanout, ranks[r], cap, in_grid[r])
         if learn:
             self._learned_rounds += 1
-            if self._learned_rounds % MISS_LAW_REFIT_ROUNDS == 1:
+            if (self._learned_rounds - 1) % MISS_LAW_REFIT_ROUNDS == 0:
                 self.estimates.fit()
 
     def _observe_miss_law(self, k: int, fanout: int, rank: int, cap: int, in_tree: bool) -> None:

@@ -27,7 +27,7 @@ class SpeculationTree:
     spec_tokens: list[list[int]]  # s_T per row (real tokens only)
     grid: Fork  # the whole grid's candidates and outcomes (every shard's), what the outcome is looked up in
     tokens: torch.Tensor  # [b, N_own, depth]: this shard's branches, branch n at n // num_shards
-    probs: BranchProbs  # [b, N_own, depth, V], kept sparse per row
+    probs: BranchProbs  # [b, N_own, depth, V], kept sparse per row where it can be (BranchProbs.add)
     fanout: list[int] = field(default_factory=list)
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
@@ -41,10 +41,10 @@ class SpeculationTree:
         round's one small copy before its reply."""
         grid, device = self.grid, self.grid.candidates.device
         index = torch.tensor(rows, dtype=torch.long)
+        on = index.to(device)
         found = find_branches(
-            grid.candidates[index.to(device)], grid.outcome[index].to(device), grid.ranked[index.to(device)],
-            accepted.to(device), bonus.to(device),
-        )  # fmt: skip
+            grid.candidates[on], grid.outcome[index].to(device), grid.ranked[on], accepted.to(device), bonus.to(device)
+        )
         return found.cpu()
 
     def branches(self, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +152,9 @@ def fork(
     ranking stays where the logits are (`rank_candidates`: no host read)."""
     vocab = glue_logits.shape[-1]
     outcome, rank = _layout(row_fan)  # [b, N] each
-    depth = min(max(max(max(f) for f in row_fan), RANK_DEPTH), vocab)
+    widest = max(max(f) for f in row_fan)
+    assert widest <= vocab, "a fan-out wider than the draft's vocabulary"  # ranks would spill into the next outcome
+    depth = min(max(widest, RANK_DEPTH), vocab)
     device = glue_logits.device
     real = torch.arange(spec_tokens.shape[1]) < spec_lens.unsqueeze(1)  # [b, K]
     flat = (outcome * depth + rank).to(device)  # [b, N]: where each branch's candidate sits in ranked

@@ -2,10 +2,13 @@
 every branch attending to its own history only (tree.py's mask), each depth drawing one token
 per branch and feeding it to the next.
 
-On an accelerator (a round with no grammar or processing, whose shaping follows host-side
-matchers) a depth reads nothing back: the draw, Saguaro's scaling and the kept distributions
-stay on the device until the reply. A draw from a distribution without mass is -1 there (the
-host's sampler raises); the reply refuses a branch holding one (SpeculationTree.branches).
+On an accelerator a depth reads nothing back: the draw, Saguaro's scaling and the kept
+distributions stay on the device until the reply. (A round in which a row has a grammar or
+processing runs on the host: their shaping follows host-side matchers and histories.) A draw
+from a distribution without mass is -1 there (the host's sampler raises); the reply refuses a
+branch holding one (SpeculationTree.branches). The host waits for each depth to finish before
+it polls `halt`: what cuts the tree short and what times the build must see real progress, not
+queued work (a wait, no data read back).
 
 Shapes: b sequences, N branches per sequence (this shard's), K speculation length, V the
 target's vocabulary, W the cache's width before the tree.
@@ -30,12 +33,14 @@ from ssd.model.runner import ModelRunner
 class TreeRound:
     """What one round's tree decode starts from."""
 
-    candidates: torch.Tensor  # [b, N] long, on the draft's device: each branch's first token
+    # Where the round runs (the draft's device on its device round, else the host): candidates,
+    # uniforms and fanout. The mask is always on the draft's device.
+    candidates: torch.Tensor  # [b, N] long: each branch's first token
     outcome: torch.Tensor  # [b, N] long, host: the outcome each branch stands for
     committed: torch.Tensor  # [b] long, host: committed tokens per row (a branch's positions follow them)
-    mask: torch.Tensor  # [b, 1, N, W + K N], on the draft's device: the whole tree's (tree_mask), sliced per depth
-    uniforms: torch.Tensor  # [b, K, N], on the draft's device: one draw per branch and depth
-    fanout: torch.Tensor  # [K] long, on the draft's device: Saguaro's F_d at depth d
+    mask: torch.Tensor  # [b, 1, N, W + K N]: the whole tree's (tree_mask), sliced per depth
+    uniforms: torch.Tensor  # [b, K, N]: one draw per branch and depth
+    fanout: torch.Tensor  # [K] long: Saguaro's F_d at depth d
     sampling: BatchSampling  # the rows' settings (host)
 
 
@@ -55,7 +60,7 @@ def decode_tree(
     shaped: TreeShaping | None,
     halt: Halt,
 ) -> tuple[torch.Tensor, BranchProbs] | None:
-    """-> tokens [b, N, depth] and their distributions (kept sparse per row), depth <= K; None
+    """-> tokens [b, N, depth] and their distributions (BranchProbs: sparse where it can), depth <= K; None
     when `halt` said stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
     scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
     the target's vocabulary of `vocab` tokens; shaped: the branches' grammars and processing
@@ -86,6 +91,8 @@ def decode_tree(
         tokens.append(drawn)
         kept.add(probs, narrow, counted=not on_device)
         feed = drawn.clamp(min=0) if on_device else drawn  # what a -1 feeds is never read
+        if on_device and feed.device.type == "cuda":
+            torch.cuda.synchronize(feed.device)  # this depth done before halt is asked (module doc)
         said = halt(d)
         if said == "stale":
             return None

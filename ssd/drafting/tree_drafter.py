@@ -212,7 +212,7 @@ class TreeDrafter:
         sampling = self._sampling(seq_ids)
         shaped = shaping.tree(cand, outcome, sampling)
         tree = self._tree_decode(
-            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, shaped
+            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, shaped, on_device
         )
         if tree is None:
             return False
@@ -258,10 +258,11 @@ class TreeDrafter:
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
         sampling: BatchSampling,
-        shaped: TreeShaping | None = None,
+        shaped: TreeShaping | None,
+        on_device: bool,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
-        depth], probs [b, N_own, depth, V] kept sparse per row, when the tree began), or None
+        depth], probs [b, N_own, depth, V] sparse where it can be, when the tree began), or None
         when the round went stale and was taken back (tree_decode.py). The tree is a scratch
         forward past every row's length: its columns are gone when it ends, and s_T's glue
         columns are rolled back."""
@@ -282,7 +283,6 @@ class TreeDrafter:
             return "cut" if interrupted is not None and interrupted() else None
 
         tree_started = time.perf_counter()
-        on_device = self.device_round and shaped is None
         probs_of, vocab = self.jit.draft_probs, self.jit.target_vocab
         tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, shaped, halt)
         if tree is None:
@@ -373,8 +373,9 @@ class TreeDrafter:
         """Speculations drafted just in time for the rows in msg.need (sequences with no cached one)."""
         spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
         spec, b = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool)), len(msg.seq_ids)
+        tokens = spec.tokens.clamp(min=0)  # rows not needed are discarded, but the wire carries ids
         return SpeculationReply(
-            msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), spec.tokens, spec.probs, spec.num_draft,
+            msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), tokens, spec.probs, spec.num_draft,
             counters=dataclasses.replace(self.counters), one_hot=self._greedy(msg.seq_ids),
         )  # fmt: skip
 

@@ -274,6 +274,9 @@ class LLMEngine:
         outcome and the log-probabilities of the rows that asked (LogprobRecorder.round)."""
         seqs = self.running
         spec = spec if self.device_round else spec.on_host()
+        if self.device_round and any(s.adjusted or s.params.logprobs is not None for s in seqs):
+            # Penalties, masks and logprobs follow the drafts on the host: read back once, here.
+            spec = dataclasses.replace(spec, tokens=spec.host_tokens())
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=spec.tokens.device)
         tokens = torch.cat([last, spec.tokens.clamp(min=0)], 1)  # [b, K+1]; a -1 draft fails the round below
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
