@@ -67,7 +67,7 @@ def test_the_fork_and_the_lookup_equal_their_loop_statements(seed):
         covered, branch, rank = find_branches(grid.candidates, grid.outcome, grid.ranked, acc, bonus).tolist()
         for r in range(b):
             n = index[r].get((int(acc[r]), int(bonus[r])))
-            assert (covered[r], branch[r] if n is not None else 0) == (int(n is not None), n or 0)
+            assert (covered[r], branch[r]) == (int(n is not None), n if n is not None else 0)
             order = grid.ranked[r, acc[r]].tolist()
             assert rank[r] == (order.index(int(bonus[r])) if int(bonus[r]) in order else RANK_DEPTH)
 

@@ -54,7 +54,7 @@ def decode_tree(
     cache: StaticKVCache,
     rnd: TreeRound,
     saguaro_c: float,
-    draft_probs,
+    draft_probs: Callable[..., torch.Tensor],
     vocab: int,
     on_device: bool,
     shaped: TreeShaping | None,
