@@ -130,7 +130,7 @@ def test_a_slow_draft_moves_auto_to_plain_decoding_and_slow_plain_decoding_to_sp
         monkeypatch.setattr(SDProposer, "propose", _slowed(SDProposer, "propose", 0.06))
         monkeypatch.setattr(SSDProposer, "propose", _slowed(SSDProposer, "propose", 0.06))
     else:  # a round without speculation waits 60 ms
-        monkeypatch.setattr(LLMEngine, "_verify", _slowed(LLMEngine, "_verify", 0.06, lambda spec: spec.k == 0))
+        monkeypatch.setattr(LLMEngine, "_verify", _slowed(LLMEngine, "_verify", 0.06, lambda spec, *_: spec.k == 0))
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     with LLM(*tiny_pair, mode="auto", k=4, auto_explore_every=32, auto_probe_rounds=3) as llm:
         llm.generate(["def add(a, b):"], params)

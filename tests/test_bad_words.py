@@ -124,7 +124,7 @@ def test_the_check_fails_when_masks_ignore_the_earlier_drafts(model_dirs, monkey
         at_start = real(seqs, drafted[:, :0], vocab, True)
         return at_start if last_only else at_start.expand(-1, drafted.shape[1] + 1, -1)
 
-    monkeypatch.setattr("ssd.engine.llm_engine.token_masks", round_start_only)
+    monkeypatch.setattr("ssd.engine.round_adjustments.token_masks", round_start_only)
     monkeypatch.setattr("ssd.drafting.sd_proposer.token_masks", round_start_only)
     with pytest.raises(AssertionError, match="zero probability"):  # the refused byte after the word's first
         run_and_check(model_dirs, "sd")

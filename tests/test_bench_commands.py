@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from loadtest import offline
-from ssd.bench import constrained, grammar_cost, processing_cost
+from ssd.bench import constrained, grammar_cost, processing_cost, processing_share
 
 
 def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):
@@ -16,7 +16,23 @@ def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["vocab"], r["batch"]) for r in rows] == [(64, 1), (64, 3), (512, 1), (512, 3)]
     for row in rows:
-        assert all(row[f] > 0 for f in ("verify_build_ms", "verify_apply_ms", "sampling_ms", "sd_draft_ms", "tree_ms"))
+        fields = (
+            "carry_ms",
+            "build_ms",
+            "sd_draft_ms",
+            "verify_extend_ms",
+            "verify_apply_ms",
+            "sampling_ms",
+            "tree_ms",
+        )
+        assert all(row[f] > 0 for f in fields), row
+
+
+def test_processing_share_times_the_engines_processing(demo_pair, tmp_path):
+    out = tmp_path / "processing_share.json"
+    processing_share.main(["--batch", "2", "--k", "3", "--repeats", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["batch"] == 2 and row["k"] == 3 and 0 < row["share"] < 1, row
 
 
 def test_grammar_cost_on_the_demo_tokenizer(tmp_path):

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from ssd import LLM, SamplingParams
 from ssd.core.logits_processing import Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits, process_logits_on_device
+from ssd.core.tracked import TrackedHistory
 
 PROMPTS = ["def add(a, b):\n    return", "x", "import os\nimport sys\n"]
 MAX_TOKENS = 24
@@ -224,3 +225,53 @@ def test_advancing_the_adjustments_equals_building_them_with_the_token_in_the_hi
         rebuilt = build([(p, prompt, out + [int(t)]) for (p, prompt, out), t in zip(rows, tokens)], none, 20)
         assert torch.equal(stepped.apply(logits), rebuilt.apply(logits))
         assert torch.equal(stepped.advanced(tokens).apply(logits), rebuilt.advanced(tokens).apply(logits))
+
+
+def _random_rows(gen: torch.Generator, vocab: int) -> list[tuple[Processing, list[int], list[int]]]:
+    """Rows of every kind the adjustments distinguish: penalties, bias and stop ids with
+    min_tokens, none at all (an inactive row among active ones), allowed tokens."""
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=9, stop_token_ids=[11]),
+        SamplingParams(presence_penalty=1.0, logit_bias={7: 2.0, 3: -1.0}),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.5, allowed_token_ids=list(range(0, vocab, 2))),
+    ]
+    return [
+        (Processing.of(p, 0), torch.randint(vocab, (5,), generator=gen).tolist(),
+         torch.randint(vocab, (r,), generator=gen).tolist())
+        for r, p in enumerate(params)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extending_the_first_position_equals_building_with_the_speculation(seed):
+    """Verification extends the round's first position's adjustments with the drafts
+    (Adjustments.speculated) instead of building them again: the same logits, for drafts that
+    repeat each other, repeat tracked tokens and bring new ones."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, k = 20, 5
+    rows = _random_rows(gen, vocab)
+    drafted = torch.randint(vocab, (len(rows), k), generator=gen)
+    logits = torch.randn(len(rows), k + 1, vocab, generator=gen) * 3
+    masks = torch.rand(len(rows), k + 1, vocab, generator=gen) > 0.2
+    first = build(rows, drafted[:, :0], vocab)
+    for m in (None, masks):
+        assert torch.equal(first.speculated(drafted, m).apply(logits), build(rows, drafted, vocab, m).apply(logits))
+
+
+def test_a_kept_history_equals_reading_the_whole_history_every_round():
+    """The engine keeps each sequence's tracked tokens between rounds (TrackedHistory) and folds
+    in only the output's new tokens: round after round, the adjustments equal a build that reads
+    every row's whole history, whether a history is kept from the start or from a later round."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 20
+    rows = _random_rows(gen, vocab)
+    kept = [TrackedHistory() for _ in rows]
+    none = torch.zeros(len(rows), 0, dtype=torch.long)
+    logits = torch.randn(len(rows), 1, vocab, generator=gen) * 3
+    for step in range(6):
+        histories = kept if step else [None, kept[1], kept[2], None]  # rows 0 and 3 start later
+        fresh = build(rows, none, vocab)
+        assert torch.equal(build(rows, none, vocab, histories=histories).apply(logits), fresh.apply(logits))
+        for _, _, out in rows:
+            out.extend(torch.randint(vocab, (step % 3,), generator=gen).tolist())

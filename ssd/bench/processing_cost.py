@@ -3,15 +3,24 @@
     python -m ssd.bench.processing_cost [--vocab 258 128256] [--out bench_results/processing_cost.json]
 
 Rows carry frequency and presence penalty 0.5, repetition penalty 1.1, a bias on 10 tokens and a
-history of 200 prompt and 300 output tokens; K = 6; one thread. Per vocabulary V and batch b (1, 8):
-- `verify_build_ms`: logits_processing.build for a verification (the round's table of tracked
-  tokens, on the host);
+history of 200 prompt and 300 output tokens that grows by 3 tokens a round; K = 6; one thread.
+Per vocabulary V and batch b (1, 8), what an SD round's processing costs the engine:
+- `carry_ms`: Adjustments.committed, the round's first position carried over from the last
+  round's verification (2 drafts accepted and a bonus token: what most rounds do,
+  ssd/engine/round_adjustments.py);
+- `build_ms`: logits_processing.build for the first position instead, each row's tracked tokens
+  kept between rounds (TrackedHistory: the round folds in its 3 new tokens): what a round does
+  when the batch gained a row or the carried table grew too wide;
+- `sd_draft_ms`: the SD draft's K positions (apply on [b, 1, V], then advanced);
+- `verify_extend_ms`: Adjustments.speculated, the first position's adjustments extended with
+  the K drafts for verification;
 - `verify_apply_ms`: Adjustments.apply to the [b, K+1, V] verification logits;
+- `round_ms`: carry, draft, extend and apply together, what a penalised SD round spends on
+  processing;
 - `sampling_ms`: process_logits on the same logits without any processing (the round's sampling
   cost with no processors, for scale);
-- `sd_draft_ms`: the SD draft's processing over its K positions (advanced + apply on [b, 1, V]);
-- `tree_ms`: an SSD drafter's (ssd/drafting/draft_processing.py): the fork's processing of the
-  [b, K+1, V] glue logits and the branches' (12 a row) over K depths.
+- `tree_ms`: an SSD drafter's (ssd/drafting/draft_processing.py, on the draft side): the fork's
+  processing of the [b, K+1, V] glue logits and the branches' (12 a row) over K depths.
 Random logits: the cost does not depend on the values.
 """
 
@@ -24,8 +33,9 @@ import time
 import torch
 
 from ssd.bench.report import write_json
-from ssd.core.logits_processing import Processing, build
+from ssd.core.logits_processing import Adjustments, Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits
+from ssd.core.tracked import TrackedHistory
 from ssd.drafting.draft_processing import RoundProcessing
 
 logger = logging.getLogger(__name__)
@@ -60,17 +70,26 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = _rows(batch, vocab, gen)
     table = [(s.processing, t[: s.output_from], t[s.output_from :]) for s, t in rows]
+    histories = [TrackedHistory() for _ in table]
     drafted = torch.randint(vocab, (batch, K), generator=gen)
     logits = torch.randn(batch, K + 1, vocab, generator=gen)
     plain = BatchSampling.of([s for s, _ in rows])
-    adjust = build(table, drafted, vocab)
+    none = drafted[:, :0]
 
-    def sd_draft() -> None:
-        step = build(table, drafted[:, :0], vocab)
+    def built() -> Adjustments:  # a round later: each output 3 tokens longer
+        for _, _, output in table:
+            output.extend(torch.randint(vocab, (3,), generator=gen).tolist())
+        return build(table, none, vocab, histories=histories)
+
+    def sd_draft(step: Adjustments) -> None:
         for i in range(K):
             step.apply(logits[:, i : i + 1])
-            step = step.advanced(drafted[:, i])
+            if i < K - 1:
+                step = step.advanced(drafted[:, i])
 
+    start = built()
+    every = start.speculated(drafted)
+    accepted, bonus = torch.full((batch,), 2), drafted[:, 3]
     cand = torch.randint(vocab, (batch, BRANCHES), generator=gen)
     outcome = torch.randint(K + 1, (batch, BRANCHES), generator=gen)
     branch_logits = torch.randn(batch * BRANCHES, 1, vocab, generator=gen)
@@ -83,15 +102,19 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
             branches.adjust.apply(branch_logits)
             branches.advance(cand)
 
-    return {
+    out = {
         "vocab": vocab,
         "batch": batch,
-        "verify_build_ms": _ms(lambda: build(table, drafted, vocab), repeats),
-        "verify_apply_ms": _ms(lambda: adjust.apply(logits), repeats),
-        "sampling_ms": _ms(lambda: process_logits(logits, plain), repeats),
-        "sd_draft_ms": _ms(sd_draft, repeats),
-        "tree_ms": _ms(tree, max(3, repeats // 4)),
+        "carry_ms": _ms(lambda: every.committed(accepted, bonus), repeats),
+        "build_ms": _ms(built, repeats),
+        "sd_draft_ms": _ms(lambda: sd_draft(start), repeats),
+        "verify_extend_ms": _ms(lambda: start.speculated(drafted), repeats),
+        "verify_apply_ms": _ms(lambda: every.apply(logits), repeats),
     }
+    out["round_ms"] = out["carry_ms"] + out["sd_draft_ms"] + out["verify_extend_ms"] + out["verify_apply_ms"]
+    out["sampling_ms"] = _ms(lambda: process_logits(logits, plain), repeats)
+    out["tree_ms"] = _ms(tree, max(3, repeats // 4))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,10 +26,11 @@ and top-p.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
+
+from ssd.core.tracked import TrackedHistory, tracked_columns
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Adjustments:
     frequency: torch.Tensor  # [b] float
     presence: torch.Tensor  # [b] float
     output_len: torch.Tensor  # [b] long, committed output tokens
-    min_tokens: torch.Tensor  # [b] long
+    min_tokens: torch.Tensor | None  # [b] long; None: no row has one
     min_p: torch.Tensor  # [b] float, 0 = off (applied after temperature: `min_p_mask`)
     drafted: torch.Tensor  # [b, n - 1] long, the speculation before each position
     # [b, n, V] bool, the tokens each position allows under the row's grammar and bad words
@@ -120,9 +121,12 @@ class Adjustments:
         this has any (only the caller's matchers and histories know them). where [b] bool: the
         rows that append (None: all); the others stay as they are."""
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
-        take = tokens.new_ones(tokens.numel(), 1, dtype=torch.bool) if where is None else where.view(-1, 1)
-        hit = (self.ids == tokens.view(-1, 1)) & take  # [b, m]
-        new = ~hit.any(1, keepdim=True) & take  # [b, 1]
+        hit = self.ids == tokens.view(-1, 1)  # [b, m]
+        if where is not None:
+            hit = hit & where.view(-1, 1)
+        new = ~hit.any(1, keepdim=True)  # [b, 1]
+        if where is not None:
+            new = new & where.view(-1, 1)
         ids = torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1)
         counts = torch.cat([self.counts + hit, torch.where(new, 1.0, self.counts[:, :1] + hit[:, :1])], 1)
         seen = torch.cat([self.seen | hit, new | self.seen[:, :1] | hit[:, :1]], 1)
@@ -133,7 +137,7 @@ class Adjustments:
             seen=seen,
             bias=torch.cat([self.bias, torch.where(new, 0.0, self.bias[:, :1])], 1),
             banned=torch.cat([self.banned, ~new & self.banned[:, :1]], 1),
-            output_len=self.output_len + take.view(-1).long(),
+            output_len=self.output_len + (1 if where is None else where.long()),
             masks=masks,
         )
 
@@ -145,14 +149,61 @@ class Adjustments:
         per_row = ("ids", "counts", "seen", "bias", "banned", "repetition", "frequency", "presence", "output_len")
         out = replace(
             self,
-            **{f: getattr(self, f)[rows] for f in (*per_row, "min_tokens", "min_p")},
+            **{f: getattr(self, f)[rows] for f in (*per_row, "min_p")},
             allowed=None if self.allowed is None else self.allowed[rows],
+            min_tokens=None if self.min_tokens is None else self.min_tokens[rows],
             drafted=prefix.new_zeros(rows.numel(), 0),
             masks=None,
         )
         for i in range(prefix.shape[1]):
             out = out.advanced(prefix[:, i], where=valid[:, i])
         return out
+
+    def speculated(self, drafted: torch.Tensor, masks: torch.Tensor | None = None) -> "Adjustments":
+        """The round's first position's adjustments -> those of every position of its speculation
+        drafted [b, K] (what `build` with drafted gives, without reading the histories again).
+        Each drafted token gets a column: the values of the row's column for the same token where
+        it has one, else untracked ones (counted 0, unseen, no bias, not banned: bias keys and
+        stop ids are tracked from the start). A column that repeats a token repeats its values,
+        so its scatter writes what the first one writes. masks [b, K + 1, V]: the positions'
+        token masks (token_masks.token_masks), required where any row has a grammar or bad words."""
+        assert self.drafted.shape[1] == 0, "speculated extends a first position's adjustments"
+        match = drafted.unsqueeze(-1) == self.ids.unsqueeze(1)  # [b, K, m]
+        known, at = match.any(-1), match.int().argmax(-1)  # [b, K]: tracked; the first column with it
+
+        def column(values: torch.Tensor, untracked: float | bool) -> torch.Tensor:
+            return torch.cat([values, torch.where(known, values.gather(1, at), untracked)], 1)
+
+        return replace(
+            self,
+            ids=torch.cat([self.ids, drafted], 1),
+            counts=column(self.counts, 0.0),
+            seen=column(self.seen, False),
+            bias=column(self.bias, 0.0),
+            banned=column(self.banned, False),
+            drafted=drafted,
+            masks=masks,
+        )
+
+    def committed(self, accepted: torch.Tensor, bonus: torch.Tensor) -> "Adjustments":
+        """A verification's adjustments (`speculated`) -> the next round's first position's, once
+        each row has appended its first accepted[b] drafts and then its bonus token bonus[b]. The
+        drafts have their columns already, so only their counts move and a new bonus token gets
+        a column (`advanced`). Every round adds K + 1 columns, padding mostly: the caller builds
+        afresh now and then."""
+        k = self.drafted.shape[1]
+        taken = torch.arange(k, device=accepted.device) < accepted.view(-1, 1)  # [b, K]
+        hits = (self.drafted.unsqueeze(-1) == self.ids.unsqueeze(1)) & taken.unsqueeze(-1)  # [b, K, m]
+        occurrences = hits.sum(1)  # [b, m]
+        kept = replace(
+            self,
+            counts=self.counts + occurrences,
+            seen=self.seen | (occurrences > 0),
+            output_len=self.output_len + accepted,
+            drafted=self.drafted[:, :0],
+            masks=None,
+        )
+        return kept.advanced(bonus)
 
     def to(self, device: torch.device) -> "Adjustments":
         return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
@@ -164,18 +215,19 @@ class Adjustments:
         m = self.ids.shape[1]
         ids = self.ids.unsqueeze(1).expand(b, n, m)
         picked = logits.gather(-1, ids)  # [b, n, m]
-        # Occurrences before each position: the output's, plus the draft tokens before it.
-        drafts = (self.drafted[:, : n - 1].unsqueeze(-1) == self.ids.unsqueeze(1)).float()  # [b, n-1, m]
-        before = torch.cat([torch.zeros(b, 1, m, device=logits.device), drafts.cumsum(1)], 1)  # [b, n, m]
-        counts = self.counts.unsqueeze(1) + before
-        seen = self.seen.unsqueeze(1) | (before > 0)
+        counts, seen = self.counts.unsqueeze(1), self.seen.unsqueeze(1)  # [b, 1, m]
+        if n > 1:  # occurrences before each position: the output's, plus the draft tokens before it
+            drafts = (self.drafted[:, : n - 1].unsqueeze(-1) == self.ids.unsqueeze(1)).float()  # [b, n-1, m]
+            before = torch.cat([torch.zeros(b, 1, m, device=logits.device), drafts.cumsum(1)], 1)  # [b, n, m]
+            counts, seen = counts + before, seen | (before > 0)
         penalty = self.repetition.view(b, 1, 1)
         picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
         picked = picked - self.frequency.view(b, 1, 1) * counts - self.presence.view(b, 1, 1) * (counts > 0)
         picked = picked + self.bias.unsqueeze(1)
-        produced = self.output_len.view(b, 1) + torch.arange(n, device=logits.device)  # [b, n]
-        early = (produced < self.min_tokens.view(b, 1)).unsqueeze(-1)  # [b, n, 1]
-        picked = picked.masked_fill(early & self.banned.unsqueeze(1), float("-inf"))
+        if self.min_tokens is not None:
+            produced = self.output_len.view(b, 1) + torch.arange(n, device=logits.device)  # [b, n]
+            early = (produced < self.min_tokens.view(b, 1)).unsqueeze(-1)  # [b, n, 1]
+            picked = picked.masked_fill(early & self.banned.unsqueeze(1), float("-inf"))
         logits = logits.scatter(-1, ids, picked)
         if self.allowed is not None:
             logits = logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
@@ -197,10 +249,17 @@ def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None
 Row = tuple[Processing, list[int], list[int]]
 
 
-def build(rows: list[Row], drafted: torch.Tensor, vocab: int, masks: torch.Tensor | None = None) -> Adjustments:
+def build(
+    rows: list[Row],
+    drafted: torch.Tensor,
+    vocab: int,
+    masks: torch.Tensor | None = None,
+    histories: list[TrackedHistory | None] | None = None,
+) -> Adjustments:
     """rows: per row (Processing, prompt_ids, output_ids); drafted [b, K] (host); masks
-    [b, K + 1, V] (token_masks.token_masks) or None. Rows whose processing is not active get
-    neutral values (and no tracked tokens)."""
+    [b, K + 1, V] (token_masks.token_masks) or None; histories: per row, its sequence's
+    TrackedHistory (read and brought up to date: a round reads only the new output), or None.
+    Rows whose processing is not active get neutral values (and no tracked tokens)."""
     b = len(rows)
     on = [p.active for p, _, _ in rows]
     scalars = torch.tensor(
@@ -219,61 +278,14 @@ def build(rows: list[Row], drafted: torch.Tensor, vocab: int, masks: torch.Tenso
                 allowed[r] = False
                 allowed[r, torch.tensor(p.allowed_token_ids, dtype=torch.long)] = True
     return Adjustments(
-        *_tracked(rows, [r for r, a in enumerate(on) if a], drafted, vocab),
+        *tracked_columns(rows, [r for r, a in enumerate(on) if a], drafted, vocab, histories),
         allowed,
         scalars[:, 0].contiguous(),
         scalars[:, 1].contiguous(),
         scalars[:, 2].contiguous(),
         lengths[:, 0].contiguous(),
-        lengths[:, 1].contiguous(),
+        lengths[:, 1].contiguous() if any(p.min_tokens for (p, _, _), a in zip(rows, on) if a) else None,
         scalars[:, 3].contiguous(),
         drafted,
         masks,
     )
-
-
-def _tracked(rows: list[Row], active: list[int], drafted: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
-    """The tracked columns of every row, [b, m] each: ids, counts, seen, bias, banned (see
-    Adjustments). One pass over all active rows at once: every token is keyed row * vocab +
-    token, so one sorted unique gives each row's ids in order and where each token sits among
-    them (a loop of set and dict work per row took 0.95 ms for 8 rows of 500 tokens, this 0.52:
-    python -m ssd.bench.processing_cost)."""
-    b = len(rows)
-    if not active:
-        return (torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool),
-                torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool))  # fmt: skip
-    procs = [rows[r][0] for r in active]
-    # Four sections, each a list per active row: prompt, output, bias keys, stop ids.
-    lists = [rows[r][1] for r in active] + [rows[r][2] for r in active]
-    lists += [list(p.logit_bias) for p in procs] + [list(p.stop_token_ids) for p in procs]
-    lens = torch.tensor([len(x) for x in lists], dtype=torch.long)
-    owners = torch.tensor(active, dtype=torch.long)
-    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
-    # Keys stay in their row's range only for ids in the vocabulary (the engine checked them).
-    assert flat.numel() == 0 or (int(flat.min()) >= 0 and int(flat.max()) < vocab), "token id outside the vocabulary"
-    keyed = flat + torch.repeat_interleave(owners.repeat(4) * vocab, lens)
-    drafts = (drafted[owners].long() + owners.view(-1, 1) * vocab).flatten()
-    # Sorted unique keys (by row, then token), and where each token sits among them.
-    keys, where = torch.unique(torch.cat([keyed, drafts]), return_inverse=True)
-    prompt, output, bias_at, stops, _ = where.split(lens.view(4, -1).sum(1).tolist() + [drafts.numel()])
-    counts = torch.bincount(output, minlength=keys.numel()).float()
-    seen = torch.zeros(keys.numel(), dtype=torch.bool)
-    seen[torch.cat([prompt, output])] = True
-    bias = torch.zeros(keys.numel())
-    bias[bias_at] = torch.tensor([v for p in procs for v in p.logit_bias.values()], dtype=torch.float32)
-    banned = torch.zeros(keys.numel(), dtype=torch.bool)
-    banned[stops] = True
-    # Lay the rows out [b, m], padding each with its first column (see the class doc).
-    row = keys // vocab
-    per_row = torch.bincount(row, minlength=b)
-    start = per_row.cumsum(0) - per_row
-    col = torch.arange(keys.numel()) - start[row]
-    first, has = start.clamp(max=keys.numel() - 1), (per_row > 0).view(b, 1)
-    m = int(per_row.max())
-
-    def laid_out(values: torch.Tensor) -> torch.Tensor:
-        out = torch.where(has, values[first].view(b, 1), torch.zeros((), dtype=values.dtype)).expand(b, m).clone()
-        out[row, col] = values
-        return out
-
-    return laid_out(keys % vocab), laid_out(counts), laid_out(seen), laid_out(bias), laid_out(banned)

@@ -13,6 +13,7 @@ from ssd.core.logprobs import TokenLogprobs
 from ssd.core.sampling import SequenceSampling
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.speculation import SpecMetrics
+from ssd.core.tracked import TrackedHistory
 
 
 class FinishReason(str, enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
     # The request's penalties, bias, allowed tokens, stop ids and bad words' token ids, resolved
     # once at admission (logits_processing.Processing): what verification and every drafter read.
     processing: Processing = field(default_factory=Processing)
+    # Its prompt and output as the processing's tracked tokens, brought up to date each round.
+    tracked: TrackedHistory = field(default_factory=TrackedHistory, repr=False)
     # With params.structured_outputs: its grammar as llguidance's text and the EOS it ends with,
     # what a drafter needs to mask its own speculations (SequenceSampling.grammar).
     grammar: str = ""

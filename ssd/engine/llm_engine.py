@@ -23,16 +23,15 @@ from ssd.core.bad_words import word_tokens
 from ssd.core.config import EngineConfig
 from ssd.core.grammar import GrammarCompiler, consume
 from ssd.core.logits_processing import Processing
-from ssd.core.logits_processing import build as build_adjustments
 from ssd.core.sampling import BatchSampling, no_mass, process_logits, process_logits_on_device
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
-from ssd.core.token_masks import token_masks
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics
 from ssd.engine.proposers import WorkerProviderFactory, build_proposers
+from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify, verify_on_device
 from ssd.model.runner import pad_rows, target_runner
@@ -78,6 +77,7 @@ class LLMEngine:
         self.stopper = StopChecker(tokenizer, eos, max_model_len)
         self.logprobs = LogprobRecorder(config.logprobs_mode, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos)
+        self.adjustments = RoundAdjustments(self.vocab_size)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.metrics = EngineMetrics()
@@ -210,13 +210,13 @@ class LLMEngine:
             return scored
         started = time.perf_counter()
         self._choose_mode()
-        # Only SD's draft reads the first position's adjustments (verification builds its own).
-        sampling = self._sampling(adjusted=self.mode == "sd")
+        # The first position's adjustments: SD's draft advances them, verification extends them.
+        sampling = self._sampling(masks=self.mode == "sd")
         k = self._round_k()
         with self.metrics.timed("draft"):
             spec = self._speculate(k, sampling)
         with self.metrics.timed("verify"):
-            outcome, logprobs = self._verify(spec)
+            outcome, logprobs = self._verify(spec, sampling)
         if self.proposer is not None and k > 0:
             with self.metrics.timed("draft"):  # overlaps the drafter's answer with the bookkeeping below
                 self.proposer.outcome_known(self.running, spec, outcome)
@@ -245,18 +245,11 @@ class LLMEngine:
             self.proposers["ssd"].rejoin(self.running)
             self._ssd_behind = False
 
-    def _sampling(self, drafted: torch.Tensor | None = None, adjusted: bool = True) -> BatchSampling:
-        """The running rows' sampling settings, with the penalties, bias and masks of the rows that
-        have any (unless not `adjusted`): for the round's first position (drafting advances
-        them), or for every position of the speculation drafted [b, K] (verification)."""
-        seqs = self.running
-        sampling = BatchSampling.of([s.sampling for s in seqs])
-        if not adjusted or not any(s.adjusted for s in seqs):
-            return sampling
-        rows = [(s.processing, s.prompt_ids, s.output_ids) for s in seqs]
-        drafted = torch.zeros(len(seqs), 0, dtype=torch.long) if drafted is None else drafted
-        masks = token_masks(seqs, drafted, self.vocab_size)
-        return sampling.adjusted(build_adjustments(rows, drafted, self.vocab_size, masks))
+    def _sampling(self, masks: bool) -> BatchSampling:
+        """The running rows' sampling settings at the round's first position, with the penalties
+        and bias of the rows that have any, and their masks if `masks` (RoundAdjustments.first)."""
+        sampling = BatchSampling.of([s.sampling for s in self.running])
+        return sampling.adjusted(self.adjustments.first(self.running, masks))
 
     def _speculate(self, k: int, sampling: BatchSampling) -> Speculation:
         """The round's proposals: [b, K] tokens and their draft probabilities, capped per request."""
@@ -269,9 +262,10 @@ class LLMEngine:
             spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
         return spec
 
-    def _verify(self, spec: Speculation) -> tuple[RoundOutcome, dict | None]:
-        """The target's forward over [last token, speculation] and the verification rule; -> the
-        outcome and the log-probabilities of the rows that asked (LogprobRecorder.round)."""
+    def _verify(self, spec: Speculation, first: BatchSampling) -> tuple[RoundOutcome, dict | None]:
+        """The target's forward over [last token, speculation] and the verification rule; first:
+        the round's first position's sampling; -> the outcome and the log-probabilities of the
+        rows that asked (LogprobRecorder.round)."""
         seqs = self.running
         spec = spec if self.device_round else spec.on_host()
         if self.device_round and any(s.adjusted or s.params.logprobs is not None for s in seqs):
@@ -282,14 +276,18 @@ class LLMEngine:
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
-        sampling = self._sampling(spec.tokens)  # each position processed with its own history
+        # Each position processed with its own history.
+        sampling = first.adjusted(self.adjustments.every(first.adjust, seqs, spec.tokens))
         if self.device_round:
-            return self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
-        logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]
-        target_probs = process_logits(logits, sampling)
-        result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
-        outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
-        return outcome, self._round_logprobs(logits, target_probs, spec, outcome)
+            outcome, logprobs = self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
+        else:
+            logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]
+            target_probs = process_logits(logits, sampling)
+            result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
+            outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
+            logprobs = self._round_logprobs(logits, target_probs, spec, outcome)
+        self.adjustments.carry(seqs, sampling.adjust, outcome.num_accepted, outcome.bonus_tokens)
+        return outcome, logprobs
 
     def _round_logprobs(self, logits, target_probs, spec: Speculation, outcome: RoundOutcome) -> dict | None:
         return self.logprobs.round(
