@@ -30,9 +30,9 @@ class TrackedHistory:
 
 def tracked_columns(
     rows: list[tuple], active: list[int], drafted: torch.Tensor, vocab: int, histories: list | None = None
-) -> tuple[torch.Tensor, ...]:
-    """The tracked columns of every row, [b, m] each: ids, counts, seen, bias, banned (see
-    Adjustments). One pass over all active rows at once: every token is keyed row * vocab +
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tracked columns of every row: ids [b, m] and their values [b, m, 4] (count, seen, bias,
+    banned: Adjustments.columns). One pass over all active rows at once: every token is keyed row * vocab +
     token, so one sorted unique gives each row's ids in order and where each token sits among
     them. rows: per row (Processing, prompt_ids, output_ids), logits_processing.Row; histories:
     per row, its sequence's TrackedHistory or None (None, or None for a row: read the row's whole
@@ -40,8 +40,7 @@ def tracked_columns(
     b = len(rows)
     assert vocab < 2**24, "token ids travel as float32 below"
     if not active:
-        return (torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool),
-                torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.bool))  # fmt: skip
+        return torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, 4)
     kept = [histories[r] if histories is not None else None for r in active]
     known = [h if h is not None else TrackedHistory() for h in kept]
     procs = [rows[r][0] for r in active]
@@ -86,7 +85,7 @@ def tracked_columns(
     values = torch.stack([(keys % vocab).float(), counts, seen.float(), bias, banned.float()])  # [5, u]
     out = torch.where(has, values[:, first].view(5, b, 1), 0.0).expand(5, b, m).clone()
     out[:, row, col] = values
-    return out[0].long(), out[1], out[2].bool(), out[3], out[4].bool()
+    return out[0].long(), out[1:].permute(1, 2, 0).contiguous()  # ids [b, m]; columns [b, m, 4]
 
 
 def _remember(
