@@ -54,7 +54,8 @@ from ssd.core.protocol import (
     SpeculationReply,
 )
 from ssd.transport.channel import ChannelClosed, ChannelTimeout  # noqa: E402
-from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc, parse_grpc_address  # noqa: E402
+from ssd.transport.grpc_address import parse_grpc_address  # noqa: E402
+from ssd.transport.grpc_channel import GrpcListener, WorkerBusy, connect_grpc  # noqa: E402
 from ssd.transport.wire import ForeignMessage, MsgType  # noqa: E402
 
 FP = 4242

@@ -38,13 +38,13 @@ import queue
 import threading
 import time
 from concurrent import futures
-from urllib.parse import urlsplit
 
 import grpc
 import torch
 
 from ssd.core.protocol import MsgType
 from ssd.transport.channel import ChannelClosed, ChannelTimeout, WorkerBusy
+from ssd.transport.grpc_address import parse_grpc_address, wait_connected
 from ssd.transport.wire import MAGIC, WireCounts, body_size, encode, unframe
 
 try:
@@ -342,44 +342,6 @@ class GrpcListener:
         yield from channel._frames_out()
 
 
-def parse_grpc_address(address: str) -> tuple[str, int]:
-    """'grpc://HOST:PORT' -> (host, port); ValueError naming the expected form otherwise."""
-    expected = f"bad grpc transport address {address!r}: expected 'grpc://HOST:PORT'"
-    try:
-        parts = urlsplit(address)
-        host, port = parts.hostname, parts.port
-    except (ValueError, TypeError, AttributeError) as err:
-        raise ValueError(expected) from err
-    if parts.scheme != "grpc" or not host or not port or parts.path or parts.query or parts.fragment or parts.username:
-        raise ValueError(expected)
-    return host, port
-
-
-def _wait_connected(conn: grpc.Channel, address: str, timeout: datetime.timedelta) -> None:
-    """Until the connection is up: ChannelClosed at once when refused, ChannelTimeout when no
-    answer came in time (grpc.channel_ready_future would retry a refused connection instead)."""
-    settled: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
-    ends = (
-        grpc.ChannelConnectivity.READY,
-        grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-        grpc.ChannelConnectivity.SHUTDOWN,
-    )
-
-    def watch(state: grpc.ChannelConnectivity) -> None:
-        if state in ends:
-            settled.put(state)
-
-    conn.subscribe(watch, try_to_connect=True)
-    try:
-        state = settled.get(timeout=timeout.total_seconds())
-    except queue.Empty:
-        raise ChannelTimeout(f"no draft worker answered at {address} within {timeout.total_seconds():g} s") from None
-    finally:
-        conn.unsubscribe(watch)
-    if state != grpc.ChannelConnectivity.READY:
-        raise ChannelClosed(f"no draft worker listens at {address} (connection failed)")
-
-
 def connect_grpc(
     address: str,
     fp: int,
@@ -399,7 +361,7 @@ def connect_grpc(
     )
     call = None
     try:
-        _wait_connected(conn, address, timeout)
+        wait_connected(conn, address, timeout)
         channel = GrpcChannel(fp, f"session with the draft worker at {address}")
         call = pb_grpc.DraftWorkerStub(conn).Session(channel._frames_out())
         channel._cancel, channel._release = call.cancel, conn.close
