@@ -50,7 +50,7 @@ class Sequence:
     # once at admission (logits_processing.Processing): what verification and every drafter read.
     processing: Processing = field(default_factory=Processing)
     # Its prompt and output as the processing's tracked tokens, brought up to date each round.
-    tracked: TrackedHistory = field(default_factory=TrackedHistory, repr=False)
+    tracked: TrackedHistory = field(default_factory=TrackedHistory, repr=False, compare=False)
     # With params.structured_outputs: its grammar as llguidance's text and the EOS it ends with,
     # what a drafter needs to mask its own speculations (SequenceSampling.grammar).
     grammar: str = ""
