@@ -105,3 +105,18 @@ def test_the_check_fails_on_a_broken_carrier(broken, monkeypatch):
         monkeypatch.setattr(RoundAdjustments, "_carried_for", _without_length_check(RoundAdjustments._carried_for))
     with pytest.raises(AssertionError):
         _scenario(0)
+
+
+def test_a_draft_of_minus_one_past_a_rows_speculation_is_processed_as_token_0():
+    """On a device a draw without mass is -1; past a row's num_draft (a request's max_draft cap)
+    nothing raises for it and no verification reads it. Verification's adjustments must still be
+    made (a column of -1 could not be gathered): such a draft counts as token 0, as the target's
+    forward feeds it."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [_sequence(i, gen) for i in range(3)]  # penalties, bias, none
+    adjustments = RoundAdjustments(VOCAB)
+    first = adjustments.first(seqs, masks=False)
+    drafted = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1], [-1, -1, -1, -1]])
+    logits = torch.randn(3, K + 1, VOCAB, generator=gen)
+    every = adjustments.every(first, seqs, drafted)
+    assert torch.equal(every.apply(logits), _rebuilt(seqs, drafted.clamp(min=0)).apply(logits))

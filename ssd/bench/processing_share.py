@@ -26,9 +26,8 @@ from ssd.llm import LLM
 
 logger = logging.getLogger(__name__)
 
-PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:", "# Sort a list", "for i in range(10):", "x = [",
-           "def main():\n", "The quick brown"]  # fmt: skip
-PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1)
+PROMPTS = ("def fib(n):", "import numpy as np\n", "class Stack:", "# Sort a list", "for i in range(10):", "x = [",
+           "def main():\n", "The quick brown")  # fmt: skip
 METHODS = ("apply", "advanced", "speculated", "committed", "branched")
 
 
@@ -64,8 +63,10 @@ def _timed_processing(timers: _Timers):
 
 
 def measure(llm: LLM, batch: int, k: int, repeats: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=96, **PENALTIES)
-    prompts = (PROMPTS * batch)[:batch]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=96, frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1
+    )
+    prompts = list((PROMPTS * batch)[:batch])
     llm.generate(prompts, params)  # warm-up
     shares, walls = [], []
     for _ in range(repeats):

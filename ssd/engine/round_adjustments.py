@@ -5,10 +5,12 @@ them from there) and at every position of the speculation (verification).
 A round's verification already tracks every token its rows will commit (the drafts have
 columns, only the bonus token may be new), so the next round's first position is carried over
 from it (`Adjustments.committed`) instead of being built again from each row's history. A build
-costs a fixed ~75 small tensor operations whatever changed (0.44 ms at batch 1 on this 2-core
-VM); carrying costs ~20. A build runs when the batch gained a row, a row appended other than
-what the round committed, or the carried columns grew COMPACT_AFTER past the last build's (each
-round adds K + 1, padding mostly).
+costs a fixed ~75 small tensor operations whatever changed (docs/benchmarks.md, "a build");
+carrying costs ~20. A build runs when nothing was carried (the first round, a round without
+adjusted rows, a round that raised), when the batch gained a row, when a row's output is not
+what the round committed (a guard: a stop rule that cuts an append finishes the row, which then
+retires), and when the carried columns grew COMPACT_AFTER past the last build's (each round
+adds K + 1, padding mostly).
 """
 
 from __future__ import annotations
@@ -53,9 +55,12 @@ class RoundAdjustments:
 
     def every(self, first: Adjustments | None, seqs: list[Sequence], drafted: torch.Tensor) -> Adjustments | None:
         """The first position's adjustments -> every position's of the speculation drafted [b, K]
-        (host), each processed with its own history."""
+        (host), each processed with its own history. A draft past a row's num_draft may be -1 (a
+        device's draw without mass where no verification reads it): it becomes token 0 here, as
+        in the target's forward, since a column of -1 could not be gathered."""
         if first is None:
             return None
+        drafted = drafted.clamp(min=0)
         return first.speculated(drafted, token_masks(seqs, drafted, self.vocab))
 
     def carry(
