@@ -12,6 +12,7 @@ Unit tests of ssd/drafting/saguaro.py and ssd/transport/wire.py are in test_sagu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
+from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.model.demo_models import heldout_prompts
 
 MAX_TOKENS = 32
@@ -191,6 +193,32 @@ def test_seeded_sample_reproducible_on_a_fresh_engine(tiny_pair):
         with ssd_llm(target, draft, **kw) as llm:
             runs.append(llm.generate("def f(x):", seeded(7))[0].token_ids)
     assert runs[0] == runs[1]
+
+
+def test_greedy_batches_leave_the_draft_probabilities_out_and_mixed_ones_keep_them(tiny_pair, monkeypatch):
+    """A batch of greedy rows verifies without draft probabilities (verify.py); a batch with a
+    sampled row must carry them. Shown to matter: a proposer that always leaves them out trips
+    the engine's check on the mixed batch."""
+    target, draft = tiny_pair
+    greedy, sampled = SamplingParams(temperature=0.0, max_tokens=12), seeded(5)
+    proposed = []
+    original = SSDProposer.propose
+
+    def recording(self, seqs, k, sampling):
+        spec = original(self, seqs, k, sampling)
+        proposed.append(spec.probs is None)
+        return spec
+
+    monkeypatch.setattr(SSDProposer, "propose", recording)
+    with ssd_llm(target, draft, draft_transport="inprocess") as llm:
+        llm.generate(["def f(x):", "import os"], greedy)
+        assert proposed and all(proposed)
+        proposed.clear()
+        llm.generate(["def f(x):", "import os"], [greedy, sampled])
+        assert proposed and not any(proposed)  # the sampled row runs to the end
+        monkeypatch.setattr(SSDProposer, "propose", lambda *a: dataclasses.replace(original(*a), probs=None))
+        with pytest.raises(AssertionError, match="draft probs left out"):
+            llm.generate(["def f(x):", "import os"], [greedy, sampled])
 
 
 def test_reproducible_setting_on_the_default_transport(tiny_pair):

@@ -14,7 +14,7 @@ import torch
 from refimpl import chi_square_p
 
 from ssd.core.sampling import sample_from
-from ssd.engine.verify import verify, verify_reference
+from ssd.engine.verify import verify, verify_on_device, verify_reference
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)
 ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
@@ -216,6 +216,31 @@ def test_greedy_one_hot_rows():
             k += 1
         assert int(fast.num_accepted[r]) == k
         assert int(fast.bonus_tokens[r]) == int(argmax[r, k])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_greedy_target_reads_no_draft_probability(seed):
+    """Where every row's target is greedy, a speculation may leave its draft probabilities out
+    (None): verification then decides exactly what it decides with any draft distribution, here
+    one-hot (a greedy draft's) and random ones, in the vectorized rule, the reference and the
+    device version."""
+    gen = torch.Generator().manual_seed(seed)
+    b, K, vocab = 64, 4, 7
+    argmax = torch.randint(0, vocab, (b, K + 1), generator=gen)
+    target_probs = torch.zeros(b, K + 1, vocab).scatter_(-1, argmax.unsqueeze(-1), 1.0)
+    agree = torch.rand(b, K, generator=gen) < 0.7
+    draft_tokens = torch.where(agree, argmax[:, :K], torch.randint(0, vocab, (b, K), generator=gen))
+    one_hot = torch.zeros(b, K, vocab).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    rest = (target_probs, torch.randint(0, K + 1, (b,), generator=gen), torch.rand(b, K, generator=gen),
+            torch.rand(b, generator=gen))  # fmt: skip
+    left_out = verify(draft_tokens, None, *rest)
+    for draft_probs in (one_hot, random_dists(gen, (b, K, vocab))):
+        for rule in (verify, verify_reference, verify_on_device):
+            with_probs = rule(draft_tokens, draft_probs, *rest)
+            assert torch.equal(left_out.num_accepted, with_probs.num_accepted)
+            assert torch.equal(left_out.bonus_tokens, with_probs.bonus_tokens)
+    ref = verify_reference(draft_tokens, None, *rest)
+    assert torch.equal(ref.num_accepted, left_out.num_accepted) and torch.equal(ref.bonus_tokens, left_out.bonus_tokens)
 
 
 def test_k_zero_samples_bonus_from_first_target_distribution():

@@ -30,7 +30,9 @@ class Speculation:
     # [b, K] long (entries past num_draft are padding); a proposer on an accelerator leaves its
     # tokens and probs there, and marks a token drawn from a distribution without mass -1
     tokens: torch.Tensor
-    probs: torch.Tensor  # [b, K, V] float32, V = the target's vocabulary size
+    # [b, K, V] float32, V = the target's vocabulary size; None where every row's target is
+    # greedy, whose verification reads no draft probability (ssd/engine/verify.py)
+    probs: torch.Tensor | None
     num_draft: torch.Tensor  # [b] long, real proposals per row (<= K)
     source: torch.Tensor | None = field(default=None)  # [b] long Source; None = all DRAFT
 
@@ -52,7 +54,8 @@ class Speculation:
     def on_host(self, rows: torch.Tensor | None = None) -> "Speculation":
         """The same speculation with its tokens (host_tokens) and probs on the host; num_draft
         and source are host tensors wherever the drafts are."""
-        return Speculation(self.host_tokens(rows), self.probs.cpu(), self.num_draft, self.source)
+        probs = None if self.probs is None else self.probs.cpu()
+        return Speculation(self.host_tokens(rows), probs, self.num_draft, self.source)
 
     @staticmethod
     def empty(batch: int, vocab: int) -> "Speculation":

@@ -142,7 +142,8 @@ class SSDProposer:
         tokens = torch.tensor(
             [c.tokens[:k] + [0] * (k - len(c.tokens[:k])) for c in chosen], dtype=torch.long
         )  # [b, k]
-        probs = torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
+        # A batch of greedy rows verifies without draft probabilities: no [b, k, V] to stack.
+        probs = None if bool(sampling.greedy.all()) else torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
         spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         self.fanout, self.next_fanout = self.next_fanout or self._fanout(), []
         committed = [s.num_tokens for s in seqs]

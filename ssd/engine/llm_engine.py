@@ -1,7 +1,7 @@
 """The round loop: continuous batching over running sequences, one verification per round.
 
 A round, for the b running sequences:
-    speculation = proposer.propose(...)        # [b, K] tokens + [b, K, V] draft_probs
+    speculation = proposer.propose(...)        # [b, K] tokens + [b, K, V] draft_probs (or None: verify.py)
     target forward over [last token, speculation]  -> target_probs [b, K+1, V]
     verify(...)                                 -> num_accepted [b], bonus_tokens [b]
     roll back rejected columns of the target cache; append accepted + bonus under stop rules
@@ -276,7 +276,7 @@ class LLMEngine:
         valid = torch.arange(spec.k + 1).unsqueeze(0) <= spec.num_draft.unsqueeze(1)
         uniforms = torch.stack([torch.rand(spec.k + 1, generator=s.generator) for s in seqs])  # [b, K+1]
         before = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
-        # Each position processed with its own history.
+        assert spec.probs is not None or bool(first.greedy.all()), "draft probs left out for a sampled row"
         sampling = first.adjusted(self.adjustments.every(first.adjust, seqs, spec.tokens))
         if self.device_round:
             outcome, logprobs = self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
@@ -290,9 +290,8 @@ class LLMEngine:
         return outcome, logprobs
 
     def _round_logprobs(self, logits, target_probs, spec: Speculation, outcome: RoundOutcome) -> dict | None:
-        return self.logprobs.round(
-            self.running, logits, target_probs, spec.tokens, outcome.num_accepted, outcome.bonus_tokens
-        )
+        accepted, bonus = outcome.num_accepted, outcome.bonus_tokens
+        return self.logprobs.round(self.running, logits, target_probs, spec.tokens, accepted, bonus)
 
     def _verify_on_device(self, tokens, valid, spec, sampling, uniforms, before) -> tuple[RoundOutcome, dict | None]:
         """_verify with the target's logits kept on its device: processed and verified there,
@@ -300,9 +299,10 @@ class LLMEngine:
         device = self.target.device
         logits = self.target.forward(self.cache, tokens, valid, on_host=False)  # [b, K+1, V], on device
         target_probs = process_logits_on_device(logits, sampling.to(device))
-        drafted, draft_probs, num_draft, uniforms = (
-            t.to(device, non_blocking=True) for t in (spec.tokens, spec.probs, spec.num_draft, uniforms)
+        drafted, num_draft, uniforms = (
+            t.to(device, non_blocking=True) for t in (spec.tokens, spec.num_draft, uniforms)
         )
+        draft_probs = None if spec.probs is None else spec.probs.to(device, non_blocking=True)
         # A draft token of -1: its distribution had no mass (sample_on_device); the host's sampler raises there.
         in_spec = torch.arange(spec.k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
         broken = ((drafted < 0) & in_spec).any(1)

@@ -4,7 +4,8 @@ Glossary (b = batch, K = speculation length this round, V = vocab):
     draft_tokens      # [b, K]      the speculation
     draft_probs       # [b, K, V]   the distribution each draft token was sampled from (after
                       #             temperature/top-k/top-p and, for Saguaro, the C-scaling);
-                      #             a deterministic proposer (n-gram, random) passes one-hot rows
+                      #             a deterministic proposer (n-gram, random) passes one-hot rows;
+                      #             None where every row's target is greedy (see below)
     target_probs      # [b, K+1, V] processed target distributions at the K+1 positions
     num_draft         # [b]         how many of the K tokens are real for each row (<= K)
     accept_uniforms   # [b, K]      u_i in [0, 1)
@@ -15,6 +16,11 @@ Token i is accepted iff u_i * draft_prob < target_prob (that is u_i < target/dra
 when draft_prob is 0 but target_prob is not). At the first rejection k the bonus token comes from
 norm(max(0, target_probs[k] - draft_probs[k])); after num_draft acceptances it comes from
 target_probs[num_draft]. This makes every emitted token exactly target-distributed.
+
+A greedy target (one-hot target_probs) reads no draft probability: a token is accepted iff it is
+the target's argmax, and the bonus token is the argmax, whatever the draft's distribution. So
+draft_probs may be None when every row is greedy, read as all zeros: a speculation then carries
+no [b, K, V] tensor to the target (at V = 128k and b = 8, 24 MB a round).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def verify(
         return VerifyResult(zero, sample(target_probs[:, 0], bonus_uniforms))
     index = draft_tokens.unsqueeze(-1)
     target_tok = target_probs[:, :k_max].gather(-1, index).squeeze(-1)  # [b, K]
+    if draft_probs is None:  # every row's target is greedy (module doc): read as zeros
+        draft_probs = target_probs.new_zeros(()).expand(b, k_max, target_probs.shape[-1])
     draft_tok = draft_probs.gather(-1, index).squeeze(-1)  # [b, K]
     in_spec = torch.arange(k_max, device=num_draft.device).unsqueeze(0) < num_draft.unsqueeze(1)  # [b, K]
     accepted = (accept_uniforms * draft_tok < target_tok) & in_spec
@@ -80,6 +88,8 @@ def verify_reference(
 ) -> VerifyResult:
     """Row-by-row, position-by-position statement of the same rule, for tests."""
     b = draft_tokens.shape[0]
+    if draft_probs is None:
+        draft_probs = torch.zeros(b, draft_tokens.shape[1], target_probs.shape[-1])
     num_accepted, bonus = [], []
     for r in range(b):
         k = 0
