@@ -32,9 +32,9 @@ def tracked_columns(
     rows: list[tuple], active: list[int], drafted: torch.Tensor, vocab: int, histories: list | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tracked columns of every row: ids [b, m] and their values [b, m, 4] (count, seen, bias,
-    banned: Adjustments.columns). One pass over all active rows at once: every token is keyed row * vocab +
-    token, so one sorted unique gives each row's ids in order and where each token sits among
-    them. rows: per row (Processing, prompt_ids, output_ids), logits_processing.Row; histories:
+    banned: Adjustments.columns). One pass over all active rows at once: every token is keyed
+    row * vocab + token, so one sorted unique gives each row's ids in order and where each token
+    sits among them. rows: per row (Processing, prompt_ids, output_ids), logits_processing.Row; histories:
     per row, its sequence's TrackedHistory or None (None, or None for a row: read the row's whole
     history); those given are brought up to date."""
     b = len(rows)
@@ -73,19 +73,23 @@ def tracked_columns(
     banned[stops] = True
     if any(h is not None for h in kept):
         _remember(kept, [rows[r] for r in active], owners, keys[seen], counts[seen], vocab)
-    # Lay the rows out [b, m], padding each with its first column (see Adjustments).
-    row = keys // vocab
-    per_row = torch.bincount(row, minlength=b)
-    start = per_row.cumsum(0) - per_row
-    col = torch.arange(keys.numel()) - start[row]
-    first, has = start.clamp(max=keys.numel() - 1), (per_row > 0).view(b, 1)
-    m = int(per_row.max())
-
     # All five at once, as float32 (exact for token ids below 2**24).
     values = torch.stack([(keys % vocab).float(), counts, seen.float(), bias, banned.float()])  # [5, u]
-    out = torch.where(has, values[:, first].view(5, b, 1), 0.0).expand(5, b, m).clone()
-    out[:, row, col] = values
+    out = _laid_out(keys // vocab, values, b)
     return out[0].long(), out[1:].permute(1, 2, 0).contiguous()  # ids [b, m]; columns [b, m, 4]
+
+
+def _laid_out(row: torch.Tensor, values: torch.Tensor, b: int) -> torch.Tensor:
+    """values [f, u] of u tracked tokens sorted by their row [u] -> [f, b, m], each row's in
+    order, padded with its first column (see Adjustments); a row without any gets zeros."""
+    per_row = torch.bincount(row, minlength=b)
+    start = per_row.cumsum(0) - per_row
+    col = torch.arange(row.numel()) - start[row]
+    first, has = start.clamp(max=row.numel() - 1), (per_row > 0).view(b, 1)
+    f, m = values.shape[0], int(per_row.max())
+    out = torch.where(has, values[:, first].view(f, b, 1), 0.0).expand(f, b, m).clone()
+    out[:, row, col] = values
+    return out
 
 
 def _remember(
