@@ -17,7 +17,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig, ServeSettings
 from serve_app.deployments import DraftPoolDeployment, IngressDeployment, TargetDeployment
-from serve_app.placement import draft_actor_options, target_actor_options
+from serve_app.placement import draft_actor_options, target_actor_options, target_placement
 
 # Extra in-flight requests Serve may route to a full target replica: they are refused there at
 # once with the configured status (the replica's own bound is exact), instead of waiting in
@@ -56,6 +56,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     target = TargetDeployment.options(
         num_replicas=config.target_replicas,
         ray_actor_options=target_actor_options(config),
+        **target_placement(config),
         max_ongoing_requests=settings.capacity + ROUTER_SLACK,
         max_queued_requests=max(1, settings.capacity * config.target_replicas),
     ).bind(settings, pool)

@@ -56,9 +56,20 @@ class AppConfig(BaseModel):
     target_replicas: int = Field(
         1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests)."
     )
-    target_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for each target replica.")
+    target_num_cpus: float = Field(
+        1.0, ge=0, description="CPUs reserved for each target replica, per tensor-parallel rank."
+    )
     target_num_gpus: float = Field(
-        0.0, ge=0, description="GPUs reserved for each target replica (set engine.device='cuda' too)."
+        0.0,
+        ge=0,
+        description="GPUs reserved for each target replica, per tensor-parallel rank (set engine.device='cuda' too).",
+    )
+    tensor_parallel_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Ray placement-group strategy for a replica's engine.tensor_parallel_size ranks (one bundle "
+        "of target_num_cpus and target_num_gpus each): STRICT_PACK keeps them on one node (each layer's two "
+        "all-reduces cross the node's own links), PACK prefers one node, SPREAD and STRICT_SPREAD spread them "
+        "over nodes.",
     )
     draft_pool_size: int | None = Field(
         None,
@@ -150,6 +161,11 @@ class AppConfig(BaseModel):
                 f"{needed}): each target replica's ssd or auto engine leases engine.draft_workers workers of its "
                 "own; raise draft_pool_size"
             )
+        if self.engine.tensor_parallel_size > 1 and not (self.target_num_cpus or self.target_num_gpus):
+            raise ValueError(
+                f"engine.tensor_parallel_size={self.engine.tensor_parallel_size} reserves one placement-group bundle "
+                "per rank, and a bundle cannot be empty: set target_num_cpus or target_num_gpus above 0"
+            )
         if ssd and self.engine.draft_transport not in ("torch", "grpc"):
             raise ValueError(
                 f"engine.draft_transport={self.engine.draft_transport!r}: served draft workers are other Ray actors, "
@@ -191,6 +207,7 @@ class AppConfig(BaseModel):
             tool_call_parser=self.tool_call_parser,
             max_grpc_message_bytes=self.max_grpc_message_bytes,
             draft_pool_size=pool if self._leasing_engines() else 0,
+            target_rank_resources={"num_cpus": self.target_num_cpus, "num_gpus": self.target_num_gpus},
         )
 
 
@@ -215,6 +232,7 @@ class ServeSettings:
     tool_call_parser: str | None  # "auto" tool_choice's format; None = refused
     max_grpc_message_bytes: int
     draft_pool_size: int  # draft deployment replicas (0 when no served mode is ssd)
+    target_rank_resources: dict[str, float]  # Ray actor options of each tensor-parallel rank (rank 0: the replica)
 
     def engine_args(self, mode: str) -> EngineArgs:
         """The engine options of one mode's engine (ar needs no draft settings checked)."""

@@ -76,11 +76,14 @@ class TargetDeployment:
 
     def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
         from actors.leased_workers import leased_workers
+        from actors.tp_ranks import RayRanks
 
         # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
         engine = settings.engine.model_copy(update={"draft_start_workers": False})
+        # Ranks 1..t-1 as actors in this replica's placement group (serve_app/placement.py).
+        ranks = RayRanks(settings.target_rank_resources) if engine.tensor_parallel_size > 1 else None
         self.loop = EngineLoop(
-            build_engines(engine, settings.engine_modes, leased_workers),
+            build_engines(engine, settings.engine_modes, leased_workers, ranks),
             settings.capacity,
             settings.overload_status,
             settings.retry_after_s,

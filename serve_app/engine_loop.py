@@ -49,15 +49,19 @@ class _Caller:
 
 
 def build_engines(
-    engine: EngineArgs, modes: tuple[str, ...], worker_provider: WorkerProviderFactory | None = None
+    engine: EngineArgs,
+    modes: tuple[str, ...],
+    worker_provider: WorkerProviderFactory | None = None,
+    rank_launcher=None,
 ) -> dict[str, LLMEngine]:
     """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it);
-    worker_provider: where an ssd engine's draft pool gets its workers (ssd.engine.proposers)."""
+    worker_provider: where an ssd engine's draft pool gets its workers (ssd.engine.proposers);
+    rank_launcher: what starts a tensor-parallel target's other ranks (ssd.model.tp_launch)."""
     with_draft = next((m for m in modes if m != "ar"), None)
     base = engine.model_copy(update={"mode": with_draft or "ar"}).to_config()
     if base.num_threads is not None:
         torch.set_num_threads(base.num_threads)
-    pair = load_pair(base)
+    pair = load_pair(base, rank_launcher)
     engines = {}
     try:
         for mode in modes:

@@ -9,9 +9,10 @@ the flags that change them. A cluster `ssd serve` starts itself is given enough 
 the reservations (Ray's CPUs are a scheduling count, not cores: on a 2-core machine the draft
 workers and the target share the cores whatever Ray is told).
 
-A target replica with tensor_parallel_size t reserves t x target_num_cpus CPUs and t x
-target_num_gpus GPUs as one actor: its ranks are processes on the replica's node, so the
-reservation is on one node, and the GPUs Ray assigns it are the ones its ranks see.
+A target replica with tensor_parallel_size t reserves a placement group of t bundles, one per
+rank, of target_num_cpus CPUs and target_num_gpus GPUs each, placed by tensor_parallel_strategy
+(STRICT_PACK, one node, by default): the replica is rank 0 in bundle 0, and starts ranks 1..t-1
+as actors in the others (actors/tp_ranks.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from serve_app.config import AppConfig
 logger = logging.getLogger(__name__)
 
 # Flags that change each kind of reservation, for the messages.
-_TARGET_FLAGS = "--target-replicas, --target-num-cpus, --target-num-gpus, --tensor-parallel-size"
+_TARGET_FLAGS = (
+    "--target-replicas, --target-num-cpus, --target-num-gpus, --tensor-parallel-size, --tensor-parallel-strategy"
+)
 _DRAFT_FLAGS = "--draft-pool-size, --draft-workers, --draft-worker-resources"
 
 
@@ -43,9 +46,21 @@ class Reservation:
 
 
 def target_actor_options(config: AppConfig) -> dict:
-    """A target replica's ray_actor_options: its CPUs and GPUs once per tensor-parallel rank."""
+    """A target replica's ray_actor_options: its CPUs and GPUs (those of rank 0, where t > 1)."""
+    return {"num_cpus": config.target_num_cpus, "num_gpus": config.target_num_gpus}
+
+
+def target_placement(config: AppConfig) -> dict:
+    """The target deployment's placement-group options: none for one rank, one bundle per rank
+    (the replica's own resources fit bundle 0, as Serve requires) for t > 1."""
     ranks = config.engine.tensor_parallel_size
-    return {"num_cpus": config.target_num_cpus * ranks, "num_gpus": config.target_num_gpus * ranks}
+    if ranks == 1:
+        return {}
+    bundle = _ray_resources(target_actor_options(config))
+    return {
+        "placement_group_bundles": [dict(bundle) for _ in range(ranks)],
+        "placement_group_strategy": config.tensor_parallel_strategy,
+    }
 
 
 def draft_actor_options(config: AppConfig) -> dict:
@@ -54,16 +69,18 @@ def draft_actor_options(config: AppConfig) -> dict:
 
 
 def reservations(config: AppConfig) -> list[Reservation]:
-    """Every actor the application reserves resources for (the ingress reserves none)."""
-    target = target_actor_options(config)
-    out = [
-        Reservation(
-            f"target replicas ({config.engine.tensor_parallel_size} tensor-parallel rank(s) each)",
-            config.target_replicas,
-            _ray_resources(target),
-            _TARGET_FLAGS,
-        )
-    ]
+    """Every actor the application reserves resources for (the ingress reserves none). A replica's
+    ranks under STRICT_PACK are one reservation (they must share a node); under the other
+    strategies each rank is one, since Ray may place them apart."""
+    ranks = config.engine.tensor_parallel_size
+    rank = _ray_resources(target_actor_options(config))
+    if ranks == 1 or config.tensor_parallel_strategy == "STRICT_PACK":
+        kind = f"target replicas ({ranks} tensor-parallel rank(s) each)"
+        target = Reservation(kind, config.target_replicas, {k: v * ranks for k, v in rank.items()}, _TARGET_FLAGS)
+    else:
+        kind = f"target ranks ({config.target_replicas} replica(s) x {ranks}, {config.tensor_parallel_strategy})"
+        target = Reservation(kind, config.target_replicas * ranks, rank, _TARGET_FLAGS)
+    out = [target]
     pool = config.to_settings().draft_pool_size
     if pool:
         out.append(Reservation("draft workers", pool, _ray_resources(draft_actor_options(config)), _DRAFT_FLAGS))
@@ -122,24 +139,39 @@ def cluster_view(app: str | None = None) -> tuple[dict[str, float], list[dict[st
     return free, nodes
 
 
-def held_by_app(app: str, actors) -> dict[str, float]:
+def held_by_app(app: str, actors, groups=()) -> dict[str, float]:
     """What the replicas of Serve application `app` hold, from Ray's actor states (class name
-    'ServeReplica:<app>:<deployment>', required_resources by Ray's names)."""
+    'ServeReplica:<app>:<deployment>', required_resources by Ray's names) and placement-group
+    states (a tensor-parallel replica's group is named as the replica is, 'SERVE_REPLICA::<app>#...';
+    its bundles hold the replica's own resources and its ranks')."""
     held: dict[str, float] = {}
+
+    def add(resources) -> None:
+        for name, amount in (resources or {}).items():
+            held[name] = held.get(name, 0.0) + float(amount)
+
+    grouped = set()
+    for group in groups:
+        if group.name.startswith(f"SERVE_REPLICA::{app}#") and group.state == "CREATED":
+            grouped.add(group.name)
+            for bundle in group.bundles or []:
+                add(bundle.get("unit_resources"))
     for actor in actors:
-        if actor.class_name.startswith(f"ServeReplica:{app}:"):
-            for name, amount in (actor.required_resources or {}).items():
-                held[name] = held.get(name, 0.0) + float(amount)
+        if actor.class_name.startswith(f"ServeReplica:{app}:") and getattr(actor, "name", None) not in grouped:
+            add(actor.required_resources)
     return held
 
 
 def _held_by(app: str) -> dict[str, float]:
-    from ray.util.state import list_actors
+    from ray.util.state import list_actors, list_placement_groups
     from ray.util.state.exception import RayStateApiException
 
     try:  # 10000: the most Ray's state API answers unless its server is configured for more
         actors = list_actors(
             filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, timeout=5, raise_on_missing_output=False
+        )
+        groups = list_placement_groups(
+            filters=[("state", "=", "CREATED")], detail=True, limit=10_000, timeout=5, raise_on_missing_output=False
         )
     # The state API is served by the cluster's dashboard: without one, or unreachable, it fails
     # with its own error, a connection error (OSError) or a bad address (ValueError).
@@ -148,4 +180,4 @@ def _held_by(app: str) -> dict[str, float]:
             "cannot list the cluster's actors (%s): the fit check counts a running %r application as used", err, app
         )
         return {}
-    return held_by_app(app, actors)
+    return held_by_app(app, actors, groups)

@@ -155,6 +155,51 @@ def _attempt(what: str, fn, *args):
         raise ManifestError(f"{what}: {err!r}") from None
 
 
+_GROUP_KEYS = ("placement_group_bundles", "placement_group_strategy")
+
+
+def _group_demand(name: str, options: dict, placement_group_bundles, placement_group_strategy) -> dict:
+    """A replica with a placement group -> actor options standing for what it takes of one node:
+    all its bundles, packed on one node (the only strategy this fit check models)."""
+    if placement_group_strategy != "STRICT_PACK":
+        raise ManifestError(f"{name}: the fit check models STRICT_PACK placement groups only")
+    if not _fits(_demand(options), placement_group_bundles[0]):
+        raise ManifestError(f"{name}: ray_actor_options {options} do not fit placement_group_bundles[0]")
+    total = {}
+    for bundle in placement_group_bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0) + value
+    custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": total.get("CPU", 0), "num_gpus": total.get("GPU", 0), "resources": custom}
+
+
+def _check_target(over: dict, dep, config) -> None:
+    """The Target's overrides say what the args say: resources per rank, a bundle per rank."""
+    import serve_app.placement
+
+    reserved = serve_app.placement.target_actor_options(config)
+    options = over.get("ray_actor_options", dep.ray_actor_options) or {}
+    if (options.get("num_cpus", 1), options.get("num_gpus", 0)) != (reserved["num_cpus"], reserved["num_gpus"]):
+        raise ManifestError(
+            f"the Target override's num_cpus/num_gpus disagree with target_num_cpus/target_num_gpus ({reserved})"
+        )
+    ranks, bundles = (
+        config.engine.tensor_parallel_size,
+        over.get(_GROUP_KEYS[0], dep._replica_config.placement_group_bundles),
+    )
+    per_rank = {"CPU": reserved["num_cpus"], "GPU": reserved["num_gpus"]}
+    if ranks > 1 and (
+        len(bundles or []) != ranks or any({k: b.get(k, 0) for k in per_rank} != per_rank for b in bundles)
+    ):
+        raise ManifestError(
+            f"the Target's placement_group_bundles must be engine.tensor_parallel_size ({ranks}) bundles of "
+            f"target_num_cpus CPU and target_num_gpus GPU ({per_rank}) each: {bundles}"
+        )
+    strategy = over.get(_GROUP_KEYS[1], dep._replica_config.placement_group_strategy)
+    if ranks > 1 and strategy != config.tensor_parallel_strategy:
+        raise ManifestError(f"the Target's placement_group_strategy {strategy} is not tensor_parallel_strategy")
+
+
 def serve_checks(rs: dict):
     """Validates serveConfigV2; returns it, its AppConfig and, per deployment, (replicas,
     ray_actor_options) as the Serve controller will run them. Raises ManifestError."""
@@ -163,7 +208,6 @@ def serve_checks(rs: dict):
     from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
 
     import serve_app.app
-    import serve_app.placement
 
     if not isinstance(rs["spec"].get("serveConfigV2"), str):
         raise ManifestError("serveConfigV2 must be a YAML string")
@@ -188,22 +232,24 @@ def serve_checks(rs: dict):
     for over in app.get("deployments", []):
         if over["name"] not in built:
             raise ManifestError(f"deployments: {over['name']} is not a deployment of the app ({sorted(built)})")
-        if set(over) != {"name", "ray_actor_options"}:  # replica counts come from args
-            raise ManifestError(f"deployments.{over['name']}: override ray_actor_options only")
-        overrides[over["name"]] = over["ray_actor_options"]
+        if set(over) - {"name", "ray_actor_options", *_GROUP_KEYS}:  # replica counts come from args
+            raise ManifestError(
+                f"deployments.{over['name']}: override ray_actor_options (and the Target's placement group) only"
+            )
+        overrides[over["name"]] = over
     placement = {}
     for name, dep in built.items():
-        options = overrides.get(name, dep.ray_actor_options) or {}
+        over = overrides.get(name, {})
+        options = over.get("ray_actor_options", dep.ray_actor_options) or {}
         if extra := unknown_keys(options, RayActorOptionsSchema, f"{name}.ray_actor_options"):
             raise ManifestError(f"unknown actor option(s) {extra}")
         _attempt(f"{name}.ray_actor_options", RayActorOptionsSchema.model_validate, options)
-        placement[name] = (dep.num_replicas, options)
-    target, reserved = placement["Target"][1], serve_app.placement.target_actor_options(config)
-    if (target.get("num_cpus", 1), target.get("num_gpus", 0)) != (reserved["num_cpus"], reserved["num_gpus"]):
-        raise ManifestError(
-            "the Target override's num_cpus/num_gpus disagree with target_num_cpus/target_num_gpus x "
-            f"engine.tensor_parallel_size ({reserved})"
+        group = {key: over.get(key, getattr(dep._replica_config, key)) for key in _GROUP_KEYS}
+        placement[name] = (
+            dep.num_replicas,
+            _group_demand(name, options, **group) if group[_GROUP_KEYS[0]] else options,
         )
+    _check_target(overrides.get("Target", {}), built["Target"], config)
     return cfg, config, placement
 
 
@@ -507,3 +553,22 @@ def test_the_70b_layout_fits_its_gpus_per_rank():
     for w in weights:
         assert w + cache <= 0.9 * H100_BYTES, (w / 1e9, cache / 1e9)
     assert 2 * sum(weights) / ranks > H100_BYTES / 2 and sum(weights) > H100_BYTES  # it needs the split
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda target: target["placement_group_bundles"].pop(), "tensor_parallel_size (4) bundles"),
+        (lambda target: target["placement_group_bundles"][1].update(GPU=2), "tensor_parallel_size (4) bundles"),
+        (lambda target: target.update(placement_group_strategy="PACK"), "STRICT_PACK placement groups only"),
+        (lambda target: target["placement_group_bundles"][0].pop("target_node"), "do not fit placement_group_bundles"),
+    ],
+    ids=["a bundle short", "a bundle of other size", "strategy not modelled", "replica outside bundle 0"],
+)
+def test_a_70b_target_whose_placement_group_disagrees_fails(mutate, expected):
+    """The gpu-70b overlay's Target override repeats the placement group build_app reserves (one
+    bundle per rank, the replica inside bundle 0); a copy that disagrees is refused."""
+    docs = copy.deepcopy(list(rendered("overlays/gpu-70b")))
+    _serve(lambda c, a: mutate(next(d for d in a["deployments"] if d["name"] == "Target")))(rayservice(docs))
+    with pytest.raises(ManifestError, match=re.escape(expected)):
+        validate(docs, crds=False)

@@ -5,16 +5,36 @@ from __future__ import annotations
 import pytest
 
 from serve_app.app import parse_config
-from serve_app.placement import check_fits, cpus_needed, reservations, target_actor_options
+from serve_app.placement import check_fits, cpus_needed, reservations, target_actor_options, target_placement
 
 
 def config(**kw):
     return parse_config(kw)
 
 
-def test_a_tensor_parallel_replica_reserves_once_per_rank_on_one_actor():
+def test_a_tensor_parallel_replica_reserves_a_bundle_per_rank():
+    """The replica is rank 0 (its own resources fit bundle 0); one bundle per rank, packed on one
+    node by default; the strategy is the config's."""
     app = config(engine={"tensor_parallel_size": 4, "device": "cuda"}, target_num_cpus=2, target_num_gpus=1)
-    assert target_actor_options(app) == {"num_cpus": 8, "num_gpus": 4}
+    assert target_actor_options(app) == {"num_cpus": 2, "num_gpus": 1}
+    assert target_placement(app) == {
+        "placement_group_bundles": [{"CPU": 2.0, "GPU": 1.0}] * 4,
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    assert (reservations(app)[0].count, reservations(app)[0].each) == (1, {"CPU": 8.0, "GPU": 4.0})
+    spread = config(
+        engine={"tensor_parallel_size": 4, "device": "cuda"}, target_num_gpus=1, tensor_parallel_strategy="SPREAD"
+    )
+    assert target_placement(spread)["placement_group_strategy"] == "SPREAD"
+    assert (reservations(spread)[0].count, reservations(spread)[0].each) == (4, {"CPU": 1.0, "GPU": 1.0})
+    assert target_placement(config(engine={"mode": "ar"})) == {}  # one rank: no placement group
+
+
+def test_tensor_parallel_ranks_need_something_in_their_bundles():
+    with pytest.raises(ValueError, match="a bundle cannot be empty: set target_num_cpus or target_num_gpus"):
+        config(engine={"tensor_parallel_size": 2}, target_num_cpus=0)
+    with pytest.raises(ValueError, match="tensor_parallel_strategy"):
+        config(engine={"tensor_parallel_size": 2}, tensor_parallel_strategy="ANYWHERE")
 
 
 def test_reservations_add_up_targets_and_the_draft_pool():
@@ -47,6 +67,14 @@ def test_a_replica_larger_than_any_node_is_refused():
     with pytest.raises(ValueError, match="reserves 4 CPU, 4 GPU on one node, and no node"):
         check_fits(reserved, {"CPU": 32.0, "GPU": 4.0}, nodes)
     check_fits(reserved, {"CPU": 32.0, "GPU": 4.0}, [{"CPU": 16.0, "GPU": 4.0}])
+    # Ranks that may be spread need only a node for each.
+    spread = config(
+        engine={"mode": "ar", "tensor_parallel_size": 4},
+        extra_modes=[],
+        target_num_gpus=1,
+        tensor_parallel_strategy="PACK",
+    )
+    check_fits(reservations(spread), {"CPU": 32.0, "GPU": 4.0}, nodes)
 
 
 def test_a_missing_custom_resource_is_refused():
@@ -75,6 +103,17 @@ def test_a_redeploy_counts_what_the_running_app_holds_as_free():
     with pytest.raises(ValueError, match="reserves 2 CPU"):
         check_fits(reserved, {"CPU": 0.0}, [{"CPU": 3.0}])  # the running app holds the cluster's 3 CPUs
     check_fits(reserved, held_by_app("ssd", actors), [{"CPU": 3.0}])
+    # A tensor-parallel replica's placement group (named as the replica is) holds its resources
+    # and its ranks'; the replica's own, inside bundle 0, are not counted twice.
+    replica = "SERVE_REPLICA::ssd#Target#abc"
+    grouped = [SimpleNamespace(class_name="ServeReplica:ssd:Target", name=replica, required_resources={"CPU": 1.0})]
+    groups = [
+        SimpleNamespace(name=replica, state="CREATED", bundles=[{"unit_resources": {"CPU": 1.0}}] * 2),
+        SimpleNamespace(
+            name="SERVE_REPLICA::other#Target#x", state="CREATED", bundles=[{"unit_resources": {"CPU": 4.0}}]
+        ),
+    ]
+    assert held_by_app("ssd", grouped, groups) == {"CPU": 2.0}
 
 
 def test_a_refused_deploy_on_a_joined_cluster_stops_nothing_there(monkeypatch):

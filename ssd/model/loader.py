@@ -66,9 +66,11 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, d
         )
 
 
-def load_tensor_parallel(config: EngineConfig):
+def load_tensor_parallel(config: EngineConfig, rank_launcher=None):
     """The target split over config.tensor_parallel_size ranks -> rank 0's TensorParallelRunner
-    (with the model's `config` and `generation_config`, as a loaded model has them)."""
+    (with the model's `config` and `generation_config`, as a loaded model has them).
+    rank_launcher: what starts the other ranks (ssd.model.tp_launch.RankLauncher; child processes
+    by default)."""
     from transformers import AutoConfig, GenerationConfig
 
     from ssd.model.tp_launch import start_target
@@ -85,7 +87,7 @@ def load_tensor_parallel(config: EngineConfig):
     dtype = (str(stored).removeprefix("torch.") if stored else "float32") if config.dtype == "auto" else config.dtype
     runner = start_target(
         config.target, hf_config, config.tensor_parallel_size, dtype, config.device, config.pack_target_weights,
-        config.num_threads,
+        config.num_threads, rank_launcher,
     )  # fmt: skip
     runner.config = hf_config
     try:
@@ -104,7 +106,9 @@ def context_limit(model) -> int:
     raise ValueError(f"cannot tell the context length of {cfg.__class__.__name__}: set max_model_len")
 
 
-def load_pair(config: EngineConfig) -> LoadedPair:
+def load_pair(config: EngineConfig, rank_launcher=None) -> LoadedPair:
+    """The target (over its tensor-parallel ranks, which rank_launcher starts where given), the
+    draft and the tokenizer, checked against each other."""
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
     draft = None
     if config.draft is not None:
@@ -112,7 +116,7 @@ def load_pair(config: EngineConfig) -> LoadedPair:
             tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft
         )
     if config.tensor_parallel_size > 1:
-        target = load_tensor_parallel(config)
+        target = load_tensor_parallel(config, rank_launcher)
     else:
         target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
     limit = context_limit(target)

@@ -167,12 +167,13 @@ class MirroredCache:
 class TensorParallelRunner:
     """ModelRunner's interface (forward, new_cache, device, vocab_size) for rank 0 of t.
 
-    local: rank 0's ModelRunner over its shard; ranks: the other ranks' processes (poll() -> the
-    exit codes of those that died, close() stops them). Calls are serialized (a lock): every rank
-    must see the steps in one order."""
+    local: rank 0's ModelRunner over its shard; ranks: the other ranks (ssd.model.tp_launch's
+    RankGroup: poll() -> how those that ended ended, close() stops them); store: the store the
+    groups met over, which rank 0 serves (kept for as long as the ranks run). Calls are serialized
+    (a lock): every rank must see the steps in one order."""
 
-    def __init__(self, local, comm: ShardComm, ranks) -> None:
-        self.local, self.comm, self.ranks = local, comm, ranks
+    def __init__(self, local, comm: ShardComm, ranks, store=None) -> None:
+        self.local, self.comm, self.ranks, self.store = local, comm, ranks, store
         self.device, self.vocab_size = local.device, local.vocab_size
         # The model's Hugging Face config and generation config, as a loaded model has them (the
         # engine reads its EOS there); set by the loader.

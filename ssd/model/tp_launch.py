@@ -1,16 +1,19 @@
-"""Starting a tensor-parallel target: rank 0 in this process, ranks 1..t-1 as child processes.
+"""Starting a tensor-parallel target: rank 0 in this process, ranks 1..t-1 started by a launcher.
 
-`start_target` spawns `python -m ssd.model.tp_launch` once per other rank (its spec as one JSON
-line on stdin), loads rank 0's shard while they load theirs, waits until each has joined (a dead
-one is reported at once, with its exit code), and builds the groups over a FileStore in a
-private directory (no port chosen, none fixed). A rank reads its spec, then watches its stdin:
-the pipe closes when rank 0's process ends, however it ends, and the rank exits then, so no rank
-outlives its engine.
+`start_target` has a `RankLauncher` start the other ranks (by default `LocalRanks`: child
+processes running `python -m ssd.model.tp_launch`, each reading its spec as one JSON line on
+stdin; a serving layer injects one that starts them where its scheduler reserved room). It loads
+rank 0's shard while they load theirs, waits until each has joined (a dead one is reported at
+once, with how it ended), and builds the groups over a TCPStore that rank 0 serves on a port the
+OS picks (none fixed) at the launcher's address. A child-process rank watches its stdin: the pipe
+closes when rank 0's process ends, however it ends, and the rank exits then, so no rank outlives
+its engine.
 
-Devices: on CPU every rank uses the CPU (gloo); on GPUs rank r uses the device `device` names
-plus r (device "cuda:1" with t = 2 puts ranks on cuda:1 and cuda:2) and the forward's collectives
-run over NCCL. Threads: on CPU each rank runs num_threads torch threads, by default the cores
-divided among the ranks (t ranks of all the cores each would fight over them).
+Devices: on CPU every rank uses the CPU (gloo); on GPUs the forward's collectives run over NCCL,
+and rank r uses the device `device` names plus r (device "cuda:1" with t = 2 puts ranks on cuda:1
+and cuda:2), unless the launcher gives each rank a device of its own (then every rank uses
+`device` as it sees it). Threads: on CPU each rank runs num_threads torch threads, by default the
+cores divided among the ranks (t ranks of all the cores each would fight over them).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,18 +43,43 @@ JOIN_TIMEOUT = datetime.timedelta(minutes=15)  # loading a large shard takes min
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    base = torch.device(device)
-    if base.type == "cpu":
+class RankGroup(Protocol):
+    """Ranks 1..t-1 of one target, as a launcher started them."""
+
+    def poll(self) -> dict[int, str]:
+        """rank -> how it ended, of the ranks that ended (without waiting)."""
+
+    def describe(self) -> str:
+        """The ranks that ended and how, for an error message."""
+
+    def close(self, kill: bool) -> None:
+        """Stop the ranks and wait for them; kill=True: at once, else after rank 0 sent STOP."""
+
+
+class RankLauncher(Protocol):
+    """Starts ranks 1..t-1 of a tensor-parallel target. host: the address rank 0's store and
+    collectives listen on, reachable from every rank; one_device_each: every rank sees only the
+    device reserved for it (so each uses `device` as named, not `device` plus its rank)."""
+
+    host: str
+    one_device_each: bool
+
+    def start(self, spec: dict) -> RankGroup:
+        """Start ranks 1..spec["world"]-1; each runs `run_rank(spec with its rank, its own address)`."""
+
+
+def rank_device(spec: dict, rank: int) -> torch.device:
+    base = torch.device(spec["device"])
+    if base.type == "cpu" or spec["one_device_each"]:
         return base
     return torch.device(base.type, (base.index or 0) + rank)
 
 
-def _groups(store: dist.Store, rank: int, world: int, device: torch.device):
+def _groups(store: dist.Store, rank: int, world: int, device: torch.device, host: str):
     """(control, data): a gloo group for the steps; the forward's collectives on the same group on
-    CPU, on an NCCL group of their own on GPUs."""
+    CPU, on an NCCL group of their own on GPUs. host: this rank's own address."""
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = JOIN_TIMEOUT
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, opts)
     if device.type == "cpu":
@@ -63,13 +90,13 @@ def _groups(store: dist.Store, rank: int, world: int, device: torch.device):
 
 
 def _runner(
-    spec: dict, rank: int, store: dist.Store, config, ranks: RankProcesses | None = None
+    spec: dict, rank: int, store: dist.Store, config, host: str, ranks: RankGroup | None = None
 ) -> tuple[ModelRunner, ShardComm]:
-    """Load this rank's shard, join the groups -> its ModelRunner and communicator. ranks: on rank
-    0, the others' processes, waited for before joining (a rank that died is reported instead of
-    waited for)."""
+    """Load this rank's shard, join the groups -> its ModelRunner and communicator. host: this
+    rank's own address; ranks: on rank 0, the others, waited for before joining (a rank that ended
+    is reported instead of waited for)."""
     world = spec["world"]
-    device = rank_device(spec["device"], rank)
+    device = rank_device(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's collectives run on the current device
     plan = ShardPlan.of(config, rank, world)
@@ -78,13 +105,13 @@ def _runner(
     store.set(f"joining-{rank}", "1")
     if ranks is not None:
         _await_ranks(store, ranks, world)
-    control, data = _groups(store, rank, world, device)
+    control, data = _groups(store, rank, world, device, host)
     fused = spec["pack"] and can_pack(shard.model.layers[0].self_attn.q_proj.weight)
     comm = ShardComm(plan, control, data)
     return ModelRunner(shard, device, lean=True, fused=fused, parallel=comm), comm
 
 
-def _await_ranks(store: dist.Store, ranks: RankProcesses, world: int) -> None:
+def _await_ranks(store: dist.Store, ranks: RankGroup, world: int) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
     keys = [f"joining-{r}" for r in range(1, world)]
     while not store.check(keys):
@@ -96,11 +123,20 @@ def _await_ranks(store: dist.Store, ranks: RankProcesses, world: int) -> None:
         time.sleep(0.05)
 
 
+class LocalRanks:
+    """The default launcher: ranks 1..t-1 as child processes of this one, on this host."""
+
+    host = "127.0.0.1"
+    one_device_each = False
+
+    def start(self, spec: dict) -> RankProcesses:
+        return RankProcesses(spec)
+
+
 class RankProcesses:
     """Ranks 1..t-1 as child processes; each holds its stdin pipe to this process as its lifeline."""
 
-    def __init__(self, spec: dict, store_dir: str) -> None:
-        self.store_dir = store_dir
+    def __init__(self, spec: dict) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
         self.processes: dict[int, subprocess.Popen] = {}
@@ -116,15 +152,12 @@ class RankProcesses:
             self.close(kill=True)
             raise
 
-    def poll(self) -> dict[int, int]:
-        """rank -> exit code, of the ranks that exited."""
-        return {rank: p.poll() for rank, p in self.processes.items() if p.poll() is not None}
+    def poll(self) -> dict[int, str]:
+        codes = {rank: p.poll() for rank, p in self.processes.items()}
+        return {rank: f"exited with code {code}" for rank, code in codes.items() if code is not None}
 
     def describe(self) -> str:
-        dead = self.poll()
-        if not dead:
-            return "every rank still running"
-        return ", ".join(f"rank {rank} exited with code {code}" for rank, code in sorted(dead.items()))
+        return describe_ended(self.poll())
 
     def close(self, kill: bool) -> None:
         """Stop the ranks (closing their lifelines) and wait for them; kill=True: at once."""
@@ -142,41 +175,62 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(10)
-        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def describe_ended(ended: dict[int, str]) -> str:
+    if not ended:
+        return "every rank still running"
+    return ", ".join(f"rank {rank} {how}" for rank, how in sorted(ended.items()))
 
 
 def start_target(
-    directory: str, config, world: int, dtype: str, device: str, pack: bool, num_threads: int | None
-) -> TensorParallelRunner:
+    directory: str, config, world: int, dtype: str, device: str, pack: bool, num_threads: int | None,
+    launcher: RankLauncher | None = None,
+) -> TensorParallelRunner:  # fmt: skip
     """Rank 0 of a target split over `world` ranks (config: its Hugging Face config; dtype: a
-    torch dtype's name) -> the runner the engine calls; the other ranks are running."""
+    torch dtype's name; launcher: what starts the other ranks, LocalRanks by default) -> the
+    runner the engine calls; the other ranks are running."""
     reason = unsupported_config_reason(config)
     if reason is not None:
         raise ValueError(
             f"tensor_parallel_size={world} runs the lean forward, which does not support this model: {reason}"
         )
     ShardPlan.of(config, 0, world)  # ValueError naming the sizes that divide the heads, before anything starts
+    launcher = launcher or LocalRanks()
     threads = num_threads or max(1, (os.cpu_count() or 1) // world)
     if torch.device(device).type == "cpu":
         torch.set_num_threads(threads)
-    store_dir = tempfile.mkdtemp(prefix="ssd-tp-")
+    # Rank 0 serves the store; wait_for_workers=False: the ranks connect while rank 0 loads.
+    store = dist.TCPStore(launcher.host, 0, world, True, JOIN_TIMEOUT, wait_for_workers=False)
     spec = {
         "directory": str(directory), "world": world, "dtype": dtype, "device": device, "pack": pack,
-        "threads": threads, "store": os.path.join(store_dir, "store"),
+        "threads": threads, "store": [launcher.host, store.port], "one_device_each": launcher.one_device_each,
         "log_level": logging.getLogger("ssd").getEffectiveLevel(),
     }  # fmt: skip
-    ranks = RankProcesses(spec, store_dir)
+    ranks = launcher.start(spec)
     try:
-        store = dist.FileStore(spec["store"], world)
-        store.set_timeout(JOIN_TIMEOUT)
-        runner, comm = _runner(spec, 0, store, config, ranks)
+        runner, comm = _runner(spec, 0, store, config, launcher.host, ranks)
     except BaseException:
         ranks.close(kill=True)
         raise
-    logger.info(
-        "tensor-parallel target over %d ranks (%s)", world, ", ".join(f"pid {p.pid}" for p in ranks.processes.values())
-    )
-    return TensorParallelRunner(runner, comm, ranks)
+    logger.info("tensor-parallel target over %d ranks, started by %s", world, type(launcher).__name__)
+    # The store stays referenced by the runner: rank 0 serves it for as long as the ranks run.
+    return TensorParallelRunner(runner, comm, ranks, store)
+
+
+def run_rank(spec: dict, host: str) -> None:
+    """Rank spec["rank"]: load its shard, join rank 0's groups, run rank 0's steps until STOP.
+    host: this rank's own address (its collectives listen there)."""
+    from transformers import AutoConfig
+
+    if rank_device(spec, 0).type == "cpu":
+        torch.set_num_threads(spec["threads"])
+    store_host, port = spec["store"]
+    store = dist.TCPStore(store_host, port, spec["world"], False, JOIN_TIMEOUT)
+    config = AutoConfig.from_pretrained(spec["directory"], local_files_only=True)
+    runner, comm = _runner(spec, spec["rank"], store, config, host)
+    with torch.inference_mode():
+        serve_steps(runner, comm)
 
 
 def _watch_lifeline() -> None:
@@ -185,19 +239,10 @@ def _watch_lifeline() -> None:
 
 
 def _rank_main() -> None:
-    from transformers import AutoConfig
-
     spec = json.loads(sys.stdin.buffer.readline())
     logging.basicConfig(level=spec["log_level"], format=f"%(asctime)s tp-rank{spec['rank']} %(name)s: %(message)s")
     threading.Thread(target=_watch_lifeline, name="ssd-tp-lifeline", daemon=True).start()
-    if rank_device(spec["device"], 0).type == "cpu":
-        torch.set_num_threads(spec["threads"])
-    store = dist.FileStore(spec["store"], spec["world"])
-    store.set_timeout(JOIN_TIMEOUT)
-    config = AutoConfig.from_pretrained(spec["directory"], local_files_only=True)
-    runner, comm = _runner(spec, spec["rank"], store, config)
-    with torch.inference_mode():
-        serve_steps(runner, comm)
+    run_rank(spec, LocalRanks.host)
 
 
 if __name__ == "__main__":

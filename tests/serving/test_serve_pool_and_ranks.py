@@ -4,9 +4,9 @@
    concurrent greedy streams equal the target alone (the same app's mode "off"), also when one
    of the two leased workers is killed mid-stream (over torch, a killed worker is
    test_serve_reliability's, and a served pool on another host test_two_hosts');
-2. a target split over two tensor-parallel ranks: it answers as the target alone does; a rank
-   killed gets the client the engine-failed status, and Serve replaces the replica, which then
-   serves.
+2. a target split over two tensor-parallel ranks, rank 1 an actor in the placement group Serve
+   reserved for the replica: it answers as the target alone does; a rank killed gets the client
+   the engine-failed status, and Serve replaces the replica, which then serves.
 """
 
 from __future__ import annotations
@@ -79,8 +79,17 @@ def test_two_worker_pool_streams_equal_the_target_alone_with_a_worker_killed(ser
 
 
 def _rank_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ssd.model.tp_launch"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "ray::TensorParallelRank"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def _replica_groups(app: str) -> list[dict]:
+    """The placement groups Serve reserved for the app's target replicas (named as each replica is),
+    from the GCS's table (the state API would need a dashboard)."""
+    from ray.util import placement_group_table
+
+    prefix = f"SERVE_REPLICA::{app}#Target#"
+    return [g for g in placement_group_table().values() if g["name"].startswith(prefix) and g["state"] == "CREATED"]
 
 
 def test_a_tensor_parallel_target_serves_and_a_dead_rank_gets_it_replaced(served, tiny_pair):
@@ -94,6 +103,8 @@ def test_a_tensor_parallel_target_serves_and_a_dead_rank_gets_it_replaced(served
         assert speculated.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
         ranks = _rank_pids()
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the replica itself
+        (group,) = _replica_groups(name)  # one bundle per rank, on one node
+        assert group["strategy"] == "STRICT_PACK" and list(group["bundles"].values()) == [{"CPU": 1.0}] * 2, group
         os.kill(ranks[0], signal.SIGKILL)
         failed = complete(served, name, PROMPTS[1])
         if failed.status_code == 200:  # the health check (every 5 s) caught the dead rank first
