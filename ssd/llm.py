@@ -26,15 +26,19 @@ class LLM:
         target: str | None = None,
         draft: str | None = None,
         worker_provider: WorkerProviderFactory | None = None,
+        rank_launcher=None,
         **kwargs,
     ) -> None:
         """kwargs: EngineArgs' fields. worker_provider: where SSD's draft workers come from
-        (default: processes this one starts; the serving package has one that leases Ray actors)."""
+        (default: processes this one starts; the serving package has one that leases Ray actors).
+        rank_launcher: what starts a tensor-parallel target's ranks 1..t-1
+        (ssd.model.tp_launch.RankLauncher; default: child processes on this host; the serving
+        package has one that starts Ray actors in the caller's placement group)."""
         self.args = EngineArgs(target=target, draft=draft, **kwargs)
         config = self.args.to_config()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        pair = load_pair(config)
+        pair = load_pair(config, rank_launcher)
         try:
             self.engine = LLMEngine(
                 config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider

@@ -6,7 +6,9 @@ resource, as the gpu-70b overlay pins them. Over torch and over grpc:
 - greedy output equals the target alone;
 - the link taken down mid-stream (a partition) changes no output, and the target goes on with
   its backup: no output waits much longer than the draft deadline;
-- once the link is back, SSD hits again.
+- once the link is back, SSD hits again;
+- a target split over two tensor-parallel ranks, one on each host (a placement group spread over
+  both, rank 1 a Ray actor), gives the target's own greedy output.
 Skipped where namespaces cannot be made (not root, no `ip`); they are removed whatever happens.
 """
 
@@ -103,7 +105,7 @@ def two_hosts(tiny_pair):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ssd_across_two_hosts_with_a_partition(two_hosts, tiny_pair):
+def test_ssd_and_a_tensor_parallel_target_across_two_hosts(two_hosts, tiny_pair):
     target, draft = tiny_pair
     args = {
         "address": two_hosts["address"], "target": target, "draft": draft, "link": two_hosts["link"],
@@ -131,6 +133,9 @@ def test_ssd_across_two_hosts_with_a_partition(two_hosts, tiny_pair):
         assert seen["longest_output_gap_s"] < DEADLINE_S + 0.75, seen
         assert seen["hits_after"] > 0, seen
         assert all(_host(p) == two_hosts["draft_ip"] for p in seen["peers_after"]), seen
+    split = result["tensor_parallel"]
+    assert split["hosts"] == [_host(two_hosts["address"]), two_hosts["draft_ip"]], split["hosts"]
+    assert split["tokens"] == alone
 
 
 def _host(address: str) -> str:

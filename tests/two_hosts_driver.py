@@ -3,6 +3,11 @@ two-node Ray cluster, decodes greedily with the target alone, then with SSD over
 pinned to the other node, for each transport, with the link taken down mid-stream once, and
 prints what it saw as one JSON line.
 
+Before that, the target split over two tensor-parallel ranks, one on each host: a placement group of
+two bundles, the second pinned to the other node by its custom resource; rank 0 runs in a task in
+the first bundle and starts rank 1 as an actor in the second (actors/tp_ranks.py), their
+collectives crossing the veth.
+
 argv[1]: JSON {"address", "target", "draft", "link", "prompts", "max_tokens", "down_s",
 "transports"}; link is this namespace's end of the veth pair.
 """
@@ -69,6 +74,32 @@ def ssd_run(args: dict, transport: str) -> dict:
     return out
 
 
+def tensor_parallel_run(args: dict) -> dict:
+    """Greedy output of the target over two ranks on two hosts, and the address of each rank's node."""
+    import ray
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def rank_0(args: dict) -> list[list[int]]:
+        from actors.tp_ranks import RayRanks
+        from ssd import LLM, SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
+        with LLM(args["target"], None, RayRanks({"num_cpus": 1}), mode="ar", tensor_parallel_size=2) as llm:
+            return [o.token_ids for o in llm.generate(args["prompts"], params)]
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1, "draft_node": 1}], strategy="STRICT_SPREAD")
+    try:
+        ray.get(group.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(group, 0, placement_group_capture_child_tasks=True)
+        tokens = ray.get(ray.remote(rank_0).options(num_cpus=1, scheduling_strategy=strategy).remote(args))
+        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        hosts = [nodes[node] for _, node in sorted(placement_group_table(group)["bundles_to_node_id"].items())]
+    finally:
+        remove_placement_group(group)
+    return {"tokens": tokens, "hosts": hosts}
+
+
 def main() -> None:
     import ray
 
@@ -79,6 +110,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
     with LLM(args["target"], None, mode="ar") as alone:
         result = {"alone": [o.token_ids for o in alone.generate(args["prompts"], params)]}
+    result["tensor_parallel"] = tensor_parallel_run(args)  # first: its ranks are gone before workers take the node
     for transport in args["transports"]:
         result[transport] = ssd_run(args, transport)
     sys.stdout.write(json.dumps(result) + "\n")
