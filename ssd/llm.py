@@ -11,7 +11,7 @@ from ssd.core.config import EngineArgs
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.proposers import WorkerProviderFactory
+from ssd.engine.proposers import WorkerProviderFactory, worker_starter
 from ssd.model.loader import load_pair
 
 Prompt = str | list[int]
@@ -38,13 +38,20 @@ class LLM:
         config = self.args.to_config()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        pair = load_pair(config, rank_launcher)
+        # SSD's worker processes import torch and the drafter while the models load here.
+        starter = worker_starter(config, worker_provider)
         try:
-            self.engine = LLMEngine(
-                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
-            )
+            pair = load_pair(config, rank_launcher)
+            try:
+                self.engine = LLMEngine(
+                    config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider, starter
+                )
+            except BaseException:
+                pair.close()
+                raise
         except BaseException:
-            pair.close()
+            if starter is not None:
+                starter.close()
             raise
 
     @property

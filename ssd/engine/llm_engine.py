@@ -30,7 +30,7 @@ from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Sp
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics
-from ssd.engine.proposers import WorkerProviderFactory, build_proposers
+from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify, verify_on_device
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     """One engine over a loaded model pair: requests in (add_request), a round per step(), outputs
-    out. worker_provider: where SSD's draft pool gets its workers (ssd/engine/proposers.py)."""
+    out. worker_provider: where SSD's draft pool gets its workers (ssd/engine/proposers.py);
+    starter: its worker processes, prestarted by the caller (proposers.worker_starter)."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class LLMEngine:
         tokenizer,
         max_model_len: int,
         worker_provider: WorkerProviderFactory | None = None,
+        starter: WorkerStarter | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -61,7 +63,9 @@ class LLMEngine:
         # Where the target's probabilities are processed and verified: on its device, without host
         # reads, wherever that is not the CPU (there the host versions are faster); tests set it.
         self.device_round = self.target.device.type != "cpu"
-        self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
+        self.proposers: dict[str, Proposer] = build_proposers(
+            config, draft_model, self.vocab_size, worker_provider, starter
+        )
         # Mode auto chooses each round's mode; any other mode is every round's.
         self.chooser = None
         if config.mode == "auto":

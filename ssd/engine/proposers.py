@@ -4,7 +4,8 @@ drafter is in this thread (draft_transport="inprocess") or a pool of workers fro
 The provider is injected: `worker_provider(config, vocab) -> WorkerProvider` is what the caller
 passes (LLM(worker_provider=...); the serving package passes its Ray one). Without one, the
 engine starts worker processes of its own (ssd/transport/spawn.py) running `python -m
-ssd.worker`.
+ssd.worker`; its caller may have them prestarted (`worker_starter`), so that they import while
+the models load.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ssd.model.loader import load_tokenizer
 from ssd.model.runner import draft_runner
 from ssd.transport.link import WorkerProvider
 from ssd.transport.pool_client import PoolClient
-from ssd.transport.spawn import SpawnedWorkers
+from ssd.transport.spawn import SpawnedWorkers, WorkerStarter
 
 # (engine config, the target's vocabulary size) -> where the draft pool gets its workers.
 WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
@@ -30,38 +31,62 @@ WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
 WORKER_MODULE = "ssd.worker"
 
 
+def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerStarter | None:
+    """config.draft_workers worker processes started now, for an engine that will spawn its draft
+    workers (see resolve_provider), or None: what a caller starts before loading the models and
+    passes to build_proposers, which gives it to the provider (whose close() closes it)."""
+    if config.mode not in ("ssd", "auto") or config.draft_transport == "inprocess" or config.draft_launcher == "ray":
+        return None
+    if not _spawns(config, given):
+        return None
+    return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
+
+
 def build_proposers(
-    config: EngineConfig, draft_model, vocab: int, worker_provider: WorkerProviderFactory | None = None
+    config: EngineConfig,
+    draft_model,
+    vocab: int,
+    worker_provider: WorkerProviderFactory | None = None,
+    starter: WorkerStarter | None = None,
 ) -> dict[str, Proposer]:
-    """The proposer of every mode the engine may run a round in (ar has none): auto runs both."""
+    """The proposer of every mode the engine may run a round in (ar has none): auto runs both.
+    starter: prestarted worker processes (worker_starter), for the spawned workers' provider."""
     modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
         proposers["sd"] = SDProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab)
     if "ssd" in modes:
-        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
+        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider, starter)
     return proposers
 
 
-def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
+def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider, starter) -> SSDProposer:
     if config.draft_transport == "inprocess":
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward)
         tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
         drafter = TreeDrafter(runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer)
         return SSDProposer(drafter, config, vocab)
-    provider = resolve_provider(config, worker_provider)(config, vocab)
+    provider = resolve_provider(config, worker_provider, starter)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)
 
 
-def resolve_provider(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerProviderFactory:
+def resolve_provider(
+    config: EngineConfig, given: WorkerProviderFactory | None, starter: WorkerStarter | None = None
+) -> WorkerProviderFactory:
     """config.draft_launcher, resolved: process -> worker processes of this one; ray -> the given
     provider (required); auto -> the given provider when there is one and the transport can cross
-    hosts, else processes."""
+    hosts, else processes (taken from starter's prestarted ones first)."""
     if config.draft_launcher == "ray" and given is None:
         raise ValueError(
             "draft_launcher='ray' needs a worker provider that leases Ray actors: pass worker_provider=... "
             "(the serving package's Ray layer provides one), or use draft_launcher='process'"
         )
-    if given is not None and config.draft_launcher != "process" and config.draft_transport in CONNECTABLE_TRANSPORTS:
+    if not _spawns(config, given):
         return given
-    return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE)
+    return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE, starter)
+
+
+def _spawns(config: EngineConfig, given: WorkerProviderFactory | None) -> bool:
+    """Whether the engine starts its draft workers as processes of its own (else: given's)."""
+    connectable = config.draft_transport in CONNECTABLE_TRANSPORTS
+    return not (given is not None and config.draft_launcher != "process" and connectable)

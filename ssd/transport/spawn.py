@@ -11,9 +11,17 @@ actors alike. It reads its spec (engine config, vocabulary, link) as JSON on std
 - torch, grpc: the worker listens on a port it chose, prints its address as one JSON line, and is
   reached as a remote worker would be.
 
+Prestarting: a worker process spends most of its start importing torch and the drafter (2.4 s
+on the project's 2-core CPU, against 0.3 s to load the demo draft), and none of that needs its
+spec. So a `WorkerStarter` may start the processes before the spec is known (the engine's caller
+does, before it loads the models, which then load while the workers import); each waits on
+stdin, and acquire() writes the spec of the one it takes. Without a process waiting, acquire()
+starts one then.
+
 Lifetime: the worker asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG, which
-follows the *thread* that started it: every worker is started from one long-lived thread), the
-link shuts it down on close() or interpreter exit, and kills it if it will not go.
+follows the *thread* that started it: every worker is started from one long-lived thread, the
+starter's), the link shuts it down on close() or interpreter exit, and kills it if it will not
+go; a prestarted process nobody took is killed when its starter closes.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, config_fingerprint
@@ -46,86 +54,145 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-class SpawnedWorkers:
-    """`WorkerProvider` of worker processes that this process starts: each acquire() spawns one
-    running `python -m worker_module`, discard() stops it (kills it when it failed). A pool over
-    this provider restarts a dead worker by acquiring a new one."""
+@dataclass
+class _Started:
+    """A worker process waiting on stdin for its spec, and what its link needs (for shm: the two
+    mailboxes, whose descriptors it inherited; for gloo: the rendezvous directory)."""
 
-    def __init__(self, config: EngineConfig, vocab: int, worker_module: str) -> None:
-        self.config, self.vocab, self.worker_module = config, vocab, worker_module
-        self.fp = config_fingerprint(config, vocab)
-        # Every worker is started from this one thread, which lives as long as the provider: a
+    process: subprocess.Popen
+    link: dict
+    boxes: tuple = ()
+    store_dir: str | None = None
+
+    def discard(self) -> None:
+        """Kill the process (if it runs) and free what its link held."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(5)
+        for box in self.boxes:
+            box.close()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+class WorkerStarter:
+    """Starts worker processes (`python -m worker_module`) from one long-lived thread, for the
+    transport of `config`, before their spec is known; prestart(n) starts n to be taken later."""
+
+    def __init__(self, config: EngineConfig, worker_module: str) -> None:
+        self.config, self.worker_module = config, worker_module
+        # Every worker is started from this one thread, which lives as long as the starter: a
         # worker started from a thread that then exits (a refill thread, a server's request
         # thread) would be killed by its parent-death signal at once.
-        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft-starter")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft-starter")
+        self._waiting: list[_Started] = []
+
+    def prestart(self, count: int) -> WorkerStarter:
+        self._waiting += [self.start() for _ in range(count)]
+        return self
+
+    def take(self) -> _Started:
+        """A started process: a prestarted one if any is left, else one started now."""
+        return self._waiting.pop(0) if self._waiting else self.start()
+
+    def start(self) -> _Started:
+        transport = self.config.draft_transport
+        if transport in CONNECTABLE_TRANSPORTS:
+            link = {"kind": "listen", "transport": transport, "host": "127.0.0.1"}
+            return _Started(self._popen(stdout=subprocess.PIPE), link)
+        if transport == "gloo":
+            store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
+            return _Started(self._popen(), {"kind": "gloo", "store_dir": store_dir}, store_dir=store_dir)
+        from ssd.transport.shm_channel import Mailbox
+
+        to_draft, to_target = Mailbox.create(), Mailbox.create()
+        link = {
+            "kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
+            "parent_pid": os.getpid(), "spin_s": self.config.draft_spin_ms / 1000,
+        }  # fmt: skip
+        try:
+            process = self._popen(pass_fds=to_draft.handle.fds() + to_target.handle.fds())
+        except BaseException:
+            to_draft.close()
+            to_target.close()
+            raise
+        return _Started(process, link, boxes=(to_draft, to_target))
+
+    def _popen(self, **popen) -> subprocess.Popen:
+        command = [sys.executable, "-m", self.worker_module]
+        args = {"stdin": subprocess.PIPE, "env": worker_env(), "close_fds": True, **popen}
+        return self._thread.submit(subprocess.Popen, command, **args).result()
+
+    def close(self) -> None:
+        """Kill the prestarted processes nobody took; start no more."""
+        waiting, self._waiting = self._waiting, []
+        for started in waiting:
+            started.discard()
+        self._thread.shutdown(wait=False)
+
+
+class SpawnedWorkers:
+    """`WorkerProvider` of worker processes that this process starts: each acquire() takes one
+    from the starter (prestarted, or started then) and gives it its spec, discard() stops it
+    (kills it when it failed). A pool over this provider restarts a dead worker by acquiring a
+    new one. starter: the WorkerStarter to take processes from (one of its own by default);
+    this provider closes it."""
+
+    def __init__(
+        self, config: EngineConfig, vocab: int, worker_module: str, starter: WorkerStarter | None = None
+    ) -> None:
+        self.config, self.vocab = config, vocab
+        self.fp = config_fingerprint(config, vocab)
+        self.starter = starter or WorkerStarter(config, worker_module)
 
     def acquire(self) -> WorkerLink:
-        if self.config.draft_transport in CONNECTABLE_TRANSPORTS:
-            return self._spawn_listening()
-        return self._spawn_paired()
+        started = self.starter.take()
+        try:
+            self._write_spec(started)
+            if self.config.draft_transport in CONNECTABLE_TRANSPORTS:
+                return self._listening(started)
+            return self._paired(started)
+        except BaseException:
+            started.discard()
+            raise
 
     def discard(self, link: WorkerLink, failed: bool) -> None:
         link.kill() if failed else link.close()
 
     def close(self) -> None:
-        self._starter.shutdown(wait=False)
+        self.starter.close()
 
-    def _spec(self, link: dict) -> dict:
-        return {
+    def _write_spec(self, started: _Started) -> None:
+        spec = {
             "config": asdict(self.config),
             "vocab": self.vocab,
             "log_level": logging.getLogger("ssd").getEffectiveLevel(),
-            "link": link,
+            "link": started.link,
         }
-
-    def _start(self, spec: dict, **popen) -> subprocess.Popen:
-        """The worker process, started from the long-lived thread, its spec written to stdin."""
-        command = [sys.executable, "-m", self.worker_module]
-        args = {"stdin": subprocess.PIPE, "env": worker_env(), "close_fds": True, **popen}
-        process = self._starter.submit(subprocess.Popen, command, **args).result()
         try:
-            process.stdin.write(json.dumps(spec).encode())
-            process.stdin.close()
-        except BaseException:
-            process.kill()
-            process.wait(5)
-            raise
-        return process
+            started.process.stdin.write(json.dumps(spec).encode())
+            started.process.stdin.close()
+        except BrokenPipeError as err:  # a prestarted process that died while it waited
+            code = started.process.wait(5)
+            raise DrafterUnavailable(f"draft worker exited with code {code} before it got its spec") from err
 
-    def _spawn_paired(self) -> WorkerLink:
+    def _paired(self, started: _Started) -> WorkerLink:
         """A worker over a channel of its own (shm mailboxes or a gloo pair), once it is READY."""
-        from ssd.transport.shm_channel import Mailbox, ShmChannel
+        from ssd.transport.shm_channel import ShmChannel
 
-        shm = self.config.draft_transport == "shm"
-        boxes, store_dir, fds = (), None, ()
-        if shm:
-            boxes = to_draft, to_target = Mailbox.create(), Mailbox.create()
-            link = {
-                "kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
-                "parent_pid": os.getpid(), "spin_s": self.config.draft_spin_ms / 1000,
-            }  # fmt: skip
-            fds = to_draft.handle.fds() + to_target.handle.fds()
+        process = started.process
+        if started.boxes:
+            to_draft, to_target = started.boxes
+            channel = ShmChannel(to_target, to_draft, self.fp, lambda: process.poll() is None)
         else:
-            store_dir = tempfile.mkdtemp(prefix="ssd-pair-")
-            link = {"kind": "gloo", "store_dir": store_dir}
-        process = self._start(self._spec(link), pass_fds=fds)
+            channel = self._gloo(started.store_dir, process)
         try:
-            alive = lambda: process.poll() is None  # noqa: E731
-            channel = ShmChannel(to_target, to_draft, self.fp, alive) if shm else self._gloo(store_dir, process)
-            try:
-                await_ready(channel, f"draft worker pid {process.pid}", CONNECT_TIMEOUT)
-            except ChannelClosed as err:
-                raise DrafterUnavailable(f"draft worker exited with code {process.poll()} before it was ready") from err
-        except BaseException:
-            process.kill()
-            process.wait(5)
-            for box in boxes:
-                box.close()
-            if store_dir is not None:
-                shutil.rmtree(store_dir, ignore_errors=True)
-            raise
+            await_ready(channel, f"draft worker pid {process.pid}", CONNECT_TIMEOUT)
+        except ChannelClosed as err:
+            raise DrafterUnavailable(f"draft worker exited with code {process.poll()} before it was ready") from err
         # The worker holds its own copies of the mailbox descriptors; the mappings stay ours.
         logger.info("draft worker pid %d ready (%s channel)", process.pid, self.config.draft_transport)
+        store_dir = started.store_dir
         cleanup = (lambda: shutil.rmtree(store_dir, ignore_errors=True)) if store_dir is not None else None
         return WorkerLink(channel, f"pid {process.pid}", self.config.draft_deadline_s, process, cleanup=cleanup)
 
@@ -140,21 +207,15 @@ class SpawnedWorkers:
             raise DrafterUnavailable(str(err)) from err
         return TorchChannel(pair_group(store, 0), 1, self.fp)
 
-    def _spawn_listening(self) -> WorkerLink:
+    def _listening(self, started: _Started) -> WorkerLink:
         """A worker process that listens on a port of its own choosing (torch or grpc), reached
         through that transport as a remote worker would be; it prints its address when ready."""
-        link = {"kind": "listen", "transport": self.config.draft_transport, "host": "127.0.0.1"}
-        process = self._start(self._spec(link), stdout=subprocess.PIPE)
-        try:
-            line = process.stdout.readline()  # the model loads first; EOF if the worker died
-            if not line:
-                raise DrafterUnavailable(f"draft worker exited with code {process.wait(5)} before listening")
-            address = json.loads(line)["address"]
-            return WorkerLink.connect(
-                address, self.fp, self.config.draft_deadline_s, f"pid {process.pid} at {address}",
-                self.config.draft_device, process=process,
-            )  # fmt: skip
-        except BaseException:
-            process.kill()
-            process.wait(5)
-            raise
+        process = started.process
+        line = process.stdout.readline()  # the model loads first; EOF if the worker died
+        if not line:
+            raise DrafterUnavailable(f"draft worker exited with code {process.wait(5)} before listening")
+        address = json.loads(line)["address"]
+        return WorkerLink.connect(
+            address, self.fp, self.config.draft_deadline_s, f"pid {process.pid} at {address}",
+            self.config.draft_device, process=process,
+        )  # fmt: skip
