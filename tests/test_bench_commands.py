@@ -59,3 +59,12 @@ def test_the_load_benchmarks_workload_offline(demo_pair, tmp_path):
     cells = json.loads(out.read_text())["cells"]
     assert [(c["mode"], c["users"]) for c in cells] == [("off", 1), ("off", 2)]
     assert all(c["tok_per_s"] > 0 and c["req_per_s"] > 0 for c in cells)
+
+
+def test_startup_times_each_mode_in_a_fresh_interpreter(demo_pair, tmp_path):
+    from ssd.bench import startup
+
+    out = tmp_path / "startup.json"
+    startup.main(["--modes", "ssd", "--draft-workers", "1", "--repeats", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["mode"] == "ssd" and row["draft_workers"] == 1 and row["start_s"] > 0 and row["close_s"] > 0, row
