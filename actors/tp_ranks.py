@@ -78,7 +78,7 @@ def _how_it_ended(call: ray.ObjectRef) -> str:
     try:
         ray.get(call, timeout=0)
     except RayError as err:  # the actor died (its process killed, its node lost) or run raised
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = (str(err).strip().splitlines() or [""])[0]
         return f"ended: {type(err).__name__}: {first}"
     return "returned"
 

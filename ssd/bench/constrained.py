@@ -16,7 +16,7 @@ import argparse
 import logging
 import time
 
-from ssd.bench.report import write_json
+from ssd.bench.report import add_pair_arguments, write_json
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.structured import StructuredOutputs
 from ssd.llm import LLM
@@ -81,8 +81,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="Target model directory (default: the demo pair's).")
-    parser.add_argument("--draft", help="Draft model directory (default: the demo pair's).")
+    add_pair_arguments(parser)
     parser.add_argument("--requests", type=int, default=8, help="Requests per batch.")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ssd-budget", type=int, default=12)

@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 
-from ssd.bench.report import write_json
+from ssd.bench.report import add_pair_arguments, write_json
 from ssd.core import logits_processing
 from ssd.core.sampling_params import SamplingParams
 from ssd.engine import round_adjustments
@@ -82,8 +82,7 @@ def measure(llm: LLM, batch: int, k: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="Target model directory (default: the demo pair's).")
-    parser.add_argument("--draft", help="Draft model directory (default: the demo pair's).")
+    add_pair_arguments(parser)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, nargs="+", default=[4, 6])
     parser.add_argument("--repeats", type=int, default=3)

@@ -337,3 +337,9 @@ def write_json(path: str | Path, doc) -> Path:
     out.write_text(json.dumps(doc, indent=2) + "\n")
     logger.info("wrote %s", out)
     return out
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target and --draft, as every bench command that runs a model pair takes them."""
+    parser.add_argument("--target", help="Target model directory (default: the demo pair's).")
+    parser.add_argument("--draft", help="Draft model directory (default: the demo pair's).")

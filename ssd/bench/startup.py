@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 
-from ssd.bench.report import write_json
+from ssd.bench.report import add_pair_arguments, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def measure(options: dict, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="Target model directory (default: the demo pair's).")
-    parser.add_argument("--draft", help="Draft model directory (default: the demo pair's).")
+    add_pair_arguments(parser)
     parser.add_argument("--modes", nargs="+", default=["ar", "sd", "ssd"], choices=["ar", "sd", "ssd", "auto"])
     parser.add_argument("--draft-workers", type=int, nargs="+", default=[1, 2], help="D values for ssd and auto.")
     parser.add_argument("--repeats", type=int, default=3)

@@ -35,9 +35,8 @@ def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) ->
     """config.draft_workers worker processes started now, for an engine that will spawn its draft
     workers (see resolve_provider), or None: what a caller starts before loading the models and
     passes to build_proposers, which gives it to the provider (whose close() closes it)."""
-    if config.mode not in ("ssd", "auto") or config.draft_transport == "inprocess" or config.draft_launcher == "ray":
-        return None
-    if not _spawns(config, given):
+    inprocess = config.draft_transport == "inprocess"
+    if config.mode not in ("ssd", "auto") or inprocess or config.draft_launcher == "ray" or not _spawns(config, given):
         return None
     return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
 
