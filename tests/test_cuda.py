@@ -50,8 +50,55 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_pair, mode):
         # Lengths differ: rows finish at different rounds and queued ones are admitted mid-flight.
         params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 6 * (i % 3)) for i in range(len(PROMPTS))]
         outs = llm.generate(PROMPTS, params)
+        graphs = llm.engine.engine_metrics()["cuda_graphs"]
     for out, want, p in zip(outs, expected, params):
         assert out.token_ids == want[: p.max_tokens]
+    assert graphs["target"]["replays"] > 0 and (mode != "sd" or graphs["draft"]["replays"] > 0), graphs
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_steady_state_runs_no_eager_forward(tiny_pair, mode):
+    """Once every bucket met is captured, decoding replays graphs only: a second identical
+    generate captures nothing and runs no eager forward but its prefill."""
+    with LLM(*tiny_pair, mode=mode, k=4, device="cuda", max_num_seqs=4) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        llm.generate(PROMPTS, params)
+        before = llm.engine.engine_metrics()["cuda_graphs"]
+        llm.generate(PROMPTS, params)
+        after = llm.engine.engine_metrics()["cuda_graphs"]
+    for name in after:
+        assert after[name]["captures"] == before[name]["captures"], (before, after)
+        assert after[name]["eager_forwards"] - before[name]["eager_forwards"] <= 1, (before, after)  # the prefill
+        assert after[name]["replays"] > before[name]["replays"], (before, after)
+
+
+def test_enforce_eager_gives_the_graphs_output(tiny_pair):
+    outs = {}
+    for eager in (False, True):
+        with LLM(*tiny_pair, mode="sd", k=4, device="cuda", max_num_seqs=2, enforce_eager=eager) as llm:
+            assert (llm.engine.target.graphs is None) == eager
+            outs[eager] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))]
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch", "grpc"])
+def test_ssd_draft_transports_on_cuda_match_hf_generate(tiny_pair, transport):
+    """Two draft workers on a GPU, over each transport; torch moves tensors GPU to GPU over NCCL,
+    which refuses two processes on one GPU: with one GPU the engine says so, with two the
+    workers draft on cuda:1."""
+    expected = hf_greedy_on(tiny_pair[0], PROMPTS, "cuda")
+    args = dict(mode="ssd", k=4, device="cuda", draft_transport=transport, draft_workers=2, max_num_seqs=2)
+    if transport == "torch" and torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="NCCL, which refuses two processes on one GPU"):
+            LLM(*tiny_pair, **args)
+        return
+    if transport == "torch":
+        args["draft_device"] = "cuda:1"
+    with LLM(*tiny_pair, **args, ssd_autobudget=False) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == expected
+    assert m["ssd"]["draft_worker_failures"] == 0, m
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")

@@ -311,3 +311,19 @@ def test_a_worker_whose_port_accepts_then_resets_is_given_up_in_seconds(hold_fir
         assert time.monotonic() - started < 20  # the store's 5 s, retried at most once more
     finally:
         close()
+
+
+def test_nccl_between_two_processes_on_one_gpu_is_refused_before_any_starts():
+    """NCCL refuses two ranks on one GPU (ncclInvalidUsage, seen on the one-GPU H100 machine, after
+    the workers had loaded): the engine says what to change before starting any."""
+    from dataclasses import replace
+
+    from ssd.core.config import EngineArgs
+    from ssd.engine.proposers import resolve_provider, worker_starter
+
+    config = EngineArgs(mode="ssd", draft_transport="torch", device="cuda").to_config()
+    for start in (worker_starter, resolve_provider):
+        with pytest.raises(ValueError, match="refuses two processes on one GPU .cuda:0.*draft_device"):
+            start(config, None)
+    for other in ({"draft_device": "cuda:1"}, {"draft_transport": "grpc"}, {"device": "cpu", "draft_device": "cpu"}):
+        assert callable(resolve_provider(replace(config, **other), None))

@@ -370,10 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(f["within_tolerance"] for f in fits.values()) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _say(stream, text: str) -> None:
     stream.write(text + "\n")
     stream.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -180,6 +180,12 @@ class EngineArgs(BaseModel):
         "differ from Hugging Face's in the last bits, as with any optimized kernel). False = Hugging Face's "
         "products, bit-identical to Hugging Face. No effect off CPU.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every forward eagerly. By default, on a CUDA device, the lean forward of few-token "
+        "steps (decoding, verification, the draft's steps) replays CUDA graphs captured per batch-size, "
+        "token-count and attention-width bucket the first time each is met; prefills stay eager.",
+    )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the checkpoint (Hugging Face).")
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw",
@@ -263,6 +269,7 @@ class EngineConfig:
     draft_deadline_s: float
     lean_forward: bool
     pack_target_weights: bool
+    enforce_eager: bool
     trust_remote_code: bool
     logprobs_mode: str
 

@@ -118,7 +118,7 @@ class TreeDrafter:
         from ssd.model.runner import draft_runner
 
         model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
-        runner = draft_runner(model, cfg.draft_device, cfg.lean_forward)
+        runner = draft_runner(model, cfg.draft_device, cfg.lean_forward, cfg.enforce_eager)
         tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
         return cls(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer)
 

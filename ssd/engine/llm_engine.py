@@ -29,7 +29,7 @@ from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
-from ssd.engine.metrics import EngineMetrics
+from ssd.engine.metrics import EngineMetrics, graph_metrics
 from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
@@ -57,7 +57,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.target = target_runner(target_model, config.device, config.lean_forward, config.pack_target_weights)
+        self.target = target_runner(
+            target_model, config.device, config.lean_forward, config.pack_target_weights, config.enforce_eager
+        )
         self.vocab_size = self.target.vocab_size
         self.cache = self.target.new_cache(config.max_num_seqs)
         # Where the target's probabilities are processed and verified: on its device, without host
@@ -368,6 +370,7 @@ class LLMEngine:
         if ssd is not None:
             self.metrics.extra = ssd.stats()
         out = self.metrics.as_dict()
+        out.update(graph_metrics({"target": self.target, "draft": getattr(self.proposers.get("sd"), "runner", None)}))
         if self.chooser is not None:
             out["auto"] = self.chooser.stats(max(1, len(self.running)))
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ssd.core.speculation import SpecMetrics
 
@@ -51,3 +51,16 @@ class EngineMetrics:
             "hit_step_tokens": self.hit_step_tokens,
             "hit_step_seconds_total": self.hit_step_seconds,
         }
+
+
+def graph_metrics(runners: dict) -> dict:
+    """{"cuda_graphs": name -> what that runner's CUDA graphs did (replays, eager_forwards,
+    captures, capture_s)} for the runners that replay graphs (on a CUDA device, without
+    enforce_eager), or {} where none does; None runners are left out. A draft worker's graphs are
+    counted in its own process."""
+    out = {}
+    for name, runner in runners.items():
+        stats = runner.graph_stats() if runner is not None else None
+        if stats is not None:
+            out[name] = {**asdict(stats), "capture_s": round(stats.capture_s, 3)}
+    return {"cuda_graphs": out} if out else {}

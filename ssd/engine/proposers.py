@@ -38,6 +38,7 @@ def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) ->
     inprocess = config.draft_transport == "inprocess"
     if config.mode not in ("ssd", "auto") or inprocess or config.draft_launcher == "ray" or not _spawns(config, given):
         return None
+    _refuse_nccl_on_one_gpu(config)
     return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
 
 
@@ -53,7 +54,8 @@ def build_proposers(
     modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
-        proposers["sd"] = SDProposer(draft_runner(draft_model, config.draft_device, config.lean_forward), vocab)
+        runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
+        proposers["sd"] = SDProposer(runner, vocab)
     if "ssd" in modes:
         proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider, starter)
     return proposers
@@ -61,7 +63,7 @@ def build_proposers(
 
 def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider, starter) -> SSDProposer:
     if config.draft_transport == "inprocess":
-        runner = draft_runner(draft_model, config.draft_device, config.lean_forward)
+        runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
         tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
         drafter = TreeDrafter(runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer)
         return SSDProposer(drafter, config, vocab)
@@ -82,7 +84,25 @@ def resolve_provider(
         )
     if not _spawns(config, given):
         return given
+    _refuse_nccl_on_one_gpu(config)
     return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE, starter)
+
+
+def _refuse_nccl_on_one_gpu(config: EngineConfig) -> None:
+    """The torch transport joins the target and each spawned worker over NCCL on a CUDA device,
+    and NCCL refuses two ranks on one GPU (ncclInvalidUsage, seen on the one-GPU H100 machine)."""
+
+    def gpu(device: str) -> str | None:  # "cuda" and "cuda:0" name one GPU
+        kind, _, index = device.partition(":")
+        return f"cuda:{index or 0}" if kind == "cuda" else None
+
+    shared = gpu(config.device)
+    if config.draft_transport == "torch" and shared is not None and shared == gpu(config.draft_device):
+        raise ValueError(
+            f"draft_transport='torch' joins the target and each draft worker over NCCL, which refuses two "
+            f"processes on one GPU ({shared}): put the draft on another GPU (draft_device), or use "
+            "draft_transport 'shm' or 'grpc'"
+        )
 
 
 def _spawns(config: EngineConfig, given: WorkerProviderFactory | None) -> bool:

@@ -195,6 +195,7 @@ class FastLlamaForward:
         # Attention (and the cache) in this dtype; None: the model's. See runner.attention_dtype.
         self.attention_dtype = attention_dtype
         self._rope_table: torch.Tensor | None = None  # [2, positions, head_dim]: cos, sign-folded sin
+        self.rope_version = 0  # counts the table's rebuilds: a captured forward reads the table it saw
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
@@ -215,6 +216,7 @@ class FastLlamaForward:
             half = self.head_dim // 2
             # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bit for bit.
             self._rope_table = torch.stack((cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)))
+            self.rope_version += 1
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused path: (cos, sign-folded sin) [b, n, 1, head_dim] for `positions`, gathered from

@@ -48,6 +48,9 @@ class _Storage:
         self.rows, self.columns = rows, columns  # the sizes the buffers have (or will have, before the first write)
         self.lengths = torch.zeros(rows, dtype=torch.long)  # [rows], host
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # What a runner recorded against these buffers' addresses (CUDA graphs): emptied whenever
+        # the buffers move, and gone with them.
+        self.captured: dict = {}
 
     def reserve(self, rows: int, columns: int) -> None:
         """Room for `rows` rows of `columns` columns, keeping every row's contents."""
@@ -60,6 +63,7 @@ class _Storage:
         used = int(self.lengths.max()) if self.rows else 0
         for index, pair in self.layers.items():
             self.layers[index] = tuple(_moved(t, new_rows, new_columns, used) for t in pair)
+        self.captured.clear()
         lengths = torch.zeros(new_rows, dtype=torch.long)
         lengths[: self.rows] = self.lengths
         self.rows, self.columns, self.lengths = new_rows, new_columns, lengths
@@ -144,6 +148,27 @@ class StaticKVCache:
         """Bytes of the buffers (allocated; CPU pages no row reached are not resident)."""
         return sum(t.nbytes for pair in self._storage.layers.values() for t in pair)
 
+    # ---- what a captured forward needs ----------------------------------------------------------
+
+    def captured(self) -> dict | None:
+        """The storage's record of captured forwards (see _Storage.captured), or None where a
+        captured forward cannot run: a window (its rows start past 0) or buffers not created yet
+        (a capture would allocate them in the graph's memory)."""
+        return self._storage.captured if self._start == 0 and self._storage.layers else None
+
+    @torch.inference_mode()
+    def reserve(self, rows: int, columns: int) -> None:
+        """Room for `rows` rows of `columns` columns (a captured forward's padded shape)."""
+        self._storage.reserve(rows, columns)
+
+    def static_view(self, rows: int, columns: torch.Tensor, width: int) -> StaticKVCache:
+        """A view of rows [0, rows) whose forward writes at the device tensor `columns` [rows, n]
+        (read when the forward runs, so a captured forward writes wherever it is told at replay)
+        and attends over `width` columns; it commits nothing itself."""
+        view = self._window(0, rows)
+        view._first, view._columns, view._width, view._scratch = None, columns, width, True
+        return view
+
     # ---- one forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -195,14 +220,21 @@ class StaticKVCache:
     def attention_mask(self, new_valid: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive mask [b, 1, n, width] of a default forward (after begin_forward): token i of
         row r sees the row's committed columns and its own real new tokens up to i."""
-        b, n = new_valid.shape
-        lengths = self.lengths().to(device)
-        col = torch.arange(self._width, device=device).view(1, 1, -1)
-        rel = col - lengths.view(b, 1, 1)  # [b, 1, width]: which new token a column holds, if >= 0
-        real_new = new_valid.to(device).gather(1, rel.view(b, -1).clamp(0, n - 1)).view(b, 1, -1)
-        query = torch.arange(n, device=device).view(1, n, 1)
-        allowed = (rel < 0) | ((rel <= query) & real_new)
-        return additive_mask(allowed, dtype).unsqueeze(1)
+        return default_mask(self.lengths().to(device), new_valid.to(device), self._width, dtype)
+
+
+def default_mask(lengths: torch.Tensor, new_valid: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """lengths [b] and new_valid [b, n] (on the device) -> the additive mask [b, 1, n, width] of
+    a default forward: token i of row r sees the row's first lengths[r] columns and its own real
+    new tokens up to i. Columns past lengths[r] + n are hidden, so any width that covers the
+    widest row gives the same mask on the columns they share."""
+    b, n = new_valid.shape
+    col = torch.arange(width, device=new_valid.device).view(1, 1, -1)
+    rel = col - lengths.view(b, 1, 1)  # [b, 1, width]: which new token a column holds, if >= 0
+    real_new = new_valid.gather(1, rel.view(b, -1).clamp(0, n - 1)).view(b, 1, -1)
+    query = torch.arange(n, device=new_valid.device).view(1, n, 1)
+    allowed = (rel < 0) | ((rel <= query) & real_new)
+    return additive_mask(allowed, dtype).unsqueeze(1)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

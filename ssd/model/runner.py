@@ -8,6 +8,7 @@ import logging
 import torch
 from transformers import Cache
 
+from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
 from ssd.model.kv_cache import StaticKVCache
 from ssd.model.tensor_parallel import TensorParallelRunner
@@ -30,10 +31,13 @@ class ModelRunner:
     development CPU), and the cache costs little next to the weights at a draft's size.
     """
 
-    def __init__(self, model, device: torch.device, lean: bool = True, fused: bool = False, parallel=None) -> None:
+    def __init__(
+        self, model, device: torch.device, lean: bool = True, fused: bool = False, parallel=None, eager: bool = False
+    ) -> None:
         """parallel: None, or a tensor-parallel rank's communicator, `model` being that rank's shard
         (ssd/model/shards.py: shaped like a model as the lean forward reads it, which is the only
-        forward a shard has)."""
+        forward a shard has). On a CUDA device the lean forward replays CUDA graphs
+        (ssd/model/cuda_graphs.py) unless eager is set (enforce_eager) or the model is a shard."""
         self.model = model
         self.device = device
         self.dtype = model.model.embed_tokens.weight.dtype if parallel is not None else next(model.parameters()).dtype
@@ -53,6 +57,9 @@ class ModelRunner:
                 self.attention_dtype = torch.float32
             upcast = self.attention_dtype if self.attention_dtype != self.dtype else None
             self.lean = FastLlamaForward(model, fused=fused, attention_dtype=upcast, parallel=parallel)
+        self.graphs: CudaGraphs | None = None
+        if self.lean is not None and device.type == "cuda" and parallel is None and not eager:
+            self.graphs = CudaGraphs(self.lean, device, self.attention_dtype)
 
     def close(self) -> None:
         """Nothing to release (a TensorParallelRunner, the other target runner, stops its ranks)."""
@@ -103,6 +110,12 @@ class ModelRunner:
         if positions is None:
             positions = cache.lengths().unsqueeze(1) + torch.arange(n)
         width = cache.begin_forward(n, self.device, columns)
+        if self.graphs is not None:
+            logits = self._replayed(cache, tokens, new_valid, positions, attn_mask, columns, width, with_logits)
+            if logits is not None:
+                cache.commit(new_valid)
+                return logits.cpu() if on_host else logits
+            self.graphs.stats.eager_forwards += 1
         if attn_mask is None:
             mask = cache.attention_mask(new_valid, self.attention_dtype, self.device)
         else:
@@ -123,6 +136,20 @@ class ModelRunner:
             return None
         return logits.float().cpu() if on_host else logits.float()
 
+    def _replayed(self, cache, tokens, new_valid, positions, attn_mask, columns, width, with_logits):
+        """The forward by a CUDA graph replay -> its logits, or None where none applies (a
+        forward whose logits nobody reads is a prefill: left eager)."""
+        if not with_logits:
+            return None
+        if columns is None:  # a default forward writes each row's next n columns
+            columns = cache.lengths().unsqueeze(1) + torch.arange(tokens.shape[1])
+        self.lean.reserve_positions(int(positions.max()) + 1, self.device)
+        return self.graphs.forward(cache, tokens, positions, columns, new_valid, attn_mask, width)
+
+    def graph_stats(self) -> GraphStats | None:
+        """What this runner's CUDA graphs did (None: it runs eagerly)."""
+        return self.graphs.stats if self.graphs is not None else None
+
 
 class _HFView(Cache):
     """A StaticKVCache as a Hugging Face forward updates it: each attention layer's update
@@ -139,19 +166,19 @@ class _HFView(Cache):
         return int(self.cache.lengths().max()) if self.cache.batch_size else 0
 
 
-def draft_runner(model, device: str, lean: bool) -> ModelRunner:
+def draft_runner(model, device: str, lean: bool, eager: bool = False) -> ModelRunner:
     """The draft's runner wherever the draft runs (SD proposer, in-process or worker drafter):
     always fused (a draft's weights are small, so a concatenated copy costs little off CPU too)."""
-    return ModelRunner(model, torch.device(device), lean, fused=True)
+    return ModelRunner(model, torch.device(device), lean, fused=True, eager=eager)
 
 
-def target_runner(model, device: str, lean: bool, pack: bool) -> ModelRunner:
+def target_runner(model, device: str, lean: bool, pack: bool, eager: bool = False) -> ModelRunner:
     """The target's runner. With pack=True it fuses and prepacks its projections only where
     oneDNN can pack them (CPU): elsewhere fusing would copy the target's weights for nothing."""
     if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_tensor_parallel)
         return model
     weight = next(model.parameters())
-    return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight))
+    return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight), eager=eager)
 
 
 def pad_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -195,6 +195,10 @@ class TensorParallelRunner:
                 self.ranks.close(kill=True)
                 raise TensorParallelFailed(self.failure) from err
 
+    def graph_stats(self) -> None:
+        """A split target runs eagerly (its collectives are not captured)."""
+        return None
+
     def broken(self) -> str | None:
         """Why this target cannot run another forward (a call failed, or a rank exited while it
         was idle), or None. Polls the rank processes without waiting: a serving health check
