@@ -111,14 +111,18 @@ class CudaGraphs:
         return entry.logits[:b].clone()
 
     def _fill(self, entry: _Captured, inputs: tuple, attn_mask: torch.Tensor | None, width: int) -> None:
+        """Copy a call's inputs into the bucket's buffers without waiting for the device: host
+        tensors go through pinned memory (a blocking copy from pageable memory would wait for
+        every queued kernel, the graph replays before it included)."""
         b = inputs[0].shape[0]
         if all(t.device.type == "cpu" for t in inputs):
-            entry.packed[:b].copy_(torch.stack(inputs, 1))  # one copy to the device
+            staged = torch.stack(inputs, 1)  # one copy to the device
+            entry.packed[:b].copy_(staged.pin_memory() if self.capture else staged, non_blocking=True)
         else:  # a device round's tokens are on the device already
             for i, t in enumerate(inputs):
-                entry.packed[:b, i].copy_(t)
+                entry.packed[:b, i].copy_(t, non_blocking=True)
         if entry.mask is not None:
-            entry.mask[:b, :, :, :width].copy_(attn_mask)
+            entry.mask[:b, :, :, :width].copy_(attn_mask, non_blocking=True)
             entry.mask[:b, :, :, width:].fill_(torch.finfo(entry.mask.dtype).min)
 
     def _capture(self, cache, key, inputs: tuple, attn_mask: torch.Tensor | None, width: int) -> _Captured:
