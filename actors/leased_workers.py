@@ -110,6 +110,7 @@ class RayLeasedWorkers:
         self.actors: list = []  # workers this provider started (killed on close)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._cancelled = threading.Event()  # set by cancel(): acquire() stops waiting for a free worker
         free = sum(
             w["lessee"] is None and w["fingerprint"] in (None, self.fp)
             for w in ray.get(self.registry.snapshot.remote())
@@ -152,7 +153,13 @@ class RayLeasedWorkers:
                 return link
             if time.monotonic() > end:
                 raise DrafterUnavailable(f"no free draft worker in the Ray pool within {self.acquire_timeout_s:.0f} s")
-            time.sleep(0.5)
+            if self._cancelled.wait(0.5):
+                raise DrafterUnavailable("the draft pool is closing")
+
+    def cancel(self) -> None:
+        # A replica whose worker died waited here for a free one (up to acquire_timeout_s) when it
+        # was deleted, and Ray Serve killed it after its graceful-shutdown timeout.
+        self._cancelled.set()
 
     def discard(self, link: WorkerLink, failed: bool) -> None:
         link.kill() if failed else link.close()

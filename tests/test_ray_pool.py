@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import threading
 import time
 
 import pytest
@@ -178,6 +179,7 @@ def test_a_provider_renews_its_leases_and_close_gives_them_back(cluster, tiny_pa
         try:
             with pytest.raises(DrafterUnavailable, match="no free draft worker in the Ray pool within"):
                 second.acquire()
+            assert_cancel_ends_a_waiting_acquire(config)
             first.discard(link, failed=False)  # released: the other target gets it
             other = second.acquire()
             assert [w["lessee"] for w in pool_snapshot()] == ["waiting-target"]
@@ -188,6 +190,30 @@ def test_a_provider_renews_its_leases_and_close_gives_them_back(cluster, tiny_pa
     finally:
         first.close()
     assert pool_snapshot() == []  # the worker it started left the pool
+
+
+def assert_cancel_ends_a_waiting_acquire(config) -> None:
+    """A provider waiting for a free worker (up to its 120 s default) gives up as soon as its pool
+    closes: a served target replica whose worker had died once waited there on deletion until Ray
+    Serve killed it, 30 s later."""
+    from actors.leased_workers import RayLeasedWorkers
+    from ssd.core.protocol import DrafterUnavailable
+
+    waiting, ended = RayLeasedWorkers(config, VOCAB_SIZE, lessee="closing-target"), []
+
+    def acquire() -> None:
+        with pytest.raises(DrafterUnavailable, match="the draft pool is closing"):
+            waiting.acquire()
+        ended.append(time.monotonic())
+
+    thread = threading.Thread(target=acquire)
+    thread.start()
+    time.sleep(1.0)  # polling the registry, nothing free
+    cancelled = time.monotonic()
+    waiting.cancel()
+    thread.join(10)
+    waiting.close()
+    assert ended and ended[0] - cancelled < 1.5, ended
 
 
 def test_a_worker_that_cannot_start_says_why(cluster, tiny_pair, tmp_path):

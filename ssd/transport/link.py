@@ -239,4 +239,8 @@ class WorkerProvider(Protocol):
     def discard(self, link: WorkerLink, failed: bool) -> None:
         """Give a worker back: closed or killed, its lease released (and, if failed, reported)."""
 
+    def cancel(self) -> None:
+        """The pool is closing: an acquire() that waits for a worker to become free gives up at
+        once (DrafterUnavailable); one whose worker is already starting may finish."""
+
     def close(self) -> None: ...

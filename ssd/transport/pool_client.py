@@ -179,6 +179,8 @@ class PoolClient:
             try:
                 link = self.provider.acquire()
             except DrafterUnavailable as err:
+                if self._closed:  # cancelled by close()
+                    return
                 logger.warning("no replacement for draft shard %d yet (%s); retrying in %.1f s", w, err, delay)
                 if self._closing.wait(delay):
                     return
@@ -384,6 +386,7 @@ class PoolClient:
         with self._lock:
             self._closed = True
         self._closing.set()
+        self.provider.cancel()  # a refill waiting for a free worker stops waiting
         for thread in self._refills:  # a refill that is starting a worker discards it once started
             thread.join(CLOSE_REFILL_WAIT_S)
             if thread.is_alive():

@@ -159,6 +159,9 @@ class SpawnedWorkers:
     def discard(self, link: WorkerLink, failed: bool) -> None:
         link.kill() if failed else link.close()
 
+    def cancel(self) -> None:
+        """Nothing waits here but a starting worker, which the pool discards once it is up."""
+
     def close(self) -> None:
         self.starter.close()
 
