@@ -90,9 +90,10 @@ class CudaGraphs:
         width: int,
     ) -> torch.Tensor | None:
         """The forward's logits [b, n, V] (float32, on the device, a copy of its own) by a graph
-        replay, or None where no graph applies (the caller runs it eagerly). All inputs are host
-        tensors but attn_mask [b, 1, n, width]; columns [b, n] are where each token is written,
-        after cache.begin_forward reserved them."""
+        replay, or None where no graph applies (the caller runs it eagerly). tokens, positions,
+        columns and new_valid are [b, n], on the host or the device; columns are where each token
+        is written, after cache.begin_forward reserved them; attn_mask [b, 1, n, width] is a
+        scratch forward's (None: a default forward's, built in the graph)."""
         b, n = tokens.shape
         rows, wide = padded(b), padded(width, WIDTH_FLOOR)
         if n > MAX_NEW_TOKENS or rows * n > MAX_TOKENS or cache.captured() is None:
