@@ -243,84 +243,26 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
     assert "ssd C=0.5 B=4" in table and table.splitlines()[0].split().count("range") == 2
 
 
-def test_draft_workers_rows(pair, tmp_path, caplog):
+def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
     """--draft-workers gives SSD one row per D (each worker builds ssd_budget branches, the tree
-    covers D times as many); more workers than cores is said."""
+    covers D times as many), --draft-transports one per transport, crossed; more workers than
+    cores is said; an unknown transport is refused."""
     target, draft = pair
     caplog.set_level(logging.WARNING)
-    results = bench.run(
-        parse(
-            [
-                "--target",
-                target,
-                "--draft",
-                draft,
-                "--k",
-                str(K),
-                "--num-prompts",
-                "2",
-                "--max-tokens",
-                "6",
-                "--temperatures",
-                "0",
-                "--settings",
-                "paper",
-                "--modes",
-                "sd,ssd",
-                "--draft-workers",
-                "1,2",
-                "--ssd-budget",
-                "4",
-                "--pair-reps",
-                "2",
-                "--out-dir",
-                str(tmp_path),
-                "--no-progress",
-            ]
-        )
-    )
+    argv = ["--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6"]
+    argv += ["--temperatures", "0", "--settings", "paper", "--modes", "sd,ssd", "--draft-workers", "1,2"]
+    argv += ["--draft-transports", "shm,grpc", "--ssd-budget", "4", "--pair-reps", "2"]
+    results = bench.run(parse([*argv, "--out-dir", str(tmp_path), "--no-progress"]))
     runs = {r["mode"]: r for r in results["runs"]}
-    assert list(runs) == ["sd", "ssd B=4 D=1", "ssd B=4 D=2"]
-    two = runs["ssd B=4 D=2"]
+    assert list(runs) == [
+        "sd", "ssd B=4 D=1 tr=shm", "ssd B=4 D=1 tr=grpc", "ssd B=4 D=2 tr=shm", "ssd B=4 D=2 tr=grpc"
+    ], list(runs)  # fmt: skip
+    two = runs["ssd B=4 D=2 tr=grpc"]
     assert two["draft_workers"] == 2 and two["ssd"]["draft_workers"] == 2 and two["ssd"]["budget"] == 8, two["ssd"]
-    assert 0 <= two["cache_hit_rate"] <= 1 and "ssd B=4 D=2" in bench.format_table(results["runs"])
+    assert two["draft_transport"] == "grpc" and 0 <= two["cache_hit_rate"] <= 1
+    assert "ssd B=4 D=2 tr=grpc" in bench.format_table(results["runs"])
     if os.cpu_count() < 3:
         assert any("share cores" in r.getMessage() for r in caplog.records)
-
-
-def test_draft_transport_rows(pair, tmp_path):
-    target, draft = pair
-    results = bench.run(
-        parse(
-            [
-                "--target",
-                target,
-                "--draft",
-                draft,
-                "--k",
-                str(K),
-                "--num-prompts",
-                "1",
-                "--max-tokens",
-                "6",
-                "--temperatures",
-                "0",
-                "--settings",
-                "paper",
-                "--modes",
-                "ssd",
-                "--draft-transports",
-                "shm,grpc",
-                "--pair-reps",
-                "2",
-                "--out-dir",
-                str(tmp_path),
-                "--no-progress",
-            ]
-        )
-    )
-    runs = {r["mode"]: r for r in results["runs"]}
-    assert list(runs) == ["ssd tr=shm", "ssd tr=grpc"] and runs["ssd tr=grpc"]["draft_transport"] == "grpc"
     with pytest.raises(ValueError, match="--draft-transports: unknown"):
         bench.run(
             parse(["--target", target, "--draft", draft, "--draft-transports", "pigeon", "--out-dir", str(tmp_path)])
