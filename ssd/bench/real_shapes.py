@@ -104,46 +104,59 @@ def decode(engine, prompt: list[int], tokens: int, temperature: float) -> tuple[
     return time.perf_counter() - started, round_ms, metrics
 
 
-def run(args) -> dict:
+def save_for_engine(root: Path, target, draft) -> None:
+    """The draft in full (SSD's workers load it) and the target's config alone (its weights stay
+    in memory, handed to the engine), each with the demo tokenizer."""
+    from ssd.model.demo_models import build_tokenizer
+
+    draft.save_pretrained(root / "draft")
+    target.config.save_pretrained(root / "target")
+    for name in ("target", "draft"):
+        build_tokenizer().save_pretrained(root / name)
+
+
+def measure_mode(args, root: Path, mode: str, target, draft, prompt: list[int]) -> dict:
+    """One mode's engine over the built models -> its tokens/s, round time and forwards' time."""
     from ssd.core.config import EngineArgs
     from ssd.engine.llm_engine import LLMEngine
     from ssd.model.demo_models import build_tokenizer
 
-    root = Path(tempfile.mkdtemp(prefix="ssd-real-shapes-"))
-    target = build(args.target_shape, args.device, args.context + 2 * args.tokens + 64)
-    draft = build(args.draft_shape, args.device, args.context + 2 * args.tokens + 64)
-    for name, model in (("target", target), ("draft", draft)):
-        # The target's weights stay in memory (handed to the engine); only its config is saved.
-        (model.save_pretrained(root / name) if name == "draft" else model.config.save_pretrained(root / name))
-        build_tokenizer().save_pretrained(root / name)
+    config = EngineArgs(
+        target=str(root / "target"), draft=str(root / "draft"), mode=mode, k=args.k, dtype="bfloat16",
+        device=args.device, max_num_seqs=1, ssd_autobudget=False, enforce_eager=args.enforce_eager,
+    ).to_config()  # fmt: skip
+    engine = LLMEngine(config, target, draft if mode == "sd" else None, build_tokenizer(), args.context * 4)
+    try:
+        seconds, round_ms, metrics = decode(engine, prompt, args.tokens, args.temperature)
+        forwards_ms = forward_ms(engine.target, args.k + 1 if mode != "ar" else 1, args.context)
+        if mode == "sd":
+            forwards_ms += args.k * forward_ms(engine.proposers["sd"].runner, 1, args.context)
+    finally:
+        engine.close()
+    return {"mode": mode, "tok_s": args.tokens / seconds, "round_ms": round_ms, "forwards_ms": forwards_ms,
+            "beyond_forwards": round_ms / forwards_ms - 1, "hit_rate": metrics.get("cache_hit_rate"),
+            "cuda_graphs": metrics.get("cuda_graphs")}  # fmt: skip
+
+
+def run(args) -> dict:
+    positions = args.context + 2 * args.tokens + 64
+    target = build(args.target_shape, args.device, positions)
+    draft = build(args.draft_shape, args.device, positions)
     bandwidth = copy_bandwidth(args.device)
     streamed = streamed_bytes(target)
     out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": bandwidth / 1e9,
            "target_streamed_gb": streamed / 1e9, "bound_tok_s": bandwidth / streamed, "runs": []}  # fmt: skip
     prompt = torch.randint(0, 250, (args.context,)).tolist()
-    for mode in args.modes.split(","):
-        config = EngineArgs(
-            target=str(root / "target"), draft=str(root / "draft"), mode=mode, k=args.k, dtype="bfloat16",
-            device=args.device, max_num_seqs=1, ssd_autobudget=False, enforce_eager=args.enforce_eager,
-        ).to_config()  # fmt: skip
-        engine = LLMEngine(config, target, draft if mode == "sd" else None, build_tokenizer(), args.context * 4)
-        try:
-            seconds, step_ms, metrics = decode(engine, prompt, args.tokens, args.temperature)
-            verify_ms = forward_ms(engine.target, args.k + 1 if mode != "ar" else 1, args.context)
-            forwards_ms = verify_ms
-            if mode == "sd":
-                forwards_ms += args.k * forward_ms(engine.proposers["sd"].runner, 1, args.context)
-        finally:
-            engine.close()
-        row = {"mode": mode, "tok_s": args.tokens / seconds, "round_ms": step_ms, "forwards_ms": forwards_ms,
-               "beyond_forwards": step_ms / forwards_ms - 1, "hit_rate": metrics.get("cache_hit_rate"),
-               "cuda_graphs": metrics.get("cuda_graphs")}  # fmt: skip
-        out["runs"].append(row)
-        share = f", {row['tok_s'] / out['bound_tok_s']:.0%} of the bound" if mode == "ar" else ""
-        sys.stdout.write(
-            f"{mode}: {row['tok_s']:.1f} tok/s{share}; round {step_ms:.2f} ms, its forwards {forwards_ms:.2f} ms "
-            f"(+{row['beyond_forwards']:.1%})\n"
-        )
+    with tempfile.TemporaryDirectory(prefix="ssd-real-shapes-") as root:
+        save_for_engine(Path(root), target, draft)
+        for mode in args.modes.split(","):
+            row = measure_mode(args, Path(root), mode, target, draft, prompt)
+            out["runs"].append(row)
+            share = f", {row['tok_s'] / out['bound_tok_s']:.0%} of the bound" if mode == "ar" else ""
+            sys.stdout.write(
+                f"{mode}: {row['tok_s']:.1f} tok/s{share}; round {row['round_ms']:.2f} ms, its forwards "
+                f"{row['forwards_ms']:.2f} ms (+{row['beyond_forwards']:.1%})\n"
+            )
     return out
 
 
