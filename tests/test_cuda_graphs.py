@@ -9,6 +9,7 @@ the columns and the in-graph mask here; tests/test_cuda.py checks the captured g
 from __future__ import annotations
 
 import pytest
+import torch
 from refimpl import hf_greedy
 from test_ssd import MAX_TOKENS, check_greedy, greedy
 
@@ -77,8 +78,28 @@ def test_a_grown_cache_drops_the_graphs_captured_on_its_buffers(tiny_pair):
     assert all(key[2] >= 2 * WIDTH_FLOOR for key in cache.captured()), list(cache.captured())
 
 
-def test_enforce_eager_and_cpu_build_no_graphs(tiny_pair):
-    with LLM(*tiny_pair, mode="ar", enforce_eager=True) as llm:
-        assert llm.engine.target.graphs is None
+def test_enforce_eager_reaches_every_runner_and_cpu_builds_no_graphs(tiny_pair, monkeypatch):
+    """On CPU no runner has graphs whatever enforce_eager says, so the flag's path is checked
+    where it is decided: the runners are built with it, and a CUDA runner built eager has none
+    (building one touches no CUDA, so this runs here)."""
+    from ssd.engine import llm_engine, proposers
+    from ssd.model.runner import ModelRunner
+
+    seen = []
+
+    def spy(real):  # the engine passes enforce_eager as the last positional argument
+        def build(*args):
+            seen.append(args[-1])
+            return real(*args)
+
+        return build
+
+    monkeypatch.setattr(llm_engine, "target_runner", spy(llm_engine.target_runner))
+    monkeypatch.setattr(proposers, "draft_runner", spy(proposers.draft_runner))
+    with LLM(*tiny_pair, mode="sd", enforce_eager=True) as llm:
+        assert llm.engine.target.graphs is None and llm.engine.proposers["sd"].runner.graphs is None
+        model = llm.engine.target.model
+    assert seen == [True, True], seen  # the target's runner, then the SD draft's
+    assert ModelRunner(model, torch.device("cuda"), eager=True).graphs is None
     with LLM(*tiny_pair, mode="ar") as llm:
         assert llm.engine.target.graphs is None  # on CPU the eager forward is the fast one
