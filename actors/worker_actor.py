@@ -20,9 +20,8 @@ import threading
 import ray
 
 from ssd.core.config import EngineConfig, config_fingerprint
-from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.transport.connect import make_listener
-from ssd.worker.main import serve_sessions
+from ssd.worker.main import load_drafter, serve_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class PoolMember:
         torch.set_num_threads(cfg.draft_num_threads)
         self.worker_id, self.registry, self.heartbeat_s = worker_id, registry, heartbeat_s
         self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
-        drafter = TreeDrafter.load(cfg, vocab)
+        drafter = load_drafter(cfg, vocab)
         self.drafter = drafter  # read by held(); driven by the session thread only
         self.stop = threading.Event()
         self.fp = config_fingerprint(cfg, vocab)

@@ -69,6 +69,15 @@ class EngineArgs(BaseModel):
         "plus r. Needs a Llama-architecture target in safetensors; its head counts must divide evenly.",
     )
     draft_device: str | None = Field(None, description="torch device for the draft; None = same as device.")
+    draft_tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks the draft is split over wherever it runs (SD's draft in the engine's process, each SSD "
+        "draft worker), as tensor_parallel_size splits the target: rank 0 in that process, the others its child "
+        "processes; on CPU each with draft_num_threads threads, on GPUs rank r on draft_device plus r. For drafts "
+        "that outgrow one device; a split draft runs eagerly (no CUDA graphs).",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for this process; None = torch's default."
     )
@@ -215,6 +224,13 @@ class EngineArgs(BaseModel):
                 f"draft_workers={self.draft_workers} needs workers of their own: use the default "
                 "draft_transport, not 'inprocess'"
             )
+        gpus = (self.draft_worker_resources or {}).get("num_gpus") or 0
+        if self.draft_tensor_parallel_size > 1 and 0 < gpus < self.draft_tensor_parallel_size:
+            raise ValueError(
+                f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} runs each draft worker's ranks on "
+                f"GPUs of its own, and draft_worker_resources reserves {gpus}: reserve num_gpus >= "
+                f"{self.draft_tensor_parallel_size} per worker, or lower draft_tensor_parallel_size"
+            )
         derived = {
             "target": target,
             "draft": draft if self.mode != "ar" else None,
@@ -250,6 +266,7 @@ class EngineConfig:
     device: str
     tensor_parallel_size: int
     draft_device: str
+    draft_tensor_parallel_size: int
     num_threads: int | None
     seed: int
     ssd_budget: int
@@ -272,6 +289,12 @@ class EngineConfig:
     enforce_eager: bool
     trust_remote_code: bool
     logprobs_mode: str
+
+    @property
+    def draft_in_engine(self) -> bool:
+        """Whether the engine's own process runs the draft: SD's draft (modes sd and auto), or
+        SSD's drafter in the engine's thread. SSD's draft workers load their own."""
+        return self.draft is not None and (self.mode in ("sd", "auto") or self.draft_transport == "inprocess")
 
     @property
     def tree_shards(self) -> int:

@@ -8,6 +8,7 @@ from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_d
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
 from ssd.core.token_masks import token_masks
+from ssd.model.kv_cache import StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -91,4 +92,5 @@ class SDProposer:
         self.cache.drop_last(self.cache.lengths() - keep)
 
     def close(self) -> None:
-        self.cache = self.runner.new_cache()
+        self.runner.close()  # a split draft's ranks stop (closing twice is a no-op)
+        self.cache = StaticKVCache()  # the cache's buffers go (nothing drafts after close)

@@ -32,7 +32,6 @@ The drafter keeps its own KV cache of committed tokens only; tree columns live f
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,17 +109,6 @@ class TreeDrafter:
         self.round: SpeculationTree | None = None
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
-
-    @classmethod
-    def load(cls, cfg, vocab: int) -> TreeDrafter:
-        """The draft model of `cfg` (an EngineConfig), loaded onto its draft device."""
-        from ssd.model.loader import load_model, load_tokenizer
-        from ssd.model.runner import draft_runner
-
-        model = load_model(cfg.draft, cfg.draft_dtype, cfg.draft_device, cfg.trust_remote_code)
-        runner = draft_runner(model, cfg.draft_device, cfg.lean_forward, cfg.enforce_eager)
-        tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
-        return cls(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer)
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -387,13 +375,9 @@ class TreeDrafter:
         self._rows(seq_ids)
         scratch = torch.Generator()
         views = [
-            DraftView(
-                self.states[s].tokens,
-                self.states[s].sampling,
-                self.states[s].generator if n else scratch,
-                self.grammars.matchers.get(s),
-            )
+            DraftView(state.tokens, state.sampling, state.generator if n else scratch, self.grammars.matchers.get(s))
             for s, n in zip(seq_ids, need)
+            for state in [self.states[s]]
         ]
         sampling = self._sampling(seq_ids)
         rows = [self.states[s].sampling for s in seq_ids]
@@ -406,4 +390,5 @@ class TreeDrafter:
         return spec
 
     def close(self) -> None:
-        """Nothing to release: the drafter lives as long as its process."""
+        """Stop a split draft's ranks (a whole draft has nothing to release)."""
+        self.runner.close()

@@ -31,6 +31,7 @@ from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics, graph_metrics
 from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers
+from ssd.engine.request_checks import check_fits, prompt_ids
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify, verify_on_device
@@ -93,38 +94,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt must not be empty (got an empty list of token ids)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        return prompt_ids(self.tokenizer, prompt, self.vocab_size)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Everything about a request that only the engine can check (the prompt's tokens and
-        length, stop token ids against the vocabulary); -> the prompt's token ids."""
+        """Everything about a request that only the engine can check (request_checks.py, and the
+        grammar's compilation); -> the prompt's token ids."""
         ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty (it tokenized to no tokens)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
-                f"{self.max_model_len}: lower max_tokens to at most {self.max_model_len - len(ids)} or shorten "
-                "the prompt"
-            )
-        # SamplingParams already refused negative ids; only the engine knows the vocabulary.
-        beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if beyond:
-            raise ValueError(f"stop_token_ids: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
-        for name, listed in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
-            beyond = [t for t in listed if t >= self.vocab_size]
-            if beyond:
-                raise ValueError(f"{name}: token id {beyond[0]} is outside the vocabulary [0, {self.vocab_size})")
+        check_fits(ids, params, self.max_model_len, self.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.matcher(params.structured_outputs)  # compiles (and caches) the grammar, or says why not
         return ids

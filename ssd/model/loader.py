@@ -19,15 +19,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class LoadedPair:
     target: object  # PreTrainedModel, or a TensorParallelRunner (rank 0 of a split target)
-    draft: object | None
+    draft: object | None  # the same, for the draft
     tokenizer: object  # PreTrainedTokenizerBase (the target's)
     max_model_len: int
 
     def close(self) -> None:
-        """Stop what loading started (a split target's ranks); for a caller whose engine did not
-        come up: an engine closes its target itself."""
-        if isinstance(self.target, TensorParallelRunner):
-            self.target.close()
+        """Stop what loading started (a split model's ranks); for a caller whose engine did not
+        come up: an engine closes its models itself."""
+        for model in (self.target, self.draft):
+            if isinstance(model, TensorParallelRunner):
+                model.close()
 
 
 def _source_kwargs(name: str) -> dict:
@@ -48,6 +49,12 @@ def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = Fal
     return model.to(device).eval()
 
 
+def load_config(name: str, config: EngineConfig):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name, trust_remote_code=config.trust_remote_code, **_source_kwargs(name))
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -66,39 +73,51 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, d
         )
 
 
-def load_tensor_parallel(config: EngineConfig, rank_launcher=None):
-    """The target split over config.tensor_parallel_size ranks -> rank 0's TensorParallelRunner
-    (with the model's `config` and `generation_config`, as a loaded model has them).
-    rank_launcher: what starts the other ranks (ssd.model.tp_launch.RankLauncher; child processes
-    by default)."""
+def load_split(config: EngineConfig, role: str, rank_launcher=None) -> TensorParallelRunner:
+    """config's target (role "target") or draft ("draft") split over its tensor-parallel ranks ->
+    rank 0's TensorParallelRunner (with the model's `config` and `generation_config`, as a loaded
+    model has them). rank_launcher: what starts the other ranks (ssd.model.tp_launch.RankLauncher;
+    child processes by default). A draft's ranks run draft_num_threads threads each on CPU."""
     from transformers import AutoConfig, GenerationConfig
 
-    from ssd.model.tp_launch import start_target
+    from ssd.model.tp_launch import start_split
 
-    if not Path(config.target).is_dir():
+    target = role == "target"
+    directory, world = (config.target, config.tensor_parallel_size) if target else (
+        config.draft, config.draft_tensor_parallel_size)  # fmt: skip
+    setting = "tensor_parallel_size" if target else "draft_tensor_parallel_size"
+    if not Path(directory).is_dir():
         raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} loads each rank's slices from a local checkpoint "
-            f"directory: {config.target!r} is not one (download it first, e.g. with `hf download`)"
+            f"{setting}={world} loads each rank's slices from a local checkpoint directory: {directory!r} is not one "
+            "(download it first, e.g. with `hf download`)"
         )
-    hf_config = AutoConfig.from_pretrained(
-        config.target, trust_remote_code=config.trust_remote_code, local_files_only=True
-    )
+    hf_config = AutoConfig.from_pretrained(directory, trust_remote_code=config.trust_remote_code, local_files_only=True)
     stored = getattr(hf_config, "dtype", None)  # the checkpoint's, for dtype "auto" (float32 when it names none)
-    dtype = (str(stored).removeprefix("torch.") if stored else "float32") if config.dtype == "auto" else config.dtype
-    runner = start_target(
-        config.target, hf_config, config.tensor_parallel_size, dtype, config.device, config.pack_target_weights,
-        config.num_threads, rank_launcher,
+    dtype = config.dtype if target else config.draft_dtype
+    dtype = (str(stored).removeprefix("torch.") if stored else "float32") if dtype == "auto" else dtype
+    runner = start_split(
+        directory, hf_config, world, dtype, config.device if target else config.draft_device,
+        config.pack_target_weights if target else True, config.num_threads if target else config.draft_num_threads,
+        rank_launcher, role,
     )  # fmt: skip
     runner.config = hf_config
     try:
-        runner.generation_config = GenerationConfig.from_pretrained(config.target, local_files_only=True)
+        runner.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
     except OSError:  # no generation_config.json: what the model's config implies, as from_pretrained does
         runner.generation_config = GenerationConfig.from_model_config(hf_config)
     return runner
 
 
-def context_limit(model) -> int:
-    cfg = model.config
+def load_draft(config: EngineConfig):
+    """config's draft: a loaded model, or rank 0 of its split (draft_tensor_parallel_size > 1,
+    the other ranks child processes of this one)."""
+    if config.draft_tensor_parallel_size > 1:
+        return load_split(config, "draft")
+    return load_model(config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code)
+
+
+def context_limit(cfg) -> int:
+    """The context length a Hugging Face config names."""
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, attr, None)
         if isinstance(value, int) and value > 0:
@@ -108,24 +127,34 @@ def context_limit(model) -> int:
 
 def load_pair(config: EngineConfig, rank_launcher=None) -> LoadedPair:
     """The target (over its tensor-parallel ranks, which rank_launcher starts where given), the
-    draft and the tokenizer, checked against each other."""
+    draft where this process runs it (config.draft_in_engine; SSD's workers load their own) and
+    the tokenizer, checked against each other."""
     tokenizer = load_tokenizer(config.target, config.trust_remote_code)
-    draft = None
     if config.draft is not None:
         check_same_vocabulary(
             tokenizer, load_tokenizer(config.draft, config.trust_remote_code), config.target, config.draft
         )
     if config.tensor_parallel_size > 1:
-        target = load_tensor_parallel(config, rank_launcher)
+        target = load_split(config, "target", rank_launcher)
     else:
         target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
-    limit = context_limit(target)
-    if config.draft is not None:
-        draft = load_model(config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code)
-        limit = min(limit, context_limit(draft))
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the models' context length {limit}")
-        limit = config.max_model_len
-    logger.info("loaded target %s%s, context %d", config.target, f" and draft {config.draft}" if draft else "", limit)
-    return LoadedPair(target, draft, tokenizer, limit)
+    pair = LoadedPair(target, None, tokenizer, context_limit(target.config))
+    try:
+        if config.draft_in_engine:
+            pair.draft = load_draft(config)
+        if config.draft is not None:  # a draft the workers load limits the context too
+            draft_config = pair.draft.config if pair.draft is not None else load_config(config.draft, config)
+            pair.max_model_len = min(pair.max_model_len, context_limit(draft_config))
+        if config.max_model_len is not None and config.max_model_len > pair.max_model_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the models' context length {pair.max_model_len}"
+            )
+    except BaseException:
+        pair.close()
+        raise
+    pair.max_model_len = config.max_model_len or pair.max_model_len
+    logger.info(
+        "loaded target %s%s, context %d", config.target, f" and draft {config.draft}" if pair.draft else "",
+        pair.max_model_len,
+    )  # fmt: skip
+    return pair

@@ -169,13 +169,15 @@ class _HFView(Cache):
 def draft_runner(model, device: str, lean: bool, eager: bool = False) -> ModelRunner:
     """The draft's runner wherever the draft runs (SD proposer, in-process or worker drafter):
     always fused (a draft's weights are small, so a concatenated copy costs little off CPU too)."""
+    if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_draft)
+        return model
     return ModelRunner(model, torch.device(device), lean, fused=True, eager=eager)
 
 
 def target_runner(model, device: str, lean: bool, pack: bool, eager: bool = False) -> ModelRunner:
     """The target's runner. With pack=True it fuses and prepacks its projections only where
     oneDNN can pack them (CPU): elsewhere fusing would copy the target's weights for nothing."""
-    if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_tensor_parallel)
+    if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_split)
         return model
     weight = next(model.parameters())
     return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight), eager=eager)

@@ -49,10 +49,10 @@ class ShardPlan:
     vocabulary_size: int  # V
 
     @staticmethod
-    def of(config, rank: int, world: int) -> ShardPlan:
+    def of(config, rank: int, world: int, setting: str = "tensor_parallel_size") -> ShardPlan:
         """The cuts for `config` (a Hugging Face config); ValueError naming the sizes that divide
         when the head counts do not split evenly in `world` (the MLP's rows need not: ranks may
-        hold a row more or less)."""
+        hold a row more or less). setting: the option that set `world`, for the error."""
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
         def splits(t: int) -> bool:  # whole key/value heads per rank, or one replicated over t / kv ranks
@@ -61,12 +61,12 @@ class ShardPlan:
         if not splits(world):
             sizes = [t for t in range(1, heads + 1) if splits(t)]
             raise ValueError(
-                f"tensor_parallel_size={world} does not divide the model's heads: {heads} query and {kv_heads} "
-                f"key/value heads split evenly over tensor_parallel_size in {sizes}"
+                f"{setting}={world} does not divide the model's heads: {heads} query and {kv_heads} "
+                f"key/value heads split evenly over {setting} in {sizes}"
             )
         vocab = config.vocab_size
         if vocab < world:
-            raise ValueError(f"tensor_parallel_size={world} exceeds the vocabulary size {vocab}")
+            raise ValueError(f"{setting}={world} exceeds the vocabulary size {vocab}")
         share = -(-vocab // world)
 
         def cut(total: int) -> tuple[int, int]:

@@ -1,23 +1,29 @@
-"""A target split over t tensor-parallel ranks, one process each, behind ModelRunner's interface.
+"""A model (the target, or a draft) split over t tensor-parallel ranks, one process each, behind
+ModelRunner's interface.
 
-Rank 0 lives in the engine's process: the engine calls `TensorParallelRunner.forward` and the
-cache methods exactly as it calls a ModelRunner's. Each call is first broadcast to ranks 1..t-1
-as a step (a fixed header, then one payload of token ids), and then every rank runs the same
+Rank 0 lives in the process that runs the model (the engine's; a draft worker's): it calls
+`TensorParallelRunner.forward` and the cache methods exactly as it calls a ModelRunner's. Each
+call is first broadcast to ranks 1..t-1 as a step (a fixed header, then one payload of token ids
+and, for a tree's forward, its mask), and then every rank runs the same
 operation on its own shard and its own cache: a forward's attention and MLP each end in an
 all-reduce, the logits' vocabulary slices are gathered on rank 0 (shards.py says how the weights
 are cut). The other ranks run `serve_steps`: a loop that receives a step and runs it, with no
 Python per token beyond that.
 
-Step (header [HEADER] long, broadcast by rank 0; then the payload when its size is > 0):
-    op, cache id, a, b, c, payload size
+Step (header [HEADER] long, broadcast by rank 0; then the payload when its size is > 0, then the
+mask when its size is > 0):
+    op, cache id, a, b, c, d, payload size, mask size
     NEW_CACHE  a = rows                  a cache the ranks keep in step with rank 0's
     ADD_ROWS   a = count                 its new rows, as the window the next forward writes
     KEEP       payload rows [m]          the kept rows, in order
     DROP_LAST  payload counts [b]        each row rolled back by its count
-    FORWARD    a = window?, b = n, c = with_logits; payload tokens [b, n] then new_valid [b, n]
+    FORWARD    a = window?, b = n, c = flags (WITH_LOGITS, POSITIONS, COLUMNS), d = mask width;
+               payload tokens [b, n], new_valid [b, n], then positions [b, n] and columns [b, n]
+               where flagged; mask: the attention mask's allowed entries [b, 1, n, d] as uint8
+               (a draft's scratch forward: SSD's tree decode)
     STOP                                 the rank exits
-Every rank's cache sees the same operations in the same order, so positions, lengths and masks
-agree without being sent.
+Every rank's cache sees the same operations in the same order, so default positions, lengths and
+masks agree without being sent; what a scratch forward chooses itself is sent.
 
 Communication: a gloo group carries the steps, sent by rank 0 to each rank (CPU tensors, waited
 for indefinitely by idle ranks); the forward's collectives run on the same group on CPU (as
@@ -35,11 +41,12 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ssd.model.kv_cache import StaticKVCache
+from ssd.model.kv_cache import StaticKVCache, additive_mask
 from ssd.model.shards import ShardPlan
 
-HEADER = 6
+HEADER = 8
 NEW_CACHE, ADD_ROWS, KEEP, DROP_LAST, FORWARD, STOP = range(1, 7)
+WITH_LOGITS, POSITIONS, COLUMNS = 1, 2, 4  # a FORWARD step's flags
 # A collective of a forward waits at most this long for the other ranks: a rank that died fails
 # at once (its sockets close), one that hung after this.
 STEP_TIMEOUT = datetime.timedelta(seconds=30)
@@ -47,7 +54,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)  # how long a rank waits for rank 0's 
 
 
 class TensorParallelFailed(RuntimeError):
-    """A rank died or hung: the tensor-parallel target cannot run another forward."""
+    """A rank died or hung: the tensor-parallel model cannot run another forward."""
 
 
 _STEP, _DATA = 1, 2  # message tags: steps from rank 0, the forward's partial sums and logits
@@ -113,23 +120,26 @@ class ShardComm:
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def send_step(self, op: int, cache_id: int, a: int = 0, b: int = 0, c: int = 0, payload=None) -> None:
-        size = 0 if payload is None else payload.numel()
-        header = torch.tensor([op, cache_id, a, b, c, size], dtype=torch.long)
-        parts = [header] + ([payload.contiguous()] if size else [])
-        works = [self.control.send([t], r, _STEP) for r in self.others for t in parts]
+    def send_step(self, op: int, cache_id: int, fields=(), payload=None, mask=None) -> None:
+        """fields: up to four ints (a, b, c, d); payload: long; mask: uint8."""
+        parts = [t.contiguous() for t in (payload, mask) if t is not None and t.numel()]
+        sizes = [0 if t is None else t.numel() for t in (payload, mask)]
+        header = torch.tensor([op, cache_id, *fields, *[0] * (4 - len(fields)), *sizes], dtype=torch.long)
+        works = [self.control.send([t], r, _STEP) for r in self.others for t in [header, *parts]]
         for work in works:
             work.wait(STEP_TIMEOUT)
 
-    def receive_step(self) -> tuple[list[int], torch.Tensor]:
-        """-> the header's fields and the payload (empty when the step has none)."""
+    def receive_step(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """-> the header's fields, the payload and the mask (each empty when the step has none)."""
         header = torch.zeros(HEADER, dtype=torch.long)
         self.control.recv([header], 0, _STEP).wait(IDLE_TIMEOUT)
         fields = header.tolist()
-        payload = torch.zeros(fields[5], dtype=torch.long)
-        if fields[5]:
-            self.control.recv([payload], 0, _STEP).wait(STEP_TIMEOUT)
-        return fields, payload
+        payload = torch.zeros(fields[6], dtype=torch.long)
+        mask = torch.zeros(fields[7], dtype=torch.uint8)
+        for part in (payload, mask):
+            if part.numel():
+                self.control.recv([part], 0, _STEP).wait(STEP_TIMEOUT)
+        return fields, payload, mask
 
 
 class MirroredCache:
@@ -153,9 +163,10 @@ class MirroredCache:
         return self.local.nbytes()
 
     def add_rows(self, count: int) -> MirroredCache:
-        return self.runner.run(
-            ADD_ROWS, self.id, count, then=lambda: MirroredCache(self.runner, self.id, self.local.add_rows(count), True)
-        )
+        def here() -> MirroredCache:
+            return MirroredCache(self.runner, self.id, self.local.add_rows(count), True)
+
+        return self.runner.run(ADD_ROWS, self.id, (count,), then=here)
 
     def keep(self, rows: torch.Tensor) -> None:
         self.runner.run(KEEP, self.id, payload=rows.long(), then=lambda: self.local.keep(rows))
@@ -165,16 +176,17 @@ class MirroredCache:
 
 
 class TensorParallelRunner:
-    """ModelRunner's interface (forward, new_cache, device, vocab_size) for rank 0 of t.
+    """ModelRunner's interface (forward, new_cache, device, vocab_size, attention_dtype) for rank
+    0 of t, the target's or a draft's (role names which, in errors).
 
     local: rank 0's ModelRunner over its shard; ranks: the other ranks (ssd.model.tp_launch's
     RankGroup: poll() -> how those that ended ended, close() stops them); store: the store the
     groups met over, which rank 0 serves (kept for as long as the ranks run). Calls are serialized
     (a lock): every rank must see the steps in one order."""
 
-    def __init__(self, local, comm: ShardComm, ranks, store=None) -> None:
-        self.local, self.comm, self.ranks, self.store = local, comm, ranks, store
-        self.device, self.vocab_size = local.device, local.vocab_size
+    def __init__(self, local, comm: ShardComm, ranks, store=None, role: str = "target") -> None:
+        self.local, self.comm, self.ranks, self.store, self.role = local, comm, ranks, store, role
+        self.device, self.vocab_size, self.attention_dtype = local.device, local.vocab_size, local.attention_dtype
         # The model's Hugging Face config and generation config, as a loaded model has them (the
         # engine reads its EOS there); set by the loader.
         self.config = self.generation_config = None
@@ -182,57 +194,67 @@ class TensorParallelRunner:
         self._caches = 0
         self.failure: str | None = None
 
-    def run(self, op: int, cache_id: int, a: int = 0, b: int = 0, c: int = 0, payload=None, then=None):
+    def run(self, op: int, cache_id: int, fields=(), payload=None, mask=None, then=None):
         """Send a step to the other ranks, then run `then()` here (its collectives meet theirs)."""
         with self._lock:
             if self.failure is not None:
                 raise TensorParallelFailed(self.failure)
             try:
-                self.comm.send_step(op, cache_id, a, b, c, payload)
+                self.comm.send_step(op, cache_id, fields, payload, mask)
                 return then() if then is not None else None
             except RuntimeError as err:
-                self.failure = f"tensor-parallel target failed ({self.ranks.describe()}): {err}"
+                self.failure = f"tensor-parallel {self.role} failed ({self.ranks.describe()}): {err}"
                 self.ranks.close(kill=True)
                 raise TensorParallelFailed(self.failure) from err
 
     def graph_stats(self) -> None:
-        """A split target runs eagerly (its collectives are not captured)."""
+        """A split model runs eagerly (its collectives are not captured)."""
         return None
 
     def broken(self) -> str | None:
-        """Why this target cannot run another forward (a call failed, or a rank exited while it
+        """Why this model cannot run another forward (a call failed, or a rank exited while it
         was idle), or None. Polls the rank processes without waiting: a serving health check
         calls it from another thread."""
         if self.failure is None and self.ranks.poll():
-            return f"tensor-parallel target: {self.ranks.describe()}"
+            return f"tensor-parallel {self.role}: {self.ranks.describe()}"
         return self.failure
 
     def new_cache(self, rows: int = 1) -> MirroredCache:
         cache_id = self._caches
         self._caches += 1
-        local = self.run(NEW_CACHE, cache_id, rows, then=lambda: self.local.new_cache(rows))
+        local = self.run(NEW_CACHE, cache_id, (rows,), then=lambda: self.local.new_cache(rows))
         return MirroredCache(self, cache_id, local, False)
 
     def forward(
-        self, cache: MirroredCache, tokens: torch.Tensor, new_valid: torch.Tensor | None = None, *,
-        on_host: bool = True, with_logits: bool = True,
+        self, cache: MirroredCache, tokens: torch.Tensor, new_valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+        columns: torch.Tensor | None = None, *, on_host: bool = True, with_logits: bool = True,
     ) -> torch.Tensor | None:  # fmt: skip
-        """ModelRunner.forward for the target's forwards (a prefill or a verification: each
-        row's next positions, the default mask)."""
+        """ModelRunner.forward, every kind: a target's prefill or verification, a draft's steps,
+        and a draft's scratch forward (SSD's tree: positions, columns and attn_mask given; the
+        mask is sent as its allowed entries, which every rank makes additive again)."""
         b, n = tokens.shape
         if new_valid is None:
             new_valid = torch.ones(b, n, dtype=torch.bool)
-        payload = torch.cat([tokens.reshape(-1).long(), new_valid.reshape(-1).long()])
-        return self.run(
-            FORWARD, cache.id, int(cache.window), n, int(with_logits), payload,
-            then=lambda: self.local.forward(cache.local, tokens, new_valid, on_host=on_host, with_logits=with_logits),
-        )  # fmt: skip
+        given = [t.reshape(-1).long().cpu() for t in (positions, columns) if t is not None]
+        payload = torch.cat([tokens.reshape(-1).long(), new_valid.reshape(-1).long(), *given])
+        flags = (WITH_LOGITS if with_logits else 0) | (POSITIONS if positions is not None else 0)
+        flags |= COLUMNS if columns is not None else 0
+        allowed = None if attn_mask is None else (attn_mask == 0).to("cpu", torch.uint8)  # additive_mask's zeros
+        width = 0 if attn_mask is None else attn_mask.shape[-1]
+
+        def here():
+            return self.local.forward(
+                cache.local, tokens, new_valid, positions, attn_mask, columns, on_host=on_host, with_logits=with_logits
+            )
+
+        return self.run(FORWARD, cache.id, (int(cache.window), n, flags, width), payload, allowed, then=here)
 
     def close(self) -> None:
         """Stop the other ranks (idempotent)."""
         with self._lock:
             if self.failure is None:
-                self.failure = "the tensor-parallel target was closed"
+                self.failure = f"the tensor-parallel {self.role} was closed"
                 try:
                     self.comm.send_step(STOP, 0)
                 except RuntimeError:
@@ -247,7 +269,7 @@ def serve_steps(runner, comm: ShardComm) -> None:
     caches: dict[int, StaticKVCache] = {}
     windows: dict[int, StaticKVCache] = {}
     while True:
-        (op, cache_id, a, b, c, _), payload = comm.receive_step()  # fields as rank 0's run() sent them
+        (op, cache_id, a, b, c, d, _, _), payload, mask = comm.receive_step()  # as rank 0's run() sent them
         if op == STOP:
             return
         if op == NEW_CACHE:
@@ -259,8 +281,20 @@ def serve_steps(runner, comm: ShardComm) -> None:
         elif op == DROP_LAST:
             caches[cache_id].drop_last(payload)
         elif op == FORWARD:
-            tokens, valid = payload.view(2, -1, b)  # b = n, tokens per row
             cache = windows.pop(cache_id) if a else caches[cache_id]
-            runner.forward(cache, tokens, valid.bool(), with_logits=bool(c))
+            _forward_step(runner, cache, b, c, d, payload, mask)
         else:
             raise AssertionError(f"unknown step {op}")
+
+
+def _forward_step(runner, cache: StaticKVCache, n: int, flags: int, width: int, payload, mask) -> None:
+    """A FORWARD step on this rank's shard (its fields as TensorParallelRunner.forward sent them)."""
+    parts = payload.view(2 + bool(flags & POSITIONS) + bool(flags & COLUMNS), -1, n)  # [2 + given, b, n]
+    tokens, valid, given = parts[0], parts[1].bool(), iter(parts[2:])
+    positions = next(given) if flags & POSITIONS else None
+    columns = next(given) if flags & COLUMNS else None
+    attn_mask = None
+    if width:
+        allowed = mask.view(tokens.shape[0], 1, n, width).bool()
+        attn_mask = additive_mask(allowed, runner.attention_dtype)
+    runner.forward(cache, tokens, valid, positions, attn_mask, columns, with_logits=bool(flags & WITH_LOGITS))

@@ -1,6 +1,7 @@
-"""Starting a tensor-parallel target: rank 0 in this process, ranks 1..t-1 started by a launcher.
+"""Starting a tensor-parallel model (the target, or a draft): rank 0 in this process, ranks
+1..t-1 started by a launcher.
 
-`start_target` has a `RankLauncher` start the other ranks (by default `LocalRanks`: child
+`start_split` has a `RankLauncher` start the other ranks (by default `LocalRanks`: child
 processes running `python -m ssd.model.tp_launch`, each reading its spec as one JSON line on
 stdin; a serving layer injects one that starts them where its scheduler reserved room). It loads
 rank 0's shard while they load theirs, waits until each has joined (a dead one is reported at
@@ -183,22 +184,23 @@ def describe_ended(ended: dict[int, str]) -> str:
     return ", ".join(f"rank {rank} {how}" for rank, how in sorted(ended.items()))
 
 
-def start_target(
+def start_split(
     directory: str, config, world: int, dtype: str, device: str, pack: bool, num_threads: int | None,
-    launcher: RankLauncher | None = None,
+    launcher: RankLauncher | None = None, role: str = "target",
 ) -> TensorParallelRunner:  # fmt: skip
-    """Rank 0 of a target split over `world` ranks (config: its Hugging Face config; dtype: a
-    torch dtype's name; launcher: what starts the other ranks, LocalRanks by default) -> the
-    runner the engine calls; the other ranks are running."""
+    """Rank 0 of a model split over `world` ranks (config: its Hugging Face config; dtype: a
+    torch dtype's name; launcher: what starts the other ranks, LocalRanks by default; role:
+    "target", or "draft", whose rank 0 shares a process that set its own threads) -> the runner
+    its caller calls; the other ranks are running. num_threads: each CPU rank's torch threads
+    (None: the cores divided among the ranks)."""
+    setting = "tensor_parallel_size" if role == "target" else f"{role}_tensor_parallel_size"
     reason = unsupported_config_reason(config)
     if reason is not None:
-        raise ValueError(
-            f"tensor_parallel_size={world} runs the lean forward, which does not support this model: {reason}"
-        )
-    ShardPlan.of(config, 0, world)  # ValueError naming the sizes that divide the heads, before anything starts
+        raise ValueError(f"{setting}={world} runs the lean forward, which does not support this model: {reason}")
+    ShardPlan.of(config, 0, world, setting)  # ValueError naming the sizes that divide the heads, before anything starts
     launcher = launcher or LocalRanks()
     threads = num_threads or max(1, (os.cpu_count() or 1) // world)
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" and role == "target":
         torch.set_num_threads(threads)
     # Rank 0 serves the store; wait_for_workers=False: the ranks connect while rank 0 loads.
     store = dist.TCPStore(launcher.host, 0, world, True, JOIN_TIMEOUT, wait_for_workers=False)
@@ -213,9 +215,9 @@ def start_target(
     except BaseException:
         ranks.close(kill=True)
         raise
-    logger.info("tensor-parallel target over %d ranks, started by %s", world, type(launcher).__name__)
+    logger.info("tensor-parallel %s over %d ranks, started by %s", role, world, type(launcher).__name__)
     # The store stays referenced by the runner: rank 0 serves it for as long as the ranks run.
-    return TensorParallelRunner(runner, comm, ranks, store)
+    return TensorParallelRunner(runner, comm, ranks, store, role)
 
 
 def run_rank(spec: dict, host: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,8 @@ import torch
 from ssd.core.config import EngineConfig, config_fingerprint
 from ssd.core.protocol import MsgType
 from ssd.drafting.tree_drafter import TreeDrafter
+from ssd.model.loader import load_draft, load_tokenizer
+from ssd.model.runner import draft_runner
 from ssd.transport.channel import Channel, ChannelTimeout, Listener
 from ssd.transport.connect import make_listener
 from ssd.worker.session import WorkerSession, send_error
@@ -79,6 +82,14 @@ def _channel(link: dict, fp: int) -> Channel:
     return TorchChannel(pair_group(store, 1), 0, fp)
 
 
+def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
+    """The drafter of `cfg`'s draft, loaded onto its draft device (split over ranks, child
+    processes of this one, when cfg.draft_tensor_parallel_size > 1)."""
+    runner = draft_runner(load_draft(cfg), cfg.draft_device, cfg.lean_forward, cfg.enforce_eager)
+    tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
+    return TreeDrafter(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer)
+
+
 def run(spec: dict) -> int:
     """Load the draft, then serve. spec: {"config": EngineConfig fields, "vocab": int, "link": ...}
     with link {"kind": "shm", "inbox": MailboxFds, "outbox": MailboxFds, "parent_pid": int} (one
@@ -91,14 +102,15 @@ def run(spec: dict) -> int:
     link = spec["link"]
     if link["kind"] == "listen":
         listener = make_listener(link["transport"], link["host"], cfg.draft_device)
-        drafter = TreeDrafter.load(cfg, spec["vocab"])
+        drafter = load_drafter(cfg, spec["vocab"])
         sys.stdout.write(json.dumps({"address": listener.address}) + "\n")
         sys.stdout.flush()
         serve_sessions(drafter, listener, fp, not cfg.ssd_reproducible, threading.Event())
         return 0
     channel = _channel(link, fp)
+    drafter = None
     try:
-        drafter = TreeDrafter.load(cfg, spec["vocab"])
+        drafter = load_drafter(cfg, spec["vocab"])
         channel.send(MsgType.READY)
         WorkerSession(drafter, channel, cut_trees=not cfg.ssd_reproducible).serve()
         return 0
@@ -106,6 +118,9 @@ def run(spec: dict) -> int:
         logger.exception("draft worker failed")
         send_error(channel, err)
         return 1
+    finally:
+        if drafter is not None:
+            drafter.close()  # a split draft's ranks stop now (they would at this process's exit anyway)
 
 
 def _import_loading() -> None:
