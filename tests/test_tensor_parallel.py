@@ -56,17 +56,16 @@ def gqa_target(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])  # ar: the grouped-heads test below
-def test_demo_target_over_two_ranks_matches_hf_generate(demo_pair, prompts, mode):
+def test_demo_target_over_two_ranks_matches_hf_generate_in_ssd(demo_pair, prompts):
+    """SSD over a pool of two worker processes; ar: the grouped-heads test below; sd: over a split
+    target and a split draft (test_draft_tensor_parallel.py)."""
     target, draft = demo_pair
     expected = hf_greedy(target, prompts, MAX_TOKENS)
-    pool = {"draft_workers": 2} if mode == "ssd" else {}  # SSD over a pool of two worker processes
-    with LLM(target, draft, mode=mode, k=4, max_num_seqs=3, tensor_parallel_size=2, **pool) as llm:
+    with LLM(target, draft, mode="ssd", k=4, max_num_seqs=3, tensor_parallel_size=2, draft_workers=2) as llm:
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         metrics = llm.metrics()
     assert [o.token_ids for o in out] == expected
-    if mode == "ssd":
-        assert metrics["ssd"]["draft_workers_live"] == 2 and metrics["cache_hits"] > 0, metrics
+    assert metrics["ssd"]["draft_workers_live"] == 2 and metrics["cache_hits"] > 0, metrics
 
 
 def test_ssd_over_two_ranks_samples_the_target_distribution(peaked_pair, peaked_target):
