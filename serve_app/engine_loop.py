@@ -57,15 +57,18 @@ def build_engines(
     """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it);
     worker_provider: where an ssd engine's draft pool gets its workers (ssd.engine.proposers);
     rank_launcher: what starts a tensor-parallel target's other ranks (ssd.model.tp_launch)."""
-    with_draft = next((m for m in modes if m != "ar"), None)
-    base = engine.model_copy(update={"mode": with_draft or "ar"}).to_config()
+    configs = {mode: engine.model_copy(update={"mode": mode}).to_config() for mode in modes}
+    # The pair is loaded once, for every mode: with the draft's weights when a mode runs the draft
+    # in the engine's process (sd, auto), else with its config alone (ssd's workers load their own).
+    in_engine = [c for c in configs.values() if c.draft_in_engine]
+    with_draft = [c for c in configs.values() if c.draft is not None]
+    base = (in_engine or with_draft or list(configs.values()))[0]
     if base.num_threads is not None:
         torch.set_num_threads(base.num_threads)
     pair = load_pair(base, rank_launcher)
     engines = {}
     try:
-        for mode in modes:
-            config = engine.model_copy(update={"mode": mode}).to_config()
+        for mode, config in configs.items():
             engines[mode] = LLMEngine(
                 config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
             )

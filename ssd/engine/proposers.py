@@ -52,6 +52,7 @@ def build_proposers(
     """The proposer of every mode the engine may run a round in (ar has none): auto runs both.
     starter: prestarted worker processes (worker_starter), for the spawned workers' provider."""
     modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
+    assert draft_model is not None or not config.draft_in_engine, "the pair was loaded without the draft's weights"
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
