@@ -110,9 +110,12 @@ def test_sd_over_a_split_target_and_a_split_draft_matches_hf_generate(demo_pair)
         assert llm.metrics()["accepted_tokens"] > 0
         draft = llm.engine.proposers["sd"].runner
         assert isinstance(draft, TensorParallelRunner) and len(_ranks_below()) == 2  # one target, one draft rank
-        # A draft rank that dies fails the next round at once, naming the draft.
+        # A draft rank that dies is seen while the engine is idle (a serving health check asks),
+        # and fails the next round at once, naming the draft.
+        assert llm.engine.broken() is None
         os.kill(draft.ranks.processes[1].pid, signal.SIGKILL)
         draft.ranks.processes[1].wait(10)
+        assert "tensor-parallel draft: rank 1 exited with code -9" in llm.engine.broken()
         with pytest.raises(TensorParallelFailed, match="tensor-parallel draft failed .*rank 1 exited with code -9"):
             llm.generate("Once more", SamplingParams(temperature=0.0, max_tokens=8))
     finally:

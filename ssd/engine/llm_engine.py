@@ -36,6 +36,7 @@ from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verify import verify, verify_on_device
 from ssd.model.runner import pad_rows, target_runner
+from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class LLMEngine:
             target_model, config.device, config.lean_forward, config.pack_target_weights, config.enforce_eager
         )
         self.vocab_size = self.target.vocab_size
+        # A draft split over ranks in this process (SD's), watched as the split target is (broken()).
+        self.split_draft = draft_model if isinstance(draft_model, TensorParallelRunner) else None
         self.cache = self.target.new_cache(config.max_num_seqs)
         # Where the target's probabilities are processed and verified: on its device, without host
         # reads, wherever that is not the CPU (there the host versions are faster); tests set it.
@@ -374,8 +377,9 @@ class LLMEngine:
         )
 
     def broken(self) -> str | None:
-        """Why this engine cannot run another round (its split target lost a rank), or None."""
-        return self.target.broken()
+        """Why this engine cannot run another round (its split target or split draft lost a
+        rank), or None."""
+        return self.target.broken() or (self.split_draft.broken() if self.split_draft is not None else None)
 
     def close(self) -> None:
         for proposer in self.proposers.values():
