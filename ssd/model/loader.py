@@ -78,20 +78,19 @@ def load_split(config: EngineConfig, role: str, rank_launcher=None) -> TensorPar
     rank 0's TensorParallelRunner (with the model's `config` and `generation_config`, as a loaded
     model has them). rank_launcher: what starts the other ranks (ssd.model.tp_launch.RankLauncher;
     child processes by default). A draft's ranks run draft_num_threads threads each on CPU."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
-    from ssd.model.tp_launch import start_split
+    from ssd.model.tp_launch import size_option, start_split
 
     target = role == "target"
     directory, world = (config.target, config.tensor_parallel_size) if target else (
         config.draft, config.draft_tensor_parallel_size)  # fmt: skip
-    setting = "tensor_parallel_size" if target else "draft_tensor_parallel_size"
     if not Path(directory).is_dir():
         raise ValueError(
-            f"{setting}={world} loads each rank's slices from a local checkpoint directory: {directory!r} is not one "
-            "(download it first, e.g. with `hf download`)"
+            f"{size_option(role)}={world} loads each rank's slices from a local checkpoint directory: {directory!r} "
+            "is not one (download it first, e.g. with `hf download`)"
         )
-    hf_config = AutoConfig.from_pretrained(directory, trust_remote_code=config.trust_remote_code, local_files_only=True)
+    hf_config = load_config(directory, config)  # a local directory: read offline
     stored = getattr(hf_config, "dtype", None)  # the checkpoint's, for dtype "auto" (float32 when it names none)
     dtype = config.dtype if target else config.draft_dtype
     dtype = (str(stored).removeprefix("torch.") if stored else "float32") if dtype == "auto" else dtype

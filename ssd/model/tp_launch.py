@@ -184,6 +184,12 @@ def describe_ended(ended: dict[int, str]) -> str:
     return ", ".join(f"rank {rank} {how}" for rank, how in sorted(ended.items()))
 
 
+def size_option(role: str) -> str:
+    """The option that sets a role's rank count, for errors: tensor_parallel_size for the target,
+    draft_tensor_parallel_size for a draft."""
+    return "tensor_parallel_size" if role == "target" else f"{role}_tensor_parallel_size"
+
+
 def start_split(
     directory: str, config, world: int, dtype: str, device: str, pack: bool, num_threads: int | None,
     launcher: RankLauncher | None = None, role: str = "target",
@@ -193,7 +199,7 @@ def start_split(
     "target", or "draft", whose rank 0 shares a process that set its own threads) -> the runner
     its caller calls; the other ranks are running. num_threads: each CPU rank's torch threads
     (None: the cores divided among the ranks)."""
-    setting = "tensor_parallel_size" if role == "target" else f"{role}_tensor_parallel_size"
+    setting = size_option(role)
     reason = unsupported_config_reason(config)
     if reason is not None:
         raise ValueError(f"{setting}={world} runs the lean forward, which does not support this model: {reason}")
