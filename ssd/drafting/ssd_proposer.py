@@ -65,6 +65,7 @@ class SSDProposer:
         self.miss_law_ranks: dict[int, dict[int, int]] = {}
         self.prepared: dict[int, _Prepared] = {}
         self.order: list[int] = []
+        self.attached = True  # the drafters hold the rows in `order` (False: detached, mode auto)
         self.backup_rng: dict[int, torch.Generator] = {}
         self.ngram: dict[int, NgramIndex] = {}  # the fast backup's index of each sequence's tokens
         self.round_id = 0
@@ -81,13 +82,15 @@ class SSDProposer:
     # ---- membership -------------------------------------------------------------------------
 
     def add(self, seqs: list[Sequence]) -> None:
+        """New rows at the batch's end; the drafters admit them now, or at rejoin() if detached."""
         for s in seqs:
             self.backup_rng[s.seq_id] = torch.Generator().manual_seed(
                 int(torch.randint(2**62, (1,), generator=s.generator))
             )
             self.ngram[s.seq_id] = NgramIndex()  # filled on first use: most rows never need it
         self.order.extend(s.seq_id for s in seqs)
-        self._admit(seqs)
+        if self.attached:
+            self._admit(seqs)
 
     def _admit(self, seqs: list[Sequence]) -> None:
         """The drafters admit `seqs` with every token they have committed (a new sequence: its
@@ -110,18 +113,27 @@ class SSDProposer:
             self.backup_rng.pop(s, None)
             self.ngram.pop(s, None)
         self.order = kept
-        if gone:
+        if gone and self.attached:
             self.client.release(ReleaseMsg(gone))
 
-    def rejoin(self, seqs: list[Sequence]) -> None:
-        """The running sequences gained tokens in rounds of another mode (mode auto): the drafters
-        drop their state of them and are admitted them again with every committed token (one
-        prefill each), and what was prepared for them is stale."""
-        ids = [s.seq_id for s in seqs]
-        assert ids == self.order, "rejoin() with the batch the proposer holds"
+    def detach(self) -> None:
+        """Rounds of another mode follow (mode auto): the drafters drop their state of every row
+        now, rather than keep it and admit every new row while nothing reads their trees (on shared
+        cores, that work slows the rounds that run). Until rejoin(), rows come and go here only."""
+        if not self.attached:
+            return
+        self.attached = False
         self.prepared.clear()
         self.next_fanout = []
-        self.client.release(ReleaseMsg(ids))
+        if self.order:
+            self.client.release(ReleaseMsg(list(self.order)))
+
+    def rejoin(self, seqs: list[Sequence]) -> None:
+        """SSD's rounds resume after detach(): the drafters admit the running sequences with every
+        committed token (one prefill each)."""
+        assert not self.attached, "rejoin() after detach()"
+        assert [s.seq_id for s in seqs] == self.order, "rejoin() with the batch the proposer holds"
+        self.attached = True
         self._admit(seqs)
 
     def close(self) -> None:

@@ -10,21 +10,25 @@ the batch's all-rows-hit condition) as they are on this hardware now, without a 
 Granularity: a round, for the whole batch (one target forward serves every row, so a round has
 one mode). Switching is lossless because every mode is exact. What a switch costs: into sd,
 nothing but one draft forward over the tokens the draft's cache missed (SDProposer catches up);
-into ar, nothing; into ssd after rounds in another mode, the draft workers' state is rebuilt
-(SSDProposer.rejoin: their rows released and admitted again with the committed tokens), and its
-first rounds have no cache to hit. So the first `warmup` rounds after a switch (one more for
-ssd) are counted in the totals but not in the estimates, and a switch needs the other mode to
-be better by `margin`. The mode in use updates its estimate every round over a long window
-(`weight`); a probe moves its mode's estimate `probe_weight` of the way to the probe's mean,
-but replaces a mode's first estimate, which a cold engine measured (workers just spawned,
-kernels used for the first time).
+into ar, nothing; out of ssd, the draft workers drop the batch (SSDProposer.detach: they do no
+work while other modes run), and into ssd they admit it again with the committed tokens
+(SSDProposer.rejoin), so its first rounds have no cache to hit. So the first `warmup` rounds
+after a switch (one more for ssd) are counted in the totals but not in the estimates, and a
+switch needs the other mode to be better by `margin`. The mode in use updates its estimate
+every round over a long window (`weight`); a probe moves its mode's estimate `probe_weight` of
+the way to the probe's mean, but replaces a mode's first estimate, which a cold engine measured
+(workers just spawned, kernels used for the first time).
 
 Exploration, bounded: every mode is probed once at the start (`probe_rounds` measured rounds
-each); then each other mode is probed again, the one measured longest ago first, after
-`first_period` rounds, then twice as late each time up to every `explore_every` rounds, so an
-estimate that went stale is measured again; a mode far behind the one in use (below `far` x),
-only every `far_every`-th time. A bucket not measured in every mode is judged by the
-nearest one that is, and probed once the batch has stayed in it for `settle_rounds`.
+each; ar only `steady_probe_rounds`: its tokens per round are the batch size, so only its round
+time needs averaging, and that varies little); then each other mode is probed again, the one
+measured longest ago first, after `first_period` rounds, then twice as late each time up to every
+`explore_every` rounds, so an estimate that went stale is measured again; a mode far behind the
+one in use (below `far` x), only every `far_every`-th time. A bucket not measured in every mode
+is judged by the nearest one that is, and probed once the batch has stayed in it for
+`settle_rounds`: only in the modes not far behind the best at the judging bucket. The others are
+left to the explorations that probe far modes (a served batch wanders over several buckets, and
+probing every mode in each new one was most of what auto lost to the best mode, docs/serving.md).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class ModeChooser:
     modes: tuple[str, ...] = AUTO_MODES
     explore_every: int = 512
     probe_rounds: int = 12
+    steady_probe_rounds: int = 4  # of a probe of ar (at most probe_rounds)
     warmup: int = 1
     margin: float = 0.05
     # Of a new round in the moving averages of the mode in use: SSD's rounds are bimodal (a hit
@@ -93,6 +98,8 @@ class ModeChooser:
     _probe_sum: tuple[float, float, int] = (0.0, 0.0, 0)  # the probe's seconds, tokens, rounds so far
     _probes: list[str] = field(default_factory=list)  # modes still to probe, in order
     _estimates: dict[tuple[str, int], _Estimate] = field(default_factory=dict)
+    # (mode, bucket) not probed when the bucket settled: the mode was far behind where it was judged.
+    _skipped: set[tuple[str, int]] = field(default_factory=set)
     _totals: dict[str, _Totals] = field(default_factory=dict)
     _warm: set[str] = field(default_factory=set)  # modes probed since the engine started
 
@@ -115,10 +122,24 @@ class ModeChooser:
             # A cold start, or a bucket the batch stayed in: measure its unmeasured modes.
             self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
             if judged_at is None or self._unjudged[bucket] > self.settle_rounds:
-                unmeasured = [m for m in self.modes if (m, bucket) not in self._estimates]
-                self._probes = unmeasured[1:]
-                return self._switch(unmeasured[0], probe=True)
+                return self._settle(bucket, judged_at)
         return self._switch(self._best(judged_at), probe=False)
+
+    def _settle(self, bucket: int, judged_at: int | None) -> str:
+        """Probe the modes not measured at this bucket, but for those far behind the best at the
+        bucket that judged it so far (none at a cold start): they count as measured there, far
+        behind, until an exploration that probes far modes measures them."""
+        unmeasured = [m for m in self.modes if (m, bucket) not in self._estimates]
+        if judged_at is not None:  # a mode skipped at the judging bucket is far behind here too
+            rates = {m: e.tokens_per_second for m in self.modes if (e := self._estimates.get((m, judged_at)))}
+            best = max(rates.values())
+            far = {m for m in unmeasured if rates.get(m, 0.0) < self.far * best}
+            self._skipped |= {(m, bucket) for m in far}
+            unmeasured = [m for m in unmeasured if m not in far]
+        if not unmeasured:  # every mode left unmeasured here is far behind: the bucket is judged
+            return self._switch(self._best(bucket), probe=False)
+        self._probes = unmeasured[1:]
+        return self._switch(unmeasured[0], probe=True)
 
     def _explore(self, bucket: int) -> str:
         """Probe the other modes at this bucket, the unmeasured first, then the one measured
@@ -131,7 +152,9 @@ class ModeChooser:
         due = self._explorations % self.far_every == 0
 
         def worth(m: str) -> bool:
-            return est[m] is None or est[m].cold or due or est[m].tokens_per_second >= self.far * now
+            if est[m] is None:
+                return due or (m, bucket) not in self._skipped
+            return est[m].cold or due or est[m].tokens_per_second >= self.far * now
 
         others = [m for m in self.modes if m != self.current and worth(m)]
         self._probes = sorted(others, key=lambda m: -1 if est[m] is None else est[m].measured_at)
@@ -144,7 +167,8 @@ class ModeChooser:
         """The bucket whose estimates judge this one: itself when every mode was measured there,
         else the nearest such bucket (a batch that shrinks as its requests finish passes through
         buckets briefly: they are measured when an exploration finds them); None: none yet."""
-        complete = {b for (_, b) in self._estimates if all((m, b) in self._estimates for m in self.modes)}
+        known = self._estimates.keys() | self._skipped
+        complete = {b for (_, b) in self._estimates if all((m, b) in known for m in self.modes)}
         if not complete:
             return None
         return min(complete, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
@@ -188,9 +212,12 @@ class ModeChooser:
         old.measured_at, old.cold = self.rounds, False
 
     def _best(self, bucket: int) -> str:
-        rates = {m: self._estimates[(m, bucket)].tokens_per_second for m in self.modes}
+        """The mode to run at a complete bucket (a mode skipped there is not a candidate)."""
+        rates = {m: e.tokens_per_second for m in self.modes if (e := self._estimates.get((m, bucket))) is not None}
         best = max(rates, key=rates.get)
         # Stay unless the best is better by the margin: a switch into ssd costs a rebuild.
+        if self.current not in rates:
+            return best
         return best if rates[best] > rates[self.current] * (1 + self.margin) else self.current
 
     def _switch(self, mode: str, probe: bool) -> str:
@@ -198,7 +225,8 @@ class ModeChooser:
             self.current, self._since_switch = mode, 0
             self.switches += 1
         if probe:
-            self._probe_left, self._probe_sum = self.probe_rounds, (0.0, 0.0, 0)
+            rounds = min(self.probe_rounds, self.steady_probe_rounds) if mode == "ar" else self.probe_rounds
+            self._probe_left, self._probe_sum = rounds, (0.0, 0.0, 0)
         return mode
 
     def stats(self, batch: int) -> dict:

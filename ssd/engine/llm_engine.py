@@ -78,7 +78,6 @@ class LLMEngine:
             self.chooser = ModeChooser(AUTO_MODES, config.auto_explore_every, config.auto_probe_rounds)
         self.mode = AUTO_MODES[0] if self.chooser is not None else config.mode  # of the round being run
         self.proposer: Proposer | None = self.proposers.get(self.mode)
-        self._ssd_behind = False  # rounds ran in another mode since SSD's last: its drafters must rejoin
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -218,17 +217,17 @@ class LLMEngine:
         return scored + outputs
 
     def _choose_mode(self) -> None:
-        """Mode auto: this round's mode and proposer; SSD's drafters rejoin first when rounds in
-        another mode added tokens they have not seen (ssd/engine/autopilot.py)."""
+        """Mode auto: this round's mode and proposer. SSD's drafters let go of the batch while
+        other modes run and rejoin when SSD's rounds resume (ssd/engine/autopilot.py)."""
         if self.chooser is None:
             return
         self.mode = self.chooser.choose(len(self.running))
         self.proposer = self.proposers.get(self.mode)
+        ssd = self.proposers["ssd"]
         if self.mode != "ssd":
-            self._ssd_behind = True
-        elif self._ssd_behind:
-            self.proposers["ssd"].rejoin(self.running)
-            self._ssd_behind = False
+            ssd.detach()
+        elif not ssd.attached:
+            ssd.rejoin(self.running)
 
     def _sampling(self, masks: bool) -> BatchSampling:
         """The running rows' sampling settings at the round's first position, with the penalties
