@@ -10,6 +10,11 @@ request asks for that speculation mode (greedy, the prompt mix, 75% streamed). R
 generated tokens per second over the run (sum of the TOKENS events / duration), requests per
 second, and p50/p99 of end-to-end latency and time to first token (ms). Prints a table and
 writes bench_results/loadtest_bench.json.
+
+With `--repeats N` every user count runs its modes N times, interleaved (auto, sd, auto, sd, ...)
+so that a slow spell of a shared machine falls on every mode alike; each cell is then the median
+of its N runs, with the range of tokens/s (`tok_per_s_min`, `tok_per_s_max`) and every run kept
+under `runs`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,24 +105,56 @@ def main(argv: list[str] | None = None) -> int:
         "--think-ms", type=float, default=200.0, help="Each user's pause between requests: uniform 0 to this (ms)."
     )
     parser.add_argument("--out", default="bench_results/loadtest_bench.json")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="Runs of each cell, interleaved across modes; a cell is their median."
+    )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    modes = args.modes.split(",")
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
         for users in [int(u) for u in args.users.split(",")]:
-            for mode in args.modes.split(","):
-                cell = run_cell(
-                    args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp), args.think_ms
-                )
-                cells.append(cell)
-                sys.stdout.write(
-                    f"{mode:4s} users {users:3d}: {cell['tok_per_s']:7.1f} tok/s  {cell['req_per_s']:5.2f} req/s  "
-                    f"E2E p50/p99 {cell['e2e_p50_ms']:6.0f}/{cell['e2e_p99_ms']:6.0f} ms  "
-                    f"TTFT p50/p99 {cell['ttft_p50_ms']:5.0f}/{cell['ttft_p99_ms']:5.0f} ms  failures "
-                    f"{cell['failures']}\n"
-                )
-                sys.stdout.flush()
+            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    run = run_cell(
+                        args.host, mode, users, args.duration, args.model, args.api_key, Path(tmp), args.think_ms
+                    )
+                    runs[mode].append(run)
+                    _report("run " if args.repeats > 1 else "", run)
+            if args.repeats > 1:
+                for mode in modes:
+                    cells.append(median_cell(runs[mode]))
+                    _report("median ", cells[-1])
+            else:
+                cells.extend(r for mode in modes for r in runs[mode])
     write_cells(args, cells)
     return 0
+
+
+def median_cell(runs: list[dict]) -> dict:
+    """A cell from repeated runs: the median of every figure, the range of tokens/s, the runs."""
+    figures = [k for k in runs[0] if k not in ("mode", "users")]
+    cell = {"mode": runs[0]["mode"], "users": runs[0]["users"]}
+    cell.update({k: statistics.median(r[k] for r in runs) for k in figures})
+    cell["failures"] = sum(r["failures"] for r in runs)
+    cell["tok_per_s_min"] = min(r["tok_per_s"] for r in runs)
+    cell["tok_per_s_max"] = max(r["tok_per_s"] for r in runs)
+    cell["runs"] = runs
+    return cell
+
+
+def _report(label: str, cell: dict) -> None:
+    spread = f" ({cell['tok_per_s_min']:.1f}-{cell['tok_per_s_max']:.1f})" if "runs" in cell else ""
+    sys.stdout.write(
+        f"{label}{cell['mode']:4s} users {cell['users']:3d}: {cell['tok_per_s']:7.1f} tok/s{spread}  "
+        f"{cell['req_per_s']:5.2f} req/s  "
+        f"E2E p50/p99 {cell['e2e_p50_ms']:6.0f}/{cell['e2e_p99_ms']:6.0f} ms  "
+        f"TTFT p50/p99 {cell['ttft_p50_ms']:5.0f}/{cell['ttft_p99_ms']:5.0f} ms  failures "
+        f"{cell['failures']}\n"
+    )
+    sys.stdout.flush()
 
 
 def write_cells(args: argparse.Namespace, cells: list[dict]) -> None:

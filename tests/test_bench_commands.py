@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from loadtest import offline
+from loadtest.bench import median_cell
 from ssd.bench import constrained, grammar_cost, processing_cost, processing_share
 
 
@@ -68,3 +69,12 @@ def test_startup_times_each_mode_in_a_fresh_interpreter(demo_pair, tmp_path):
     startup.main(["--modes", "ssd", "--draft-workers", "1", "--repeats", "1", "--out", str(out)])
     (row,) = json.loads(out.read_text())
     assert row["mode"] == "ssd" and row["draft_workers"] == 1 and row["start_s"] > 0 and row["close_s"] > 0, row
+
+
+def test_the_load_benchmarks_repeats_are_a_median_with_its_range():
+    def run(tok: float, failures: int = 0) -> dict:
+        return {"mode": "auto", "users": 4, "tok_per_s": tok, "req_per_s": tok / 50, "failures": failures}
+
+    cell = median_cell([run(250.0), run(220.0, failures=1), run(265.0)])
+    assert (cell["tok_per_s"], cell["req_per_s"], cell["failures"]) == (250.0, 5.0, 1)
+    assert (cell["tok_per_s_min"], cell["tok_per_s_max"], len(cell["runs"])) == (220.0, 265.0, 3)
