@@ -41,7 +41,8 @@ class EngineArgs(BaseModel):
     auto_probe_rounds: int = Field(
         12,
         ge=1,
-        description="mode='auto': measured rounds of each probe of a mode not in use (after one warm-up round).",
+        description="mode='auto': measured rounds of each probe of a mode not in use (after one warm-up round); "
+        "a probe of ar takes at most 4, as its tokens per round are the batch size.",
     )
     k: int = Field(6, ge=1, le=32, description="Speculation length K: draft tokens verified per round.")
     max_num_seqs: int = Field(16, ge=1, description="Most sequences decoded together (continuous batching).")
