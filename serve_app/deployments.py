@@ -10,9 +10,12 @@ replicas.
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations
 # (Request) at class creation, through Serve's ingress wrapper, and needs them evaluated.
 import asyncio
+import faulthandler
 import hmac
 import logging
 import os
+import sys
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -39,6 +42,10 @@ HEALTH_TIMEOUT_S = 5.0
 # after 3 failed health checks 5 s apart and stops routing to it, about 15 s at most.
 RETRY_BACKOFF_S = 0.2
 RETRY_WINDOW_S = 20.0
+# A target replica still closing after this many seconds writes every thread's stack to its
+# stderr (the replica's worker-*.err log): Serve force-kills it at graceful_shutdown_timeout_s,
+# and without the stacks nothing would say what its close waited on.
+CLOSE_STACKS_AFTER_S = 20.0
 
 
 @serve.deployment(name="DraftPool", health_check_period_s=5, max_ongoing_requests=4)
@@ -127,8 +134,15 @@ class TargetDeployment:
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
-        if loop is not None:
+        if loop is None:
+            return
+        started = time.monotonic()
+        faulthandler.dump_traceback_later(CLOSE_STACKS_AFTER_S, file=sys.stderr)
+        try:
             loop.close()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        logger.info("target replica closed in %.1f s", time.monotonic() - started)
 
 
 def _http_app() -> FastAPI:

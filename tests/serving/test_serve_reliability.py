@@ -11,7 +11,8 @@
    Serve replaces it, and requests sent meanwhile all succeed on the other replica (the ingress
    retries a replica that is down before its first chunk);
 4. a barrage of bad inputs at HTTP and gRPC: only 4xx, the server healthy after, the ingress's
-   and target's resident memory flat across repeats.
+   and target's resident memory flat across repeats;
+5. a target replica slow to close writes its threads' stacks to its log before Serve kills it.
 
 Applications "rel" (SSD, a pool of 2 draft workers, 1 leased) and "faulty" (plain decoding, 2
 target replicas) join the package's cluster for this module.
@@ -352,3 +353,24 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
     for title in sizes[0]:
         growth = sizes[-1][title] - sizes[2][title]
         assert growth < (24 if title.endswith(":Ingress") else 64), (title, [s[title] for s in sizes])
+
+
+class _SlowLoop:
+    """An engine loop whose close outlasts the stack-dump delay."""
+
+    def close(self) -> None:
+        time.sleep(0.5)
+
+
+def test_a_target_replica_slow_to_close_writes_its_threads_stacks(monkeypatch, capfd):
+    """Serve force-kills a replica still closing after graceful_shutdown_timeout_s; before that,
+    the replica's log gets every thread's stack, so a close that hangs says where."""
+    from serve_app import deployments
+
+    monkeypatch.setattr(deployments, "CLOSE_STACKS_AFTER_S", 0.1)
+    replica = object.__new__(deployments.TargetDeployment.func_or_class)
+    replica.loop = _SlowLoop()
+    replica.__del__()
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:00.100000)!" in err and "in close" in err  # the stack names the blocking call
+    replica.loop = None  # not closed twice when the object goes
