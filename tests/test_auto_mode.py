@@ -89,6 +89,29 @@ def test_the_choice_is_per_batch_size():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
 
 
+def test_greedy_and_sampled_batches_are_judged_apart():
+    """SSD's hit rate falls most from greedy to sampled rows: a replica whose traffic moves between
+    them picks each regime's best mode, and back in a regime it measured, its best at once (one
+    set of estimates for both moved only a long window's way, 1/weight rounds, after a change)."""
+
+    def drive_regime(chooser, greedy: bool, rounds: int) -> list[str]:
+        chosen = []
+        for _ in range(rounds):
+            mode = chooser.choose(1, greedy)
+            chosen.append(mode)
+            chooser.record(mode, 1, 1.0, {"ssd": 5.0 if greedy else 3.0, "sd": 4.0, "ar": 1.0}[mode], greedy)
+        return chosen
+
+    chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=3, warmup=1)
+    assert drive_regime(chooser, True, 40)[-5:] == ["ssd"] * 5
+    # Judged by the greedy bucket for settle_rounds, then measured in ssd and sd (ar is far behind).
+    sampled = drive_regime(chooser, False, 60)
+    assert sampled[-5:] == ["sd"] * 5 and "ar" not in sampled, sampled
+    assert drive_regime(chooser, True, 10) == ["ssd"] * 10
+    assert drive_regime(chooser, False, 10) == ["sd"] * 10
+    assert chooser.stats(1, greedy=False)["greedy"] is False
+
+
 def test_a_new_bucket_is_probed_only_in_the_modes_not_far_behind():
     """ar, far behind sd and ssd where the batch was 1, is not probed when the batch settles at
     16 (a served batch wanders over buckets); an exploration that probes far modes measures it

@@ -1,11 +1,15 @@
 """Mode `auto`: each round, the decoding mode (ssd, sd or ar) that gives the most tokens per
 second now, judged from this engine's own measurements.
 
-What is measured: for each mode and batch-size bucket (1, 2, 3-4, 5-8, ...), moving averages of
-a round's wall time and of the tokens it committed (every row's accepted tokens plus its bonus
-token). Their ratio is the mode's tokens per second at that batch size: it holds every term of
-Theorem 7 and of the SD round it competes with (hit rate, acceptance, draft and verify times,
-the batch's all-rows-hit condition) as they are on this hardware now, without a model of them.
+What is measured: for each mode and bucket, moving averages of a round's wall time and of the
+tokens it committed (every row's accepted tokens plus its bonus token). A bucket is a batch-size
+bucket (1, 2, 3-4, 5-8, ...) in one of two regimes, greedy (every row at temperature 0) or
+sampled: SSD's hit rate and the acceptance differ most between the two (at batch 1 on the demo
+pair, hits 0.86 greedy and 0.52 sampled), so a server whose traffic moves between them would
+otherwise judge one by rounds of the other. The ratio is the mode's tokens per second in that
+bucket: it holds every term of Theorem 7 and of the SD round it competes with (hit rate,
+acceptance, draft and verify times, the batch's all-rows-hit condition) as they are on this
+hardware now, without a model of them.
 
 Granularity: a round, for the whole batch (one target forward serves every row, so a round has
 one mode). Switching is lossless because every mode is exact. What a switch costs: into sd,
@@ -26,7 +30,8 @@ measured longest ago first, after `first_period` rounds, then twice as late each
 `explore_every` rounds, so an estimate that went stale is measured again; a mode far behind the
 one in use (below `far` x), only every `far_every`-th time. A bucket not measured in every mode
 is judged by the nearest one that is, and probed once the batch has stayed in it for
-`settle_rounds`: only in the modes not far behind the best at the judging bucket. The others are
+`settle_rounds`: only in the modes not far behind the best at the judging bucket. The nearest
+bucket is one of the same regime where there is one, else the other regime's nearest in size. The others are
 left to the explorations that probe far modes (a served batch wanders over several buckets, and
 probing every mode in each new one was most of what auto lost to the best mode, docs/serving.md).
 """
@@ -41,6 +46,14 @@ AUTO_MODES = ("ssd", "sd", "ar")  # the modes auto chooses among
 def bucket_of(batch: int) -> int:
     """The batch-size bucket: the smallest power of two >= batch (1, 2, 4, 8, ...)."""
     return 1 << max(0, batch - 1).bit_length()
+
+
+Bucket = tuple[bool, int]  # (greedy: every row at temperature 0, bucket_of(batch))
+
+
+def _distance(a: Bucket, b: Bucket) -> tuple[bool, int, int]:
+    """How far bucket b is from a when b judges a: another regime is farther than any size."""
+    return a[0] != b[0], abs(a[1].bit_length() - b[1].bit_length()), b[1]
 
 
 @dataclass
@@ -93,13 +106,13 @@ class ModeChooser:
     _since_explore: int = 0
     _period: int = 0  # rounds between explorations: first_period, doubling up to explore_every
     _explorations: int = 0
-    _unjudged: dict[int, int] = field(default_factory=dict)  # bucket -> rounds chosen from another's
+    _unjudged: dict[Bucket, int] = field(default_factory=dict)  # bucket -> rounds chosen from another's
     _probe_left: int = 0  # measured rounds the current probe still needs (0: not probing)
     _probe_sum: tuple[float, float, int] = (0.0, 0.0, 0)  # the probe's seconds, tokens, rounds so far
     _probes: list[str] = field(default_factory=list)  # modes still to probe, in order
-    _estimates: dict[tuple[str, int], _Estimate] = field(default_factory=dict)
+    _estimates: dict[tuple[str, Bucket], _Estimate] = field(default_factory=dict)
     # (mode, bucket) not probed when the bucket settled: the mode was far behind where it was judged.
-    _skipped: set[tuple[str, int]] = field(default_factory=set)
+    _skipped: set[tuple[str, Bucket]] = field(default_factory=set)
     _totals: dict[str, _Totals] = field(default_factory=dict)
     _warm: set[str] = field(default_factory=set)  # modes probed since the engine started
 
@@ -108,9 +121,9 @@ class ModeChooser:
         self._totals = {m: _Totals() for m in self.modes}
         self._period = min(self.first_period, self.explore_every)
 
-    def choose(self, batch: int) -> str:
-        """The mode of the next round for a batch of `batch` rows."""
-        bucket = bucket_of(batch)
+    def choose(self, batch: int, greedy: bool = False) -> str:
+        """The mode of the next round for a batch of `batch` rows (`greedy`: all at temperature 0)."""
+        bucket = (greedy, bucket_of(batch))
         if self._probe_left > 0:
             return self.current
         if self._probes:
@@ -125,7 +138,7 @@ class ModeChooser:
                 return self._settle(bucket, judged_at)
         return self._switch(self._best(judged_at), probe=False)
 
-    def _settle(self, bucket: int, judged_at: int | None) -> str:
+    def _settle(self, bucket: Bucket, judged_at: Bucket | None) -> str:
         """Probe the modes not measured at this bucket, but for those far behind the best at the
         bucket that judged it so far (none at a cold start): they count as measured there, far
         behind, until an exploration that probes far modes measures them."""
@@ -141,7 +154,7 @@ class ModeChooser:
         self._probes = unmeasured[1:]
         return self._switch(unmeasured[0], probe=True)
 
-    def _explore(self, bucket: int) -> str:
+    def _explore(self, bucket: Bucket) -> str:
         """Probe the other modes at this bucket, the unmeasured first, then the one measured
         longest ago; a mode far behind (below `far` x the mode in use) only every `far_every`-th
         exploration, as its probe costs the most and is least likely to change the choice. The
@@ -163,7 +176,7 @@ class ModeChooser:
             return self.current
         return self._switch(self._probes.pop(0), probe=True)
 
-    def _judged_at(self, bucket: int) -> int | None:
+    def _judged_at(self, bucket: Bucket) -> Bucket | None:
         """The bucket whose estimates judge this one: itself when every mode was measured there,
         else the nearest such bucket (a batch that shrinks as its requests finish passes through
         buckets briefly: they are measured when an exploration finds them); None: none yet."""
@@ -171,11 +184,11 @@ class ModeChooser:
         complete = {b for (_, b) in self._estimates if all((m, b) in known for m in self.modes)}
         if not complete:
             return None
-        return min(complete, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return min(complete, key=lambda b: _distance(bucket, b))
 
-    def record(self, mode: str, batch: int, seconds: float, tokens: int) -> None:
-        """What one round in `mode` (the one choose() returned) did: its wall time and the tokens
-        it committed."""
+    def record(self, mode: str, batch: int, seconds: float, tokens: int, greedy: bool = False) -> None:
+        """What one round in `mode` (the one choose() returned for this batch) did: its wall time
+        and the tokens it committed."""
         self.rounds += 1
         self._since_switch += 1
         self._since_explore += 1
@@ -186,7 +199,7 @@ class ModeChooser:
         warmup = self.warmup + (mode == "ssd")
         if self._since_switch <= warmup:
             return  # a switch's first rounds pay for the switch: not what the mode costs per round
-        key = (mode, bucket_of(batch))
+        key = (mode, (greedy, bucket_of(batch)))
         if self._probe_left > 0:
             self._probe_left -= 1
             s, t, n = self._probe_sum
@@ -202,7 +215,7 @@ class ModeChooser:
             return
         self._update(key, seconds, tokens, self.weight)
 
-    def _update(self, key: tuple[str, int], seconds: float, tokens: float, weight: float) -> None:
+    def _update(self, key: tuple[str, Bucket], seconds: float, tokens: float, weight: float) -> None:
         old = self._estimates.get(key)
         if old is None:
             self._estimates[key] = _Estimate(seconds, tokens, self.rounds)
@@ -211,7 +224,7 @@ class ModeChooser:
         old.seconds, old.tokens = (1 - w) * old.seconds + w * seconds, (1 - w) * old.tokens + w * tokens
         old.measured_at, old.cold = self.rounds, False
 
-    def _best(self, bucket: int) -> str:
+    def _best(self, bucket: Bucket) -> str:
         """The mode to run at a complete bucket (a mode skipped there is not a candidate)."""
         rates = {m: e.tokens_per_second for m in self.modes if (e := self._estimates.get((m, bucket))) is not None}
         best = max(rates, key=rates.get)
@@ -229,10 +242,11 @@ class ModeChooser:
             self._probe_left, self._probe_sum = rounds, (0.0, 0.0, 0)
         return mode
 
-    def stats(self, batch: int) -> dict:
+    def stats(self, batch: int, greedy: bool = False) -> dict:
         """The live figures: the mode in use, switches, and per mode its totals and its estimate
-        at the bucket of `batch` (tokens per second; None = not measured there yet)."""
-        bucket = bucket_of(batch)
+        in the bucket of `batch` rows, greedy or not (tokens per second; None = not measured there
+        yet)."""
+        bucket = (greedy, bucket_of(batch))
         per_mode = {}
         for m in self.modes:
             est, total = self._estimates.get((m, bucket)), self._totals[m]
@@ -242,4 +256,10 @@ class ModeChooser:
                 "seconds": round(total.seconds, 6),
                 "estimated_tokens_per_second": None if est is None else round(est.tokens_per_second, 2),
             }
-        return {"mode": self.current, "switches": self.switches, "bucket": bucket, "modes": per_mode}
+        return {
+            "mode": self.current,
+            "switches": self.switches,
+            "bucket": bucket[1],
+            "greedy": greedy,
+            "modes": per_mode,
+        }

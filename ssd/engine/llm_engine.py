@@ -77,6 +77,7 @@ class LLMEngine:
         if config.mode == "auto":
             self.chooser = ModeChooser(AUTO_MODES, config.auto_explore_every, config.auto_probe_rounds)
         self.mode = AUTO_MODES[0] if self.chooser is not None else config.mode  # of the round being run
+        self.greedy = False  # mode auto: whether every row of the round being run is greedy
         self.proposer: Proposer | None = self.proposers.get(self.mode)
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
@@ -221,7 +222,9 @@ class LLMEngine:
         other modes run and rejoin when SSD's rounds resume (ssd/engine/autopilot.py)."""
         if self.chooser is None:
             return
-        self.mode = self.chooser.choose(len(self.running))
+        # Greedy and sampled batches are judged apart: SSD's hit rate differs most between them.
+        self.greedy = all(s.params.temperature == 0 for s in self.running)
+        self.mode = self.chooser.choose(len(self.running), self.greedy)
         self.proposer = self.proposers.get(self.mode)
         ssd = self.proposers["ssd"]
         if self.mode != "ssd":
@@ -337,7 +340,7 @@ class LLMEngine:
         Theorem 7's bound (EngineMetrics); mode auto learns from every step."""
         self.metrics.step_seconds += elapsed
         if self.chooser is not None:
-            self.chooser.record(self.mode, batch, elapsed, tokens)
+            self.chooser.record(self.mode, batch, elapsed, tokens, self.greedy)
         if spec.k > 0 and spec.source is not None and bool((spec.source == int(Source.CACHE)).all()):
             self.metrics.hit_steps += 1
             self.metrics.hit_step_seconds += elapsed
@@ -350,7 +353,7 @@ class LLMEngine:
         out = self.metrics.as_dict()
         out.update(graph_metrics({"target": self.target, "draft": getattr(self.proposers.get("sd"), "runner", None)}))
         if self.chooser is not None:
-            out["auto"] = self.chooser.stats(max(1, len(self.running)))
+            out["auto"] = self.chooser.stats(max(1, len(self.running)), self.greedy)
         return out
 
     def _output(self, seq: Sequence) -> CompletionOutput:
