@@ -109,7 +109,9 @@ def test_greedy_and_sampled_batches_are_judged_apart():
     assert sampled[-5:] == ["sd"] * 5 and "ar" not in sampled, sampled
     assert drive_regime(chooser, True, 10) == ["ssd"] * 10
     assert drive_regime(chooser, False, 10) == ["sd"] * 10
-    assert chooser.stats(1, greedy=False)["greedy"] is False
+    # Each regime's estimate is its own rounds' rate, untouched by the other's.
+    estimates = {g: chooser.stats(1, greedy=g)["modes"]["ssd"]["estimated_tokens_per_second"] for g in (True, False)}
+    assert estimates == {True: 5.0, False: 3.0}, estimates
 
 
 def test_a_new_bucket_is_probed_only_in_the_modes_not_far_behind():

@@ -30,10 +30,11 @@ measured longest ago first, after `first_period` rounds, then twice as late each
 `explore_every` rounds, so an estimate that went stale is measured again; a mode far behind the
 one in use (below `far` x), only every `far_every`-th time. A bucket not measured in every mode
 is judged by the nearest one that is, and probed once the batch has stayed in it for
-`settle_rounds`: only in the modes not far behind the best at the judging bucket. The nearest
-bucket is one of the same regime where there is one, else the other regime's nearest in size. The others are
-left to the explorations that probe far modes (a served batch wanders over several buckets, and
-probing every mode in each new one was most of what auto lost to the best mode, docs/serving.md).
+`settle_rounds`: only in the modes not far behind the best at the judging bucket. The others
+are left to the explorations that probe far modes (a served batch wanders over several buckets,
+and probing every mode in each new one was most of what auto lost to the best mode,
+docs/serving.md). The nearest bucket is one of the same regime where there is one, else the
+other regime's nearest in size.
 """
 
 from __future__ import annotations
