@@ -157,6 +157,44 @@ def test_a_probe_of_ar_is_short():
     assert chosen[:40] == ["ssd"] * 14 + ["sd"] * 13 + ["ar"] * 5 + ["ssd"] * 8, chosen
 
 
+def test_a_mode_in_use_at_a_new_bucket_is_judged_by_all_its_rounds_there():
+    """The batch grows from 1 to 8 in ssd, the best mode at both; ssd's first round at 8 rows is
+    slow (its drafters prefill the new rows). Its estimate there is the mean of its rounds, so the
+    probe of sd when the bucket settles leaves ssd in use; an estimate that gave its first round
+    the weight of 1/weight rounds judged ssd at a third of its speed and moved to sd."""
+    chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=3, warmup=1, settle_rounds=16)
+    drive(chooser, lambda m, b: {"ssd": 5.0, "sd": 4.0, "ar": 1.0}[m], 30)
+    assert chooser.current == "ssd"
+    rates, first = {"ssd": 6.0, "sd": 4.0, "ar": 1.0}, True
+    chosen = []
+    for _ in range(60):
+        mode = chooser.choose(8)
+        chosen.append(mode)
+        chooser.record(mode, 8, 3.0 if first else 1.0, rates[mode])
+        first = False
+    assert chosen[-30:] == ["ssd"] * 30 and "sd" in chosen, chosen
+
+
+def test_an_interrupted_round_does_not_decide_a_probe():
+    """sd is the best mode, but one round of its first probe takes seven times as long (the OS, a
+    collector): that round is left out of the probe's mean, so sd is chosen, not judged far behind
+    (and then seldom probed again)."""
+    chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=12, warmup=1)
+    sd_rounds = 0
+
+    def seconds(mode: str) -> float:
+        nonlocal sd_rounds
+        sd_rounds += mode == "sd"
+        return 7.0 if mode == "sd" and sd_rounds == 6 else 1.0
+
+    rates = {"ssd": 3.5, "sd": 4.0, "ar": 1.0}
+    for _ in range(60):
+        mode = chooser.choose(8)
+        chooser.record(mode, 8, seconds(mode), rates[mode])
+    assert chooser.current == "sd", chooser.stats(8)
+    assert chooser.stats(8)["modes"]["sd"]["estimated_tokens_per_second"] == 4.0
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 
@@ -175,6 +213,28 @@ def test_ssd_drafters_are_sent_nothing_while_other_modes_run(tiny_pair, prompts,
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     assert m["ssd"]["wire_bytes_sent"]["ADMIT"] > sent["ADMIT"] and m["cache_hits"] > 0, m
+
+
+def test_the_sd_draft_prefills_nothing_while_other_modes_run(tiny_pair, prompts, tiny_reference):
+    """Out of sd, an auto engine admits requests without the SD draft's prefill (a draft forward
+    on the engine's thread, for rounds that may never come); once sd runs, its first proposal
+    feeds a deferred row's whole sequence, and the output is still the target's."""
+    with LLM(*tiny_pair, mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, max_num_seqs=2) as llm:
+        runner = llm.engine.proposers["sd"].runner
+        forwards, original = [], runner.forward
+
+        def counted(cache, tokens, *args, **kwargs):
+            forwards.append(tokens.shape)
+            return original(cache, tokens, *args, **kwargs)
+
+        runner.forward = counted
+        llm.engine.chooser = ModeChooser(("ssd",))
+        check_greedy(llm, prompts, tiny_reference)
+        assert forwards == [], forwards
+        llm.engine.chooser = ModeChooser(("ssd", "sd"), explore_every=4, probe_rounds=2, first_period=4)
+        check_greedy(llm, prompts, tiny_reference)
+        m = llm.metrics()
+    assert m["rounds_by_mode"]["sd"] > 10 and max(shape[1] for shape in forwards) > 4, (m["rounds_by_mode"], forwards)
 
 
 def test_auto_greedy_matches_hf_with_switches_every_few_rounds(tiny_pair, prompts, tiny_reference):

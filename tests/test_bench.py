@@ -374,3 +374,18 @@ def test_ratios_and_order():
     assert [r["ratio_to_ar"] for r in records] == [3.0, 1.0, None, None]  # no ar at batch 2
     ordered = bench._ordered(records)
     assert [(r["batch_size"], r["mode"]) for r in ordered] == [(1, "sd"), (1, "ar"), (2, "sd"), (2, "hf-assisted")]
+
+
+def test_ratio_to_best_is_paired_per_repeat():
+    """auto's goal is measured against the best of ar, sd and ssd in the same repeat: the modes'
+    runs are minutes apart at most, while this VM's speed drifts between repeats."""
+
+    def run(mode: str, repeat: int, tps: float) -> dict:
+        cell = dict(setting="s", temperature=1.0, batch_size=8)
+        return dict(cell, mode=mode, supported=True, tokens_per_s=tps, repeat=repeat)
+
+    records = [run("sd", 0, 100.0), run("ssd", 0, 80.0), run("auto", 0, 95.0)]  # a fast repeat
+    records += [run("sd", 1, 60.0), run("ssd", 1, 70.0), run("auto", 1, 63.0)]  # a slow one: ssd best
+    records += [run("hf-assisted", 1, 200.0)]  # not a mode auto chooses among
+    bench._add_ratios(records)
+    assert [r["ratio_to_best"] for r in records] == [1.0, 0.8, 0.95, 0.8571, 1.0, 0.9, 2.8571]

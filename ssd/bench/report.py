@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ssd.bench.modes import MODES, SETTINGS, available_cpus
 from ssd.bench.plan import BenchPlan
+from ssd.engine.autopilot import AUTO_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ DEFINITIONS = {
     "ratio_to_sd": "tokens_per_s / tokens_per_s of sd with the same setting, temperature, batch size "
     "and repeat (median over "
     "repeats)",
+    "ratio_to_best": "tokens_per_s / the highest tokens_per_s of ar, sd and ssd (the modes auto chooses among) "
+    "with the same setting, temperature, batch size and repeat (median over repeats)",
     "repeats": "timed runs of the mode, interleaved with the other modes; every figure in "
     "MEDIAN_FIELDS is the median over "
     "them",
@@ -128,6 +131,13 @@ def _add_ratios(records: list[dict]) -> None:
             ref = baseline.get(key(r))
             tps = r.get("tokens_per_s")
             r[field] = round(tps / ref, 4) if r.get("supported") and tps and ref else None
+    best: dict[tuple, float] = {}
+    for r in records:
+        if r.get("base_mode", r["mode"]) in AUTO_MODES and r.get("supported") and r.get("tokens_per_s"):
+            best[key(r)] = max(best.get(key(r), 0.0), r["tokens_per_s"])
+    for r in records:
+        ref, tps = best.get(key(r)), r.get("tokens_per_s")
+        r["ratio_to_best"] = round(tps / ref, 4) if r.get("supported") and tps and ref else None
 
 
 # Figures reported as the median over repeats, with their range.
@@ -135,6 +145,7 @@ MEDIAN_FIELDS = (
     "tokens_per_s",
     "ratio_to_ar",
     "ratio_to_sd",
+    "ratio_to_best",
     "decode_tokens_per_s",
     "mean_accepted_per_round",
     "acceptance_rate",
@@ -231,6 +242,7 @@ def format_table(records: list[dict]) -> str:
     """One line per record; with repeats, tok/s and the ratios are medians and a range column
     follows each."""
     ranged = any(r.get("repeats", 1) > 1 for r in records)
+    auto = any(r["mode"] == "auto" for r in records)  # then auto's ratio to the best mode, paired per repeat
     columns = [  # (header, cell of a supported record)
         ("setting", lambda r: r["setting"]),
         ("thr", lambda r: str(r["threads"])),
@@ -242,6 +254,8 @@ def format_table(records: list[dict]) -> str:
         ("x ar", lambda r: _fmt(r.get("ratio_to_ar"), ".2f")),
         ("x sd", lambda r: _fmt(r.get("ratio_to_sd"), ".2f")),
         *([("range", lambda r: _range(r, "ratio_to_sd", ".2f"))] if ranged else []),
+        *([("x best", lambda r: _fmt(r.get("ratio_to_best"), ".2f"))] if auto else []),
+        *([("range", lambda r: _range(r, "ratio_to_best", ".2f"))] if auto and ranged else []),
         ("decode tok/s", lambda r: _fmt(r.get("decode_tokens_per_s"), ".1f")),
         ("acc rate", lambda r: _fmt(r.get("acceptance_rate"))),
         ("tok/round", lambda r: _fmt(r["tokens_per_round"])),

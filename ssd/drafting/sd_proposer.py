@@ -37,10 +37,16 @@ class SDProposer:
         # its tokens and probs stay on the draft's device, a token drawn from a distribution
         # without mass is -1 there (the host's sampler raises), and whoever copies them checks.
         self.device_round = runner.device.type != "cpu"
+        # Mode auto while another mode runs: new rows join with an empty cache, and the next
+        # proposal feeds their tokens with the rest the cache missed (most never get one).
+        self.defer_prefill = False
 
     def add(self, seqs: list[Sequence]) -> None:
+        rows = self.cache.add_rows(len(seqs))
+        if self.defer_prefill:
+            return
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in seqs])
-        self.runner.forward(self.cache.add_rows(len(seqs)), tokens, valid, with_logits=False)
+        self.runner.forward(rows, tokens, valid, with_logits=False)
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.keep(rows)

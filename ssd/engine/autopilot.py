@@ -19,8 +19,10 @@ work while other modes run), and into ssd they admit it again with the committed
 (SSDProposer.rejoin), so its first rounds have no cache to hit. So the first `warmup` rounds
 after a switch (one more for ssd) are counted in the totals but not in the estimates, and a
 switch needs the other mode to be better by `margin`. The mode in use updates its estimate
-every round over a long window (`weight`); a probe moves its mode's estimate `probe_weight` of
-the way to the probe's mean, but replaces a mode's first estimate, which a cold engine measured
+every round over a long window (`weight`; until the estimate holds 1/weight rounds, their plain
+mean); a probe moves its mode's estimate `probe_weight` of the way to the probe's mean (less
+its interrupted rounds, slower than `outlier` x its median: a probe is short, and one such
+round would decide it), but replaces a mode's first estimate, which a cold engine measured
 (workers just spawned, kernels used for the first time).
 
 Exploration, bounded: every mode is probed once at the start (`probe_rounds` measured rounds
@@ -64,6 +66,7 @@ class _Estimate:
     seconds: float
     tokens: float
     measured_at: int  # the chooser's round count at the last measurement
+    rounds: int = 1  # measured into it: until 1/weight, each round has the same weight (a plain mean)
     # Made by the mode's first probe since the engine started: it paid one-time costs (workers
     # just spawned, kernels used for the first time), so the next probe replaces it.
     cold: bool = False
@@ -100,6 +103,11 @@ class ModeChooser:
     far: float = 0.7  # a mode below far x the one in use is probed every far_every-th exploration
     far_every: int = 4
     settle_rounds: int = 16  # rounds at a bucket not measured in every mode before it is probed
+    # A probe's round slower than this many times the probe's median round was interrupted (the
+    # OS, a collector, a neighbour process): one 200 ms round among twelve of 30 ms made sd look
+    # far behind at batch 8, and a far mode is seldom probed again. A round that admits a new
+    # request at batch 1 (the drafters' prefill, SSD's miss) stays under it: ~4x at most.
+    outlier: float = 5.0
     current: str = ""
     switches: int = 0
     rounds: int = 0
@@ -109,7 +117,7 @@ class ModeChooser:
     _explorations: int = 0
     _unjudged: dict[Bucket, int] = field(default_factory=dict)  # bucket -> rounds chosen from another's
     _probe_left: int = 0  # measured rounds the current probe still needs (0: not probing)
-    _probe_sum: tuple[float, float, int] = (0.0, 0.0, 0)  # the probe's seconds, tokens, rounds so far
+    _probe: list[tuple[float, int]] = field(default_factory=list)  # the probe's rounds so far: seconds, tokens
     _probes: list[str] = field(default_factory=list)  # modes still to probe, in order
     _estimates: dict[tuple[str, Bucket], _Estimate] = field(default_factory=dict)
     # (mode, bucket) not probed when the bucket settled: the mode was far behind where it was judged.
@@ -203,25 +211,36 @@ class ModeChooser:
         key = (mode, (greedy, bucket_of(batch)))
         if self._probe_left > 0:
             self._probe_left -= 1
-            s, t, n = self._probe_sum
-            self._probe_sum = (s + seconds, t + tokens, n + 1)
+            self._probe.append((seconds, tokens))
             if self._probe_left == 0:  # the probe's mean per round: new, replacing a cold one, or blended in
-                s, t, n = self._probe_sum
-                old = self._estimates.get(key)
+                s, t = self._probe_mean()
+                old, n = self._estimates.get(key), len(self._probe)
                 if old is None or old.cold:
-                    self._estimates[key] = _Estimate(s / n, t / n, self.rounds, cold=mode not in self._warm)
+                    self._estimates[key] = _Estimate(s, t, self.rounds, n, cold=mode not in self._warm)
                     self._warm.add(mode)
                 else:
-                    self._update(key, s / n, t / n, self.probe_weight)
+                    self._update(key, s, t, self.probe_weight, n)
             return
         self._update(key, seconds, tokens, self.weight)
 
-    def _update(self, key: tuple[str, Bucket], seconds: float, tokens: float, weight: float) -> None:
+    def _probe_mean(self) -> tuple[float, float]:
+        """The probe's seconds and tokens per round, over its rounds less the interrupted ones
+        (slower than `outlier` x its median round)."""
+        times = sorted(seconds for seconds, _ in self._probe)
+        limit = self.outlier * times[len(times) // 2]
+        kept = [(seconds, tokens) for seconds, tokens in self._probe if seconds <= limit]
+        return sum(s for s, _ in kept) / len(kept), sum(t for _, t in kept) / len(kept)
+
+    def _update(self, key: tuple[str, Bucket], seconds: float, tokens: float, weight: float, rounds: int = 1) -> None:
+        """Move the estimate `weight` of the way to a measurement of `rounds` rounds, or more while
+        the estimate holds few rounds: a mode in use at a new bucket starts its estimate there
+        with one round, which must not count for 1/weight rounds."""
         old = self._estimates.get(key)
         if old is None:
-            self._estimates[key] = _Estimate(seconds, tokens, self.rounds)
+            self._estimates[key] = _Estimate(seconds, tokens, self.rounds, rounds)
             return
-        w = weight
+        w = max(weight, rounds / (old.rounds + rounds))
+        old.rounds += rounds
         old.seconds, old.tokens = (1 - w) * old.seconds + w * seconds, (1 - w) * old.tokens + w * tokens
         old.measured_at, old.cold = self.rounds, False
 
@@ -240,7 +259,7 @@ class ModeChooser:
             self.switches += 1
         if probe:
             rounds = min(self.probe_rounds, self.steady_probe_rounds) if mode == "ar" else self.probe_rounds
-            self._probe_left, self._probe_sum = rounds, (0.0, 0.0, 0)
+            self._probe_left, self._probe = rounds, []
         return mode
 
     def stats(self, batch: int, greedy: bool = False) -> dict:

@@ -168,6 +168,10 @@ class LLMEngine:
             self.cache.keep(torch.tensor(kept, dtype=torch.long))
             new = [s for s in new if not s.finished]
         if new:
+            if self.chooser is not None:
+                # Mode auto, out of sd (as of the last round): the SD draft's prefill of a new row
+                # (a draft forward on this thread) waits until an sd round needs it.
+                self.proposers["sd"].defer_prefill = self.mode != "sd"
             for proposer in self.proposers.values():
                 proposer.add(new)
             self.running.extend(new)
