@@ -31,13 +31,14 @@ SWITCHING = dict(mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, auto_exp
 # ---- the chooser against scripted costs -------------------------------------------------------
 
 
-def drive(chooser: ModeChooser, rates, rounds: int, batch: int = 1) -> list[str]:
-    """Run `rounds` rounds where mode m commits rates(m, batch) tokens in one second; -> the modes."""
+def drive(chooser: ModeChooser, rates, rounds: int, batch: int = 1, seconds=lambda chosen: 1.0) -> list[str]:
+    """Run `rounds` rounds where mode m commits rates(m, batch) tokens in seconds(the modes chosen
+    so far, this round's last); -> the modes."""
     chosen = []
     for _ in range(rounds):
         mode = chooser.choose(batch)
         chosen.append(mode)
-        chooser.record(mode, batch, 1.0, rates(mode, batch))
+        chooser.record(mode, batch, seconds(chosen), rates(mode, batch))
     return chosen
 
 
@@ -165,13 +166,8 @@ def test_a_mode_in_use_at_a_new_bucket_is_judged_by_all_its_rounds_there():
     chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=3, warmup=1, settle_rounds=16)
     drive(chooser, lambda m, b: {"ssd": 5.0, "sd": 4.0, "ar": 1.0}[m], 30)
     assert chooser.current == "ssd"
-    rates, first = {"ssd": 6.0, "sd": 4.0, "ar": 1.0}, True
-    chosen = []
-    for _ in range(60):
-        mode = chooser.choose(8)
-        chosen.append(mode)
-        chooser.record(mode, 8, 3.0 if first else 1.0, rates[mode])
-        first = False
+    rates = {"ssd": 6.0, "sd": 4.0, "ar": 1.0}
+    chosen = drive(chooser, lambda m, b: rates[m], 60, batch=8, seconds=lambda chosen: 3.0 if len(chosen) == 1 else 1.0)
     assert chosen[-30:] == ["ssd"] * 30 and "sd" in chosen, chosen
 
 
@@ -180,17 +176,12 @@ def test_an_interrupted_round_does_not_decide_a_probe():
     collector): that round is left out of the probe's mean, so sd is chosen, not judged far behind
     (and then seldom probed again)."""
     chooser = ModeChooser(explore_every=1000, first_period=1000, probe_rounds=12, warmup=1)
-    sd_rounds = 0
-
-    def seconds(mode: str) -> float:
-        nonlocal sd_rounds
-        sd_rounds += mode == "sd"
-        return 7.0 if mode == "sd" and sd_rounds == 6 else 1.0
-
     rates = {"ssd": 3.5, "sd": 4.0, "ar": 1.0}
-    for _ in range(60):
-        mode = chooser.choose(8)
-        chooser.record(mode, 8, seconds(mode), rates[mode])
+
+    def seconds(chosen: list[str]) -> float:  # sd's sixth round is interrupted
+        return 7.0 if chosen[-1] == "sd" and chosen.count("sd") == 6 else 1.0
+
+    drive(chooser, lambda m, b: rates[m], 60, batch=8, seconds=seconds)
     assert chooser.current == "sd", chooser.stats(8)
     assert chooser.stats(8)["modes"]["sd"]["estimated_tokens_per_second"] == 4.0
 
