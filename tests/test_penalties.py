@@ -139,6 +139,22 @@ def test_processing_on_device_equals_the_host_version(seed):
     assert torch.equal(process_logits_on_device(logits, sampling), process_logits(logits, sampling))
 
 
+def test_min_p_filters_only_the_rows_that_have_it_and_costs_nothing_without():
+    """A batch where no row has min_p keeps no min_p tensor (no [b, n, V] pass); where one row
+    has it, that row drops what the reference drops and the other row keeps everything."""
+    vocab, none = 30, torch.zeros(2, 0, dtype=torch.long)
+    plain = Processing(repetition_penalty=1.3)
+    assert build([(plain, [1], []), (plain, [2], [])], none, vocab).min_p is None
+    scaled = torch.randn(2, 1, vocab, generator=torch.Generator().manual_seed(0))
+    scaled = scaled - scaled.amax(-1, keepdim=True)
+    assert build([(plain, [1], []), (plain, [2], [])], none, vocab).min_p_filtered(scaled) is scaled
+    adjust = build([(Processing(min_p=0.3), [1], []), (plain, [2], [])], none, vocab)
+    filtered = adjust.min_p_filtered(scaled)
+    probs = scaled[0, 0].double().softmax(-1).numpy()
+    assert np.array_equal(torch.isfinite(filtered[0, 0]).numpy(), min_p_filter(probs, 0.3) > 0)
+    assert torch.equal(filtered[1], scaled[1])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -4,10 +4,10 @@
 
 The demo pair (or --target/--draft) in sd, T=0, a batch of short code prompts, 96 tokens each,
 frequency and presence penalty 0.5 and repetition penalty 1.1. The processing's entry points
-(the engine's builds and Adjustments' apply, advanced, speculated, committed and branched) are
-wrapped with timers for the run (outermost calls only, so nothing counts twice) and the share is
-their time over the generate call's wall time; median of --repeats runs after a warm-up. The
-timers add ~1 us a call. Prints one line per row and writes them as JSON.
+(the engine's builds and Adjustments' apply, advanced, speculated, committed, branched and
+min_p_filtered) are wrapped with timers for the run (outermost calls only, so nothing counts
+twice) and the share is their time over the generate call's wall time; median of --repeats runs
+after a warm-up. The timers add ~1 us a call. Prints one line per row and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 PROMPTS = ("def fib(n):", "import numpy as np\n", "class Stack:", "# Sort a list", "for i in range(10):", "x = [",
            "def main():\n", "The quick brown")  # fmt: skip
-METHODS = ("apply", "advanced", "speculated", "committed", "branched")
+METHODS = ("apply", "advanced", "speculated", "committed", "branched", "min_p_filtered")
 
 
 class _Timers:

@@ -105,12 +105,13 @@ class Adjustments:
     # stop ids (what min_tokens holds back), else 0.
     columns: torch.Tensor
     allowed: torch.Tensor | None  # [b, V] bool, allowed_token_ids (all True where a row has none); None: no row has
-    repetition: torch.Tensor  # [b] float, 1 = off
-    frequency: torch.Tensor  # [b] float
-    presence: torch.Tensor  # [b] float
+    # The per-row scalars are [b, 1, 1], shaped to broadcast over [b, n, m] and [b, n, V].
+    repetition: torch.Tensor  # [b, 1, 1] float, 1 = off
+    frequency: torch.Tensor  # [b, 1, 1] float
+    presence: torch.Tensor  # [b, 1, 1] float
     output_len: torch.Tensor  # [b] long, committed output tokens
     min_tokens: torch.Tensor | None  # [b] long; None: no row has one
-    min_p: torch.Tensor  # [b] float, 0 = off (applied after temperature: `min_p_mask`)
+    min_p: torch.Tensor | None  # [b, 1, 1] float, 0 = off (after temperature: `min_p_filtered`); None: no row has one
     drafted: torch.Tensor  # [b, n - 1] long, the speculation before each position
     # [b, n, V] bool, the tokens each position allows under the row's grammar and bad words
     # (token_masks.py; all True for a row with neither); None: no row has any.
@@ -126,22 +127,14 @@ class Adjustments:
         this has any (only the caller's matchers and histories know them). where [b] bool: the
         rows that append (None: all); the others stay as they are."""
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
-        hit = self.ids == tokens.view(-1, 1)  # [b, m]
-        if where is not None:
-            hit = hit & where.view(-1, 1)
+        tokens = tokens.view(-1, 1)  # [b, 1]
+        hit = self.ids == tokens  # [b, m]
         new = ~hit.any(1, keepdim=True)  # [b, 1]
         if where is not None:
-            new = new & where.view(-1, 1)
-        columns = self.columns.clone()
-        columns[..., COUNT : SEEN + 1] += hit.unsqueeze(-1)  # counted and seen once more
-        fresh = columns.new_tensor([1.0, 1.0, 0.0, 0.0])  # COUNT, SEEN, BIAS, BANNED of a new token
-        return replace(
-            self,
-            ids=torch.cat([self.ids, torch.where(new, tokens.view(-1, 1), self.ids[:, :1])], 1),
-            columns=torch.cat([columns, torch.where(new.unsqueeze(-1), fresh, columns[:, :1])], 1),
-            output_len=self.output_len + (1 if where is None else where.long()),
-            masks=masks,
-        )
+            where = where.view(-1, 1)
+            hit, new = hit & where, new & where
+        appended = 1 if where is None else where.view(-1).long()
+        return self._counted(hit.float(), tokens, new, appended, masks=masks)
 
     def branched(self, rows: torch.Tensor, prefix: torch.Tensor, valid: torch.Tensor) -> "Adjustments":
         """One row per branch of a speculation tree, at the branch's first drafted position:
@@ -149,11 +142,11 @@ class Adjustments:
         row's history first (the accepted drafts its outcome assumes, then its candidate), where
         valid [r, L]. -> adjustments for r rows at one position (no masks: the caller's)."""
         per_row = ("ids", "columns", "repetition", "frequency", "presence", "output_len")
+        optional = ("allowed", "min_tokens", "min_p")  # None where no row has one
         out = replace(
             self,
-            **{f: getattr(self, f)[rows] for f in (*per_row, "min_p")},
-            allowed=None if self.allowed is None else self.allowed[rows],
-            min_tokens=None if self.min_tokens is None else self.min_tokens[rows],
+            **{f: getattr(self, f)[rows] for f in per_row},
+            **{f: None if getattr(self, f) is None else getattr(self, f)[rows] for f in optional},
             drafted=prefix.new_zeros(rows.numel(), 0),
             masks=None,
         )
@@ -170,9 +163,9 @@ class Adjustments:
         so its scatter writes what the first one writes. masks [b, K + 1, V]: the positions'
         token masks (token_masks.token_masks), required where any row has a grammar or bad words."""
         assert self.drafted.shape[1] == 0, "speculated extends a first position's adjustments"
-        match = drafted.unsqueeze(-1) == self.ids.unsqueeze(1)  # [b, K, m]
-        known, at = match.any(-1, keepdim=True), match.int().argmax(-1)  # [b, K, 1] tracked; [b, K] where
-        copied = self.columns.gather(1, at.unsqueeze(-1).expand(-1, -1, self.columns.shape[-1]))  # [b, K, 4]
+        # [b, K, 1] each: whether the row tracks the token, and a column of it (all such are equal)
+        known, at = (drafted.unsqueeze(-1) == self.ids.unsqueeze(1)).max(-1, keepdim=True)
+        copied = self.columns.gather(1, at.expand(-1, -1, self.columns.shape[-1]))  # [b, K, 4]
         return replace(
             self,
             ids=torch.cat([self.ids, drafted], 1),
@@ -185,46 +178,60 @@ class Adjustments:
         """A verification's adjustments (`speculated`) -> the next round's first position's, once
         each row has appended its first accepted[b] drafts and then its bonus token bonus[b]. The
         drafts have their columns already, so only their counts move and a new bonus token gets
-        a column (`advanced`). Every round adds K + 1 columns, padding mostly: the caller builds
+        a column (as in `advanced`). Every round adds K + 1 columns, padding mostly: the caller builds
         afresh now and then."""
         k = self.drafted.shape[1]
-        taken = torch.arange(k, device=accepted.device) < accepted.view(-1, 1)  # [b, K]
-        hits = (self.drafted.unsqueeze(-1) == self.ids.unsqueeze(1)) & taken.unsqueeze(-1)  # [b, K, m]
-        columns = self.columns.clone()
-        columns[..., COUNT : SEEN + 1] += hits.sum(1).unsqueeze(-1)  # [b, m, 2]: the occurrences
-        kept = replace(
+        bonus = bonus.view(-1, 1)
+        appended = torch.cat([bonus, self.drafted], 1)  # [b, 1 + K]: counting does not depend on the order
+        taken = torch.arange(k + 1, device=accepted.device) <= accepted.view(-1, 1)  # the bonus, drafts[:accepted]
+        hits = (appended.unsqueeze(-1) == self.ids.unsqueeze(1)) & taken.unsqueeze(-1)  # [b, 1 + K, m]
+        new = ~hits[:, 0].any(1, keepdim=True)  # [b, 1]: the bonus is untracked (the drafts have columns)
+        times = hits.sum(1, dtype=torch.float32)  # [b, m]
+        return self._counted(times, bonus, new, accepted + 1, drafted=self.drafted[:, :0], masks=None)
+
+    def _counted(
+        self, times: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor, appended, **changes
+    ) -> "Adjustments":
+        """After the rows' output gained `appended` ([b] long, or an int for all) tokens: each
+        column's token occurred times [b, m] (float) more often, and tokens [b, 1] get a column
+        of their own where new [b, 1] (seen once, no bias, not banned: bias keys and stop ids are
+        tracked from the start); elsewhere the new column repeats the row's first. changes: other
+        fields replaced along."""
+        once = self.columns.new_tensor([1.0, 1.0, 0.0, 0.0])  # COUNT, SEEN, BIAS, BANNED: one occurrence
+        columns = torch.addcmul(self.columns, times.unsqueeze(-1), once)  # [b, m, 4]: exact (small integers)
+        return replace(
             self,
-            columns=columns,
-            output_len=self.output_len + accepted,
-            drafted=self.drafted[:, :0],
-            masks=None,
+            ids=torch.cat([self.ids, torch.where(new, tokens, self.ids[:, :1])], 1),
+            columns=torch.cat([columns, torch.where(new.unsqueeze(-1), once, columns[:, :1])], 1),
+            output_len=self.output_len + appended,
+            **changes,
         )
-        return kept.advanced(bonus)
 
     def to(self, device: torch.device) -> "Adjustments":
         return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [b, n, V] -> adjusted logits [b, n, V] (float32), steps 1-5 of the module doc."""
+        """logits [b, n, V] -> adjusted logits [b, n, V] (float32), steps 1-5 of the module doc.
+        A round calls this K + 1 times at batch 1, where each tensor operation costs ~1-3 us of
+        dispatch: hence no comparison with a Python number (a scalar tensor each) and no view
+        of the per-row scalars (stored [b, 1, 1])."""
         logits = logits.float()
-        b, n, vocab = logits.shape
-        m = self.ids.shape[1]
-        ids = self.ids.unsqueeze(1).expand(b, n, m)
-        picked = logits.gather(-1, ids)  # [b, n, m]
+        b, n, _ = logits.shape
+        ids = self.ids.unsqueeze(1)  # [b, 1, m]
         counts, seen, bias, banned = self.columns.unsqueeze(1).unbind(-1)  # [b, 1, m] each
-        seen = seen > 0
         if n > 1:  # occurrences before each position: the output's, plus the draft tokens before it
-            drafts = (self.drafted[:, : n - 1].unsqueeze(-1) == self.ids.unsqueeze(1)).float()  # [b, n-1, m]
-            before = torch.cat([torch.zeros(b, 1, m, device=logits.device), drafts.cumsum(1)], 1)  # [b, n, m]
-            counts, seen = counts + before, seen | (before > 0)
-        penalty = self.repetition.view(b, 1, 1)
-        picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
-        picked = picked - self.frequency.view(b, 1, 1) * counts - self.presence.view(b, 1, 1) * (counts > 0)
-        picked = picked + bias
+            drafts = (self.drafted[:, : n - 1].unsqueeze(-1) == ids).float()  # [b, n-1, m]
+            before = torch.cat([torch.zeros_like(drafts[:, :1]), drafts.cumsum(1)], 1)  # [b, n, m]
+            counts, seen, ids = counts + before, seen + before, ids.expand(b, n, -1)
+        picked = logits.gather(-1, ids)  # [b, n, m]
+        # A seen token's logit is divided by the penalty if positive, else multiplied (0 stays 0).
+        penalized = torch.where(picked.signbit(), picked * self.repetition, picked / self.repetition)
+        picked = torch.where(seen.bool(), penalized, picked)
+        picked = picked + (bias - self.frequency * counts - self.presence * counts.clamp(max=1))
         if self.min_tokens is not None:
             produced = self.output_len.view(b, 1) + torch.arange(n, device=logits.device)  # [b, n]
-            early = (produced < self.min_tokens.view(b, 1)).unsqueeze(-1)  # [b, n, 1]
-            picked = picked.masked_fill(early & (banned > 0), float("-inf"))
+            early = produced < self.min_tokens.view(b, 1)  # [b, n]
+            picked = picked.masked_fill(early.unsqueeze(-1) & banned.bool(), float("-inf"))
         logits = logits.scatter(-1, ids, picked)
         if self.allowed is not None:
             logits = logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
@@ -232,10 +239,13 @@ class Adjustments:
             logits = logits.masked_fill(~self.masks, float("-inf"))
         return logits
 
-    def min_p_mask(self, scaled: torch.Tensor) -> torch.Tensor:
+    def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:
         """scaled [b, n, V]: logits over temperature with each row's max at 0, so a token's
-        probability over the largest is exp(scaled) -> True where that is below min_p."""
-        return scaled < self.min_p.log().view(-1, 1, 1)  # log 0 = -inf: nothing dropped
+        probability over the largest is exp(scaled) -> the same with -inf where that is below
+        min_p."""
+        if self.min_p is None:
+            return scaled
+        return scaled.masked_fill(scaled < self.min_p.log(), float("-inf"))  # log 0 = -inf: nothing dropped
 
 
 def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -263,7 +273,7 @@ def build(
         [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p] if a else [1.0, 0.0, 0.0, 0.0]
          for (p, _, _), a in zip(rows, on)],
         dtype=torch.float32,
-    ).view(b, 4)  # fmt: skip
+    ).view(b, 4, 1, 1)  # fmt: skip
     lengths = torch.tensor(
         [[len(out), p.min_tokens if a else 0] for (p, _, out), a in zip(rows, on)], dtype=torch.long
     ).view(b, 2)
@@ -282,7 +292,7 @@ def build(
         scalars[:, 2].contiguous(),
         lengths[:, 0].contiguous(),
         lengths[:, 1].contiguous() if any(p.min_tokens for (p, _, _), a in zip(rows, on) if a) else None,
-        scalars[:, 3].contiguous(),
+        scalars[:, 3].contiguous() if any(p.min_p for (p, _, _), a in zip(rows, on) if a) else None,
         drafted,
         masks,
     )

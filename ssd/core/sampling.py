@@ -88,7 +88,7 @@ def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tenso
     # one gives the one-hot limit. Softmax and top-k/top-p are shift-invariant.
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.view(b, 1, 1)  # [b, n, V], <= 0
     if sampling.adjust is not None:
-        scaled = scaled.masked_fill(sampling.adjust.min_p_mask(scaled), float("-inf"))
+        scaled = sampling.adjust.min_p_filtered(scaled)
 
     needs_filter = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1))
     if bool(needs_filter.any()):
@@ -180,7 +180,7 @@ def process_logits_on_device(logits: torch.Tensor, sampling: BatchSampling) -> t
     temperature = torch.where(sampling.temperature > 0, sampling.temperature, 1.0).view(b, 1, 1)
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature  # [b, n, V], <= 0 (see process_logits)
     if sampling.adjust is not None:
-        scaled = scaled.masked_fill(sampling.adjust.min_p_mask(scaled), float("-inf"))
+        scaled = sampling.adjust.min_p_filtered(scaled)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, n, V]
     top_k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab)  # [b]
     kth = sorted_logits.gather(-1, (top_k - 1).view(b, 1, 1).expand(b, n, 1))  # [b, n, 1]

@@ -44,14 +44,14 @@ class RoundAdjustments:
         if not any(s.adjusted for s in seqs):
             self._carried = None
             return None
-        none = torch.zeros(len(seqs), 0, dtype=torch.long)
         adjust = self._carried_for(seqs)
         self._carried = None  # carried once: `carry` gives the next
+        none = torch.zeros(len(seqs), 0, dtype=torch.long) if adjust is None or masks else None
         if adjust is None:
             rows = [(s.processing, s.prompt_ids, s.output_ids) for s in seqs]
             adjust = build(rows, none, self.vocab, histories=[s.tracked for s in seqs])
             self._width, self.builds = adjust.ids.shape[1], self.builds + 1
-        return replace(adjust, masks=token_masks(seqs, none, self.vocab) if masks else None)
+        return replace(adjust, masks=token_masks(seqs, none, self.vocab)) if masks else adjust
 
     def every(self, first: Adjustments | None, seqs: list[Sequence], drafted: torch.Tensor) -> Adjustments | None:
         """The first position's adjustments -> every position's of the speculation drafted [b, K]
