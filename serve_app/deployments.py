@@ -31,6 +31,7 @@ from serve_app.errors import APIError, overloaded
 from serve_app.grpc_api import GrpcFrontend
 from serve_app.metrics import ServeMetrics
 from serve_app.openai_api import OpenAIFrontend, parse_body
+from serve_app.replica_logs import use_replica_log
 from serve_app.types import GenerateChunk, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class DraftPoolDeployment:
     session thread dies; the replacement registers under its own replica id."""
 
     def __init__(self, settings: ServeSettings) -> None:
+        use_replica_log()
         from transformers import AutoConfig
 
         from actors.lease_registry import get_or_create_registry
@@ -82,6 +84,7 @@ class TargetDeployment:
     """A target replica: one EngineLoop (continuous batching) over one engine per served mode."""
 
     def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
+        use_replica_log()
         from actors.leased_workers import leased_workers
         from actors.tp_ranks import RayRanks
 
@@ -180,6 +183,7 @@ class IngressDeployment:
     """Validation, auth, chat templates and streaming; forwards generations to the target."""
 
     def __init__(self, settings: ServeSettings, target, model_name: str) -> None:
+        use_replica_log()
         from ssd.model.loader import load_tokenizer
 
         cfg = settings.engine.to_config()

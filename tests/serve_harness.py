@@ -56,6 +56,7 @@ class Served:
     grpc: str  # host:port
     api_key: str
     metrics: str  # Ray's Prometheus endpoint, e.g. http://127.0.0.1:PORT/metrics
+    serve_logs: str  # the directory of the Serve components' logs (one file per replica)
 
 
 def start(tiny_pair, main: dict | None = None, small: dict | None = None):
@@ -72,7 +73,7 @@ def start(tiny_pair, main: dict | None = None, small: dict | None = None):
     os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(4 << 20)
     # Logical CPUs: ingress (0), targets and draft workers (1 each) of up to four applications
     # (test_serve_reliability.py and test_serve_sampling.py add some); the machine has 2 cores.
-    ray.init(
+    context = ray.init(
         num_cpus=10,
         include_dashboard=False,
         log_to_driver=False,
@@ -88,7 +89,11 @@ def start(tiny_pair, main: dict | None = None, small: dict | None = None):
         cfg = {**cfg, "engine": {**models, **cfg["engine"]}}
         serve.run(build_app(cfg), name=name, route_prefix=prefix)
     return Served(
-        f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", API_KEY, f"http://127.0.0.1:{metrics_port}/metrics"
+        f"http://127.0.0.1:{http_port}",
+        f"127.0.0.1:{grpc_port}",
+        API_KEY,
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        os.path.join(context.address_info["session_dir"], "logs", "serve"),
     )
 
 

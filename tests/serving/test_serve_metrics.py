@@ -4,6 +4,8 @@ recorded for SSD, a live draft worker."""
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import time
 
@@ -51,3 +53,14 @@ def test_every_metric_is_exported_and_follows_the_traffic(served):
         time.sleep(1)
     assert values["ray_ssd_requests_total"] >= 2 and values["ray_ssd_time_to_first_token_seconds"] >= 2
     assert values["ray_ssd_cache_hits_total"] > 0 and values["ray_ssd_draft_workers_live"] >= 1
+
+
+def test_the_replicas_write_this_projects_log_records_to_their_own_log(served):
+    """A target replica's INFO record from the engine's loader (logger ssd.model.loader) is in
+    the replica's own Serve log, formatted and tagged as Serve's own lines are: without the
+    replica's handlers it had no handler there and was dropped."""
+    files = glob.glob(os.path.join(served.serve_logs, "replica_main_Target_*.log"))
+    assert files, f"no log of the main application's Target replica in {served.serve_logs}"
+    lines = [line for path in files for line in open(path, encoding="utf-8") if "loaded target" in line]
+    assert lines, "the loader's INFO record is not in the Target replica's log"
+    assert re.match(r"INFO \S+ \S+ main_Target \S+ -- loaded target ", lines[0]), lines[0]
