@@ -86,3 +86,13 @@ def test_an_llm_whose_engine_fails_leaves_no_prestarted_process(tiny_pair):
         out = llm.generate("def f(x):", SamplingParams(temperature=0.0, max_tokens=8))[0]
         assert len(out.token_ids) == 8 and llm.metrics()["ssd"]["draft_workers_live"] == 1
     assert live_draft_workers() == []
+
+
+def test_an_engine_over_the_torch_transport_closes_without_a_c10d_warning(tiny_pair, capfd):
+    """The worker it spawned is stopped and gone before the channel closes, so the close does not
+    call the worker's store (it printed a c10d warning with a C++ stack at every close)."""
+    with LLM(tiny_pair[0], tiny_pair[1], mode="ssd", k=3, draft_transport="torch") as llm:
+        assert llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+        capfd.readouterr()
+    assert "TCPStore" not in capfd.readouterr().err
+    assert live_draft_workers() == []

@@ -136,6 +136,23 @@ def test_a_killed_worker_raises_channel_closed_at_once():
         worker.kill()
 
 
+@pytest.mark.parametrize("peer_exited", [True, False])
+def test_a_target_that_saw_its_worker_exit_closes_without_calling_its_store(capfd, peer_exited):
+    """Once the worker's process has exited (its owner saw it: WorkerLink passes peer_exited), a
+    close does not free the worker's owner key: the store went with the process, and the attempt
+    made c10d print a warning with a C++ stack at every close of an offline engine over the torch
+    transport. A close that does not know it (peer_exited False) still tries, and warns."""
+    worker = Proc(ECHO_WORKER, FP)
+    try:
+        channel = connect_torch(worker.line(), FP, 30 * S)
+        assert worker.line() == "OPEN"
+    finally:
+        worker.kill()  # and waits for the exit
+    capfd.readouterr()
+    channel.close(peer_exited=peer_exited)
+    assert ("TCPStore" in capfd.readouterr().err) is not peer_exited
+
+
 def _send_soon(channel, msg: ReleaseMsg) -> list:
     """Send a RELEASE from a thread of its own (a gloo send completes only once the peer posts its
     receive) -> [the thread, then the exception the send raised, if any]."""

@@ -50,7 +50,9 @@ class Channel(Protocol):
     def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
         """-> (kind, message; None for READY and SHUTDOWN)"""
 
-    def close(self) -> None: ...
+    def close(self, peer_exited: bool = False) -> None:
+        """End the session at this end. peer_exited: the peer's process is gone (its owner saw it
+        exit), so nothing is sent to it or to its rendezvous any more."""
 
 
 class Listener(Protocol):

@@ -170,8 +170,9 @@ class GrpcChannel:
         self.counts.on_receive(kind, len(body))
         return kind, msg
 
-    def close(self) -> None:
-        """Flushes what was sent, ends the stream, releases the connection (the target's end)."""
+    def close(self, peer_exited: bool = False) -> None:
+        """Flushes what was sent, ends the stream, releases the connection (the target's end; the
+        same whether or not the peer exited: nothing here waits on it)."""
         with self._lock:
             if self._closed is not None:
                 return

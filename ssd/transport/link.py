@@ -211,7 +211,7 @@ class WorkerLink:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:
                 logger.error("draft worker pid %d did not exit after SIGKILL", self.process.pid)
-        self.channel.close()
+        self.channel.close(peer_exited=self.process is not None and self.process.poll() is not None)
         cleanup, self._cleanup = self._cleanup, None
         if cleanup is not None:
             cleanup()

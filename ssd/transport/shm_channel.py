@@ -227,6 +227,6 @@ class ShmChannel:
         self.counts.on_receive(kind, body.numel())
         return kind, msg
 
-    def close(self) -> None:
+    def close(self, peer_exited: bool = False) -> None:
         self.inbox.close()
         self.outbox.close()

@@ -171,7 +171,9 @@ class TorchChannel:
         self.counts.on_receive(kind, size)
         return kind, msg
 
-    def close(self) -> None:
+    def close(self, peer_exited: bool = False) -> None:
+        if peer_exited:  # its store went with it: freeing its owner key would only fail (and c10d warn)
+            self._on_end = None
         self._abort("closed by this end")
 
     def _live(self) -> dist.ProcessGroup:
