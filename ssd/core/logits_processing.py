@@ -131,9 +131,9 @@ class Adjustments:
         hit = self.ids == tokens  # [b, m]
         new = ~hit.any(1, keepdim=True)  # [b, 1]
         if where is not None:
-            where = where.view(-1, 1)
-            hit, new = hit & where, new & where
-        appended = 1 if where is None else where.view(-1).long()
+            rows = where.view(-1, 1)
+            hit, new = hit & rows, new & rows
+        appended = 1 if where is None else where.long()
         return self._counted(hit.float(), tokens, new, appended, masks=masks)
 
     def branched(self, rows: torch.Tensor, prefix: torch.Tensor, valid: torch.Tensor) -> "Adjustments":
