@@ -82,7 +82,7 @@ def every_message() -> list[tuple[MsgType, object]]:
                 [1],
                 torch.tensor([False]),
                 torch.zeros(1, 4, dtype=torch.long),
-                torch.zeros(1, 4, 11),
+                None,  # no row with a speculation: no distributions (decoded as None)
                 torch.tensor([0]),
                 build_seconds=0.125,
                 covered=torch.tensor([False]),
@@ -100,6 +100,32 @@ def every_message() -> list[tuple[MsgType, object]]:
                 covered=torch.tensor([True, True, False, False]),
             ),
         ),  # fmt: skip
+        (
+            MsgType.REPLY,
+            SpeculationReply(
+                23,
+                [7, 8],
+                torch.tensor([True, False]),
+                torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]]),
+                None,
+                torch.tensor([4, 2]),
+                covered=torch.tensor([True, False]),
+                greedy=torch.tensor([True, True]),
+            ),
+        ),  # fmt: skip
+        (
+            MsgType.DRAFT_REPLY,
+            SpeculationReply(
+                24,
+                [7, 8, 9],
+                torch.tensor([False, False, False]),
+                torch.randint(11, (3, 4), generator=gen),
+                mixed_layout_probs(gen)[1:],
+                torch.tensor([4, 4, 0]),
+                covered=torch.tensor([False, False, False]),
+                greedy=torch.tensor([False, True, False]),
+            ),
+        ),  # fmt: skip
         (MsgType.ERROR, ErrorMsg("OutOfSync: round 3: the target has [10] committed tokens, this worker [9] — é")),
         (MsgType.READY, None),
         (MsgType.SHUTDOWN, None),
@@ -107,12 +133,17 @@ def every_message() -> list[tuple[MsgType, object]]:
 
 
 def same_message(a, b) -> bool:
-    """Whether b is a's exact copy: same class, every field equal (tensors of the same dtype)."""
+    """Whether b is a's exact copy: same class, every field equal (tensors of the same dtype), but
+    a reply's `greedy`, which the wire carries as the form of those rows with a speculation."""
     if a is None or b is None:
         return a is b
     if type(a) is not type(b):
         return False
     for f in dataclasses.fields(a):
+        if isinstance(a, SpeculationReply) and f.name == "greedy":
+            if not torch.equal(_greedy_with_speculation(a), _greedy_with_speculation(b)):
+                return False
+            continue
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
             if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
@@ -123,3 +154,9 @@ def same_message(a, b) -> bool:
         elif x != y:
             return False
     return True
+
+
+def _greedy_with_speculation(reply: SpeculationReply) -> torch.Tensor:
+    """[b] bool: the rows a reply marks greedy that carry a speculation (the wire's GREEDY rows)."""
+    marked = reply.greedy if reply.greedy is not None else torch.zeros_like(reply.hit)
+    return marked & (reply.num_draft > 0)

@@ -66,10 +66,10 @@ def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole(
         assert r.row_rounds > 0 and r.to_workers_per_row > 0 and r.from_workers_per_row > 0, r
         assert r.received_by_type.get("REPLY", 0) > 0 and r.sent_by_type.get("RESOLVE", 0) > 0, r
         assert r.branch_probs_dense == 2 * 4 * 4 * 4096 * 4, r
-    # Trees are built to depth K: the largest round kept [b, N, K, V] float32 for dense rows, one
-    # value (float32) and one token id (int64) per distribution for greedy rows.
+    # Trees are built to depth K: the largest round kept [b, N, K, V] float32 for dense rows, and
+    # nothing for greedy rows (a greedy row's reply is its tokens).
     assert dense.branch_probs_bytes == dense.branch_probs_dense, dense
-    assert greedy.branch_probs_bytes == 2 * 4 * 4 * (4 + 8), greedy
+    assert greedy.branch_probs_bytes == 0, greedy
     assert dense.worker_peak_rss_bytes > dense.branch_probs_bytes, dense
     # A dense row is K x V float32 per round (plus the reply's last, unverified speculation);
     # a greedy one is K token ids.
@@ -78,10 +78,11 @@ def test_payload_measurement_sees_greedy_rows_as_token_ids_and_dense_rows_whole(
 
 
 def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
-    """At a real vocabulary (V = 128256, N = 16, K = 6) a greedy or top-50 row keeps well under
-    5 MB of branch probabilities (dense: 49 MB), and every branch reads back exactly; a row
-    whose support widens at a later depth turns dense without losing what it kept, and a row
-    whose support changes between depths is padded without changing a value."""
+    """At a real vocabulary (V = 128256, N = 16, K = 6) a greedy row keeps no branch probabilities
+    (its reply is its tokens) and a top-50 row well under 5 MB (dense: 49 MB), and every branch
+    reads back exactly; a row whose support widens at a later depth turns dense without losing
+    what it kept, and a row whose support changes between depths is padded without changing a
+    value."""
     import torch
 
     from ssd.core.sampling import BatchSampling, process_logits
@@ -90,7 +91,7 @@ def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
     vocab, n, k = 128256, 16, 6
     gen = torch.Generator().manual_seed(0)
     sampling = BatchSampling(torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0, 50, 50]), torch.ones(3))
-    kept, depths = BranchProbs(vocab), []
+    kept, depths = BranchProbs(vocab, [True, False, False]), []
     for d in range(k):
         logits = torch.randn(3, n, vocab, generator=gen)
         logits[1, :, : 60 - 5 * (d % 2)] = 7.0  # ties with the 50th value: top-50 keeps 60 or 55 tokens
@@ -100,9 +101,9 @@ def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
         kept.add(probs, [True, True, True])
         depths.append(probs)
     want = torch.stack(depths, 2)  # [3, N, K, V]
-    for r in range(3):
+    for r in (1, 2):
         assert torch.equal(kept.dense(r), want[r])
         assert torch.equal(kept.branch(r, 5), want[r, 5])
     row_bytes = [v.nbytes + (0 if i is None else i.nbytes) for v, i in zip(kept.values, kept.indices)]
-    assert row_bytes[0] == n * k * (4 + 8) and row_bytes[1] == n * k * 60 * (4 + 8)
+    assert row_bytes[0] == 0 and row_bytes[1] == n * k * 60 * (4 + 8)
     assert max(row_bytes[:2]) < 5 * 2**20 and row_bytes[2] == n * k * vocab * 4

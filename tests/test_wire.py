@@ -4,12 +4,15 @@ form."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from messages import every_message, same_message
 
 from ssd import LLM, SamplingParams
 from ssd.core.protocol import BeginRoundMsg, MsgType, ReleaseMsg, SpeculationReply
+from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.transport.wire import ForeignMessage, body_size, decode, encode, frame, unframe
 
@@ -77,49 +80,85 @@ def test_reply_probabilities_travel_in_their_smallest_exact_form():
     assert sizes["dense"] >= k * vocab * 4, sizes
 
 
-def test_rows_known_one_hot_travel_as_their_tokens_without_their_probs_being_read():
-    """A reply's one_hot rows are packed from the drafted tokens in O(K): their probabilities are
-    never read (NaN here), positions past num_draft travel as none, and a row with nothing
-    drafted as nothing; the other rows are still found by scanning."""
+def test_greedy_rows_travel_as_their_tokens_without_their_probs_being_read():
+    """A reply's greedy rows are packed from the drafted tokens in O(K): their probabilities are
+    never read (NaN here) and decode as zeros (a greedy row's verification reads none), positions
+    past num_draft travel as none, and a row with nothing drafted as nothing; the other rows are
+    still found by scanning, exactly."""
     vocab, k = 128_256, 6
     tokens = torch.tensor([[5, 7, 9, 11, 13, 15], [1, 2, 3, 4, 5, 6], [8, 8, 8, 8, 8, 8]])
     probs = torch.full((3, k, vocab), float("nan"))
     probs[2] = 0.0
-    probs[2, torch.arange(k), torch.tensor([3, 1, 4, 1, 5, 9])] = 1.0  # one-hot, not flagged: scanned
+    probs[2, torch.arange(k), torch.tensor([3, 1, 4, 1, 5, 9])] = 1.0  # a sampled row, one-hot: scanned
     reply = SpeculationReply(
         4, [1, 2, 3], torch.tensor([True, False, True]), tokens, probs, torch.tensor([4, 0, 6]),
-        one_hot=torch.tensor([True, True, False]),
+        greedy=torch.tensor([True, True, False]),
     )  # fmt: skip
     header, body = frame(MsgType.REPLY, reply, FP)
-    back = unframe(header, body)[1].probs
+    back = unframe(header, body)[1]
     expected = torch.zeros(3, k, vocab)
-    expected[0, torch.arange(4), tokens[0, :4]] = 1.0
     expected[2] = probs[2]
-    assert torch.equal(back, expected)
+    assert torch.equal(back.probs, expected) and torch.equal(back.tokens, tokens)
     assert body.numel() < 800  # ids only: no row was sent dense
 
 
-def test_a_drafters_greedy_rows_are_one_hot_at_their_tokens(tiny_pair, monkeypatch):
-    """What the drafter claims with one_hot holds: in a batch mixing greedy and sampled rows,
-    with Saguaro's scaling on, every greedy row's distribution is one-hot at its drafted token,
-    in cached speculations and just-in-time ones alike."""
+def test_a_reply_of_greedy_rows_alone_carries_no_distributions():
+    """Every row greedy: the reply holds no [b, K, V] block, and the target's decoding builds none
+    (at V = 128k and b = 8, 24 MB a round of zeros before)."""
+    tokens = torch.tensor([[5, 7, 9, 11], [1, 2, 3, 4]])
+    reply = SpeculationReply(
+        4, [1, 2], torch.tensor([True, True]), tokens, None, torch.tensor([4, 2]), greedy=torch.tensor([True, True])
+    )
+    header, body = frame(MsgType.REPLY, reply, FP)
+    back = unframe(header, body)[1]
+    assert back.probs is None and torch.equal(back.tokens, tokens) and torch.equal(back.num_draft, reply.num_draft)
+    with pytest.raises(AssertionError, match="greedy rows only"):  # a sampled row must carry its distribution
+        frame(MsgType.REPLY, dataclasses.replace(reply, greedy=torch.tensor([True, False])), FP)
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "shm"])
+def test_a_drafter_leaves_out_the_distributions_of_its_greedy_rows_only(tiny_pair, monkeypatch, transport):
+    """What the drafter's replies hold, in a batch mixing greedy and sampled rows with Saguaro's
+    scaling on, in cached speculations and just-in-time ones alike: a greedy row's tokens and no
+    distribution (zeros; none at all in a reply of greedy rows alone), a sampled row's tokens and
+    the distribution each was drawn from. The engine's output stays exact either way
+    (tests/test_ssd.py, tests/test_sampling_exactness.py); this is what it is given."""
     seen: list[SpeculationReply] = []
-    for name in ("reply", "draft_now"):
-        original = getattr(TreeDrafter, name)
-        monkeypatch.setattr(TreeDrafter, name, lambda self, *a, _f=original: seen.append(_f(self, *a)) or seen[-1])
-    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=1.0, seed=3, max_tokens=24)]
-    with LLM(*tiny_pair, mode="ssd", k=4, draft_transport="inprocess", saguaro_c=0.5, ssd_backup="neural") as llm:
-        llm.generate(["def add(a, b):", "import os"], params)
-    greedy_rows = 0
+    owner = TreeDrafter if transport == "inprocess" else SSDProposer
+    names = ("reply", "draft_now") if transport == "inprocess" else ("_store",)
+    for name in names:
+        original = getattr(owner, name)
+        if transport == "inprocess":
+            monkeypatch.setattr(owner, name, lambda self, *a, _f=original: seen.append(_f(self, *a)) or seen[-1])
+        else:  # what the target decoded from the wire
+            monkeypatch.setattr(
+                owner, name, lambda self, seqs, rep, _f=original: seen.append(rep) or _f(self, seqs, rep)
+            )
+    greedy, sampled = (
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=24),
+    )
+    options = dict(mode="ssd", k=4, draft_transport=transport, saguaro_c=0.5, ssd_backup="neural")
+    with LLM(*tiny_pair, **options) as llm:
+        llm.generate(["def add(a, b):", "import os"], [greedy, sampled])
+        llm.generate(["def add(a, b):"], greedy)
+    greedy_ids = {0, 2}  # the engine numbers sequences as they come: greedy, sampled, then greedy alone
+    greedy_rows = sampled_rows = alone = 0
     for reply in seen:
-        assert reply.one_hot is not None and reply.one_hot.shape == reply.num_draft.shape
-        for r in reply.one_hot.nonzero().flatten().tolist():
+        alone += reply.probs is None
+        for r, seq_id in enumerate(reply.seq_ids):
             n = int(reply.num_draft[r])
-            one_hot = torch.zeros(n, reply.probs.shape[-1])
-            one_hot[torch.arange(n), reply.tokens[r, :n]] = 1.0
-            assert torch.equal(reply.probs[r, :n], one_hot)
-            greedy_rows += n > 0
-    assert greedy_rows > 5 and any(not bool(rep.one_hot.all()) for rep in seen)
+            if n == 0:
+                continue
+            if seq_id in greedy_ids:
+                greedy_rows += 1
+                assert reply.probs is None or float(reply.probs[r].abs().sum()) == 0.0
+                continue
+            sampled_rows += 1
+            probs = reply.probs[r, :n]
+            assert torch.allclose(probs.sum(-1), torch.ones(n)), "a sampled row carries its distributions"
+            assert bool((probs.gather(-1, reply.tokens[r, :n].unsqueeze(-1)) > 0).all())
+    assert greedy_rows > 5 and sampled_rows > 5 and alone > 0
 
 
 def test_begin_round_messages_compare_real_tokens_only():

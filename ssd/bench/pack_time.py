@@ -2,9 +2,10 @@
 long framing (the worker's side) and unframing (the target's) one REPLY takes per row, for each
 form a row's draft distributions travel in (ssd/transport/wire.py pack_probs).
 
-Rows: greedy with one_hot known (what a drafter sends: packed from the tokens), greedy found by
-scanning (a reply without one_hot), top-50 support, dense. Median of --repeats frames of a batch
-of --batch rows, divided by the batch. One thread, as a draft worker runs.
+Rows: greedy, marked by the drafter (what a drafter sends: tokens only, no distributions),
+one-hot found by scanning (a reply that does not mark its greedy rows), top-50 support, dense.
+Median of --repeats frames of a batch of --batch rows, divided by the batch. One thread, as a
+draft worker runs.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ def _replies(vocab: int, k: int, b: int):
     dense = torch.softmax(torch.randn(b, k, vocab, generator=gen), -1)
     hit, num_draft = torch.ones(b, dtype=torch.bool), torch.full((b,), k)
 
-    def reply(probs, known=None):
-        return SpeculationReply(1, list(range(b)), hit, tokens, probs, num_draft, one_hot=known)
+    def reply(probs, greedy=None):
+        return SpeculationReply(1, list(range(b)), hit, tokens, probs, num_draft, greedy=greedy)
 
     return {
-        "greedy, one_hot known": reply(one_hot, torch.ones(b, dtype=torch.bool)),
-        "greedy, scanned": reply(one_hot),
+        "greedy, marked by the drafter": reply(None, torch.ones(b, dtype=torch.bool)),
+        "one-hot, scanned": reply(one_hot),
         "top-50": reply(top50),
         "dense": reply(dense),
     }

@@ -162,8 +162,8 @@ class DrafterCounters:
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
     # Largest bytes of the branch probabilities one round kept ([b, N_own, depth, V] float32).
     branch_probs_bytes: int = 0
-    # Peak resident memory of the worker process (VmHWM, as of its previous reply; 0 when the
-    # drafter runs in the engine's own process).
+    # Peak resident memory of the worker process (VmHWM, read after a reply at most once a second:
+    # ssd/worker/session.py; 0 when the drafter runs in the engine's own process).
     peak_rss_bytes: int = 0
 
     def as_list(self) -> list[int]:
@@ -177,6 +177,9 @@ class DrafterCounters:
             self.branch_probs_bytes,
             self.peak_rss_bytes,
         ]
+
+    def copy(self) -> DrafterCounters:
+        return DrafterCounters(*self.as_list())
 
     def __add__(self, other: DrafterCounters) -> DrafterCounters:
         summed = [a + b for a, b in zip(self.as_list()[:_COUNTS], other.as_list()[:_COUNTS])]
@@ -211,7 +214,11 @@ class SpeculationReply:
     seq_ids: list[int]
     hit: torch.Tensor  # [b] bool: came from this worker's speculation cache
     tokens: torch.Tensor  # [b, K] long
-    probs: torch.Tensor  # [b, K, V] float32 (draft distributions the tokens were drawn from)
+    # [b, K, V] float32: the draft distributions the sampled rows' tokens were drawn from; a greedy
+    # row's are zeros (its verification reads none, ssd/engine/verify.py); None when no row carries
+    # any (each greedy or without a speculation), so a greedy batch's reply holds no [b, K, V]
+    # block (24 MB at V = 128k and b = 8).
+    probs: torch.Tensor | None
     num_draft: torch.Tensor  # [b] long: 0 where the reply has no speculation for the row
     build_seconds: float = 0.0  # drafter time spent building this round's cache (glue + tree)
     counters: DrafterCounters = field(default_factory=DrafterCounters)  # the drafter's, at reply time
@@ -223,10 +230,11 @@ class SpeculationReply:
     # capped at RANK_DEPTH (= "that or beyond"); -1 where the round built no tree for the row.
     # What the miss law is fitted on: one rank tells the hit at every fan-out.
     bonus_rank: torch.Tensor | None = None
-    # [b] bool: rows whose draft distributions are one-hot at their drafted tokens (greedy rows),
-    # so the wire packs them from `tokens` in O(K) instead of scanning K x V probabilities.
-    # None: not known (the wire finds one-hot rows by scanning). Never on the wire itself.
-    one_hot: torch.Tensor | None = None
+    # [b] bool: the greedy rows, whose probs are left out (zeros), so the wire packs them from
+    # `tokens` in O(K) instead of scanning K x V probabilities; on the wire as the form of those
+    # rows (wire.py's GREEDY, which a greedy row without a speculation does not need). None: not
+    # known (the wire finds the form of every row by scanning).
+    greedy: torch.Tensor | None = None
     # False when no drafter answered at all (every worker of a pool down): nothing to learn from.
     # Never on the wire: only the pool builds such a reply.
     answered: bool = True
@@ -242,7 +250,7 @@ class SpeculationReply:
             list(seq_ids),
             torch.zeros(b, dtype=torch.bool),
             torch.zeros(b, 0, dtype=torch.long),
-            torch.zeros(b, 0, 0),
+            None,
             torch.zeros(b, dtype=torch.long),
             counters=counters,
             answered=answered,

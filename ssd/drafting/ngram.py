@@ -56,12 +56,15 @@ class NgramIndex:
 
 
 def fast_speculation(
-    index: NgramIndex, k: int, vocab: int, generator: torch.Generator
-) -> tuple[list[int], torch.Tensor]:
-    """-> (k proposed tokens, one-hot probs [k, vocab]); random tokens fill what lookup lacks."""
+    index: NgramIndex, k: int, vocab: int, generator: torch.Generator, with_probs: bool = True
+) -> tuple[list[int], torch.Tensor | None]:
+    """-> (k proposed tokens, their one-hot probs [k, vocab], or None without with_probs: a greedy
+    row's verification reads none); random tokens fill what lookup lacks."""
     found = index.lookup(k)
     if len(found) < k:
         found = found + torch.randint(vocab, (k - len(found),), generator=generator).tolist()
+    if not with_probs:
+        return found, None
     probs = torch.zeros(k, vocab)  # [k, vocab]
     probs[torch.arange(k), torch.tensor(found)] = 1.0
     return found, probs

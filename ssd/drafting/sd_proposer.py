@@ -62,6 +62,7 @@ class SDProposer:
         b, on_device = len(seqs), self.device_round
         device = self.runner.device if on_device else torch.device("cpu")
         uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs]).to(device)  # [b, K]
+        greedy = bool(sampling.greedy.all())  # read on the host, before sampling moves to the device
         sampling = sampling.to(device)
         synced = self.cache.lengths().tolist()
         pending = [s.tokens_from(synced[r]) for r, s in enumerate(seqs)]
@@ -70,7 +71,7 @@ class SDProposer:
         last = (valid.long().sum(1) - 1).to(device)
         step_logits = logits[torch.arange(b, device=device), last].unsqueeze(1)  # [b, 1, V]
         drafted, probs = [], []
-        one_hot = not on_device and bool(sampling.greedy.all())
+        one_hot = not on_device and greedy
         for i in range(k):
             p = self.draft_probs(step_logits, sampling, on_device)[:, 0]  # [b, V]
             tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)
@@ -87,7 +88,9 @@ class SDProposer:
                 sampling = sampling.adjusted(sampling.adjust.advanced(feed, masks))
             if i < k - 1:
                 step_logits = self.runner.forward(self.cache, feed.unsqueeze(1), on_host=not on_device)
-        return Speculation(torch.stack(drafted, 1), torch.stack(probs, 1), torch.full((b,), k, dtype=torch.long))
+        # A greedy batch's verification reads no draft distribution (ssd/engine/verify.py): none is stacked.
+        stacked = None if greedy else torch.stack(probs, 1)  # [b, K, V]
+        return Speculation(torch.stack(drafted, 1), stacked, torch.full((b,), k, dtype=torch.long))
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         pass  # nothing to overlap: drafting happens in propose()

@@ -45,7 +45,8 @@ MISS_LAW_REFIT_ROUNDS = 8
 @dataclass
 class _Prepared:
     tokens: list[int]  # the speculation: K tokens, or fewer when the drafter's tree was cut short
-    probs: torch.Tensor  # [K, V] (rows past len(tokens) unused)
+    # [K, V] (rows past len(tokens) unused); None for a greedy row, whose verification reads none
+    probs: torch.Tensor | None
     source: Source
 
 
@@ -155,7 +156,7 @@ class SSDProposer:
             [c.tokens[:k] + [0] * (k - len(c.tokens[:k])) for c in chosen], dtype=torch.long
         )  # [b, k]
         # A batch of greedy rows verifies without draft probabilities: no [b, k, V] to stack.
-        probs = None if bool(sampling.greedy.all()) else torch.stack([c.probs[:k] for c in chosen])  # [b, k, V]
+        probs = None if bool(sampling.greedy.all()) else self._stacked(chosen, k)  # [b, k, V]
         spec = Speculation(tokens, probs, num_draft, torch.tensor([int(c.source) for c in chosen]))
         self.fanout, self.next_fanout = self.next_fanout or self._fanout(), []
         committed = [s.num_tokens for s in seqs]
@@ -163,13 +164,18 @@ class SSDProposer:
         self._sent_at = time.perf_counter()
         return spec
 
+    def _stacked(self, chosen: list[_Prepared], k: int) -> torch.Tensor:
+        """The rows' draft distributions [b, k, V] for verification; a greedy row's are zeros."""
+        none = torch.zeros(k, self.vocab)
+        return torch.stack([none if c.probs is None else c.probs[:k] for c in chosen])
+
     def _draft_misses_now(self, ids: list[int]) -> None:
         """The neural backup: the draft drafts the rows with nothing prepared, just in time."""
         reply = self.client.draft_now(DraftNowMsg(self.round_id, ids, [i not in self.prepared for i in ids]))
         for r, i in enumerate(ids):
             # num_draft 0: no drafter could answer (the pool is refilling)
             if i not in self.prepared and int(reply.num_draft[r]) > 0:
-                self.prepared[i] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
+                self.prepared[i] = _Prepared(reply.tokens[r].tolist(), _row(reply.probs, r), Source.NEURAL)
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         """Send the outcome the moment verification decides it: the drafter stops its tree and
@@ -247,9 +253,9 @@ class SSDProposer:
             if bool(reply.hit[r]):
                 hits += 1
                 tokens = reply.tokens[r, : int(reply.num_draft[r])].tolist()
-                self.prepared[s.seq_id] = _Prepared(tokens, reply.probs[r], Source.CACHE)
+                self.prepared[s.seq_id] = _Prepared(tokens, _row(reply.probs, r), Source.CACHE)
             elif int(reply.num_draft[r]) > 0:
-                self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), reply.probs[r], Source.NEURAL)
+                self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), _row(reply.probs, r), Source.NEURAL)
         return hits
 
     def _time(self, reply: SpeculationReply, hits: int, batch: int, wait: float) -> None:
@@ -265,7 +271,8 @@ class SSDProposer:
         index = self.ngram[seq.seq_id]
         # Committed tokens are never taken back, so the index only needs the ones it has not seen.
         index.extend(seq.tokens_from(len(index)))
-        found, probs = fast_speculation(index, self.config.k, self.vocab, self.backup_rng[seq.seq_id])
+        greedy = seq.params.temperature == 0  # its verification reads no draft distribution
+        found, probs = fast_speculation(index, self.config.k, self.vocab, self.backup_rng[seq.seq_id], not greedy)
         return _Prepared(found, probs, Source.FAST)
 
     def _fanout(self) -> list[int]:
@@ -295,3 +302,8 @@ class SSDProposer:
             **self.drafter_counters.as_dict(),
             **(self.client.stats() if hasattr(self.client, "stats") else {}),
         }
+
+
+def _row(probs: torch.Tensor | None, r: int) -> torch.Tensor | None:
+    """Row r [K, V] of a reply's probs [b, K, V] (None: the reply carries none, every row greedy)."""
+    return None if probs is None else probs[r]

@@ -39,55 +39,61 @@ class SpeculationTree:
         """The outcomes of rows `rows` of this round (accepted, bonus [m], host) -> [3, m] long,
         host (find_branches: covered, branch n of the whole grid, the bonus token's rank): the
         round's one small copy before its reply."""
-        grid, device = self.grid, self.grid.candidates.device
-        index = torch.tensor(rows, dtype=torch.long)
-        on = index.to(device)
-        found = find_branches(
-            grid.candidates[on], grid.outcome[index].to(device), grid.ranked[on], accepted.to(device), bonus.to(device)
-        )
+        candidates, outcome, ranked = self.grid.candidates, self.grid.outcome, self.grid.ranked
+        device = candidates.device
+        if rows != list(range(candidates.shape[0])):  # not every row of the round, in its order
+            index = torch.tensor(rows, dtype=torch.long)
+            on = index.to(device)
+            candidates, outcome, ranked = candidates[on], outcome[index], ranked[on]
+        found = find_branches(candidates, outcome.to(device), ranked, accepted.to(device), bonus.to(device))
         return found.cpu()
 
-    def branches(self, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Branches of this shard, (row i, branch n // num_shards) each -> tokens [m, depth] and
-        probs [m, depth, V], on the host (one copy). A -1 token (a round on an accelerator drew
-        from a distribution without mass) raises as the host's sampler does."""
+    def branch_tokens(self, picks: list[tuple[int, int]]) -> torch.Tensor:
+        """Branches of this shard, (row i, branch n // num_shards) each -> their tokens [m, depth]
+        on the host (one copy). A -1 token (a round on an accelerator drew from a distribution
+        without mass) raises as the host's sampler does."""
         tokens = torch.stack([self.tokens[i, n] for i, n in picks]).cpu()
         if bool((tokens < 0).any()):
             raise no_mass("draft", "draft_dtype")
-        return tokens, torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
+        return tokens
+
+    def branch_probs(self, picks: list[tuple[int, int]]) -> torch.Tensor:
+        """The same branches' distributions [m, depth, V], on the host (one copy)."""
+        return torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
 
 
 @dataclass
 class BranchProbs:
-    """A round's branch distributions [b, N_own, depth, V], kept per row in as few numbers as
-    they need: a row whose distributions have at most S <= V / 4 tokens of positive mass (a
-    greedy row: 1; top-k: k, ties with the k-th included) keeps those S values and their token
-    ids, [N_own, depth, S] each; any other row keeps its values dense, [N_own, depth, V]. At
-    V = 128256, N = 16, K = 6 a dense row is 49 MB, a greedy one 1.1 KB. Built depth by depth
-    (`add`), so the dense [b, N, V] of one depth is the most ever held beside them."""
+    """A round's branch distributions [b, N_own, depth, V] of its sampled rows (a greedy row's
+    reply carries its tokens alone: none are kept for it), each kept in as few numbers as it
+    needs: a row whose distributions have at most S <= V / 4 tokens of positive mass (top-k: k,
+    ties with the k-th included) keeps those S values and their token ids, [N_own, depth, S]
+    each; any other row keeps its values dense, [N_own, depth, V]. At V = 128256, N = 16, K = 6
+    a dense row is 49 MB, a top-50 one 58 KB. Built depth by depth (`add`), so the dense
+    [b, N, V] of one depth is the most ever held beside them."""
 
     vocab: int
+    greedy: list[bool]  # [b]: rows whose distributions are not kept
     values: list[torch.Tensor] = field(default_factory=list)  # per row: [N_own, depth, S_r] (S_r = V: dense)
     indices: list[torch.Tensor | None] = field(default_factory=list)  # per row: [N_own, depth, S_r], None if dense
 
     def add(self, probs: torch.Tensor, narrow: list[bool], counted: bool = True) -> None:
-        """Append one depth: probs [b, N_own, V]; narrow [b]: the rows that may be kept sparse
-        (greedy or top-k: their support is counted; any other row is kept dense uncounted, a
-        count over b x N x V costing milliseconds per depth at V = 128k). counted=False (a round
-        on an accelerator: a count is a host read) keeps the narrow rows at one entry, which
-        must be their whole support (greedy rows: one-hot), and every other row dense."""
+        """Append one depth: probs [b, N_own, V]; narrow [b]: the sampled rows that may be kept
+        sparse (top-k: their support is counted; any other row is kept dense uncounted, a count
+        over b x N x V costing milliseconds per depth at V = 128k). counted=False (a round on an
+        accelerator: a count is a host read) keeps every sampled row dense."""
         b, n, vocab = probs.shape
         if not self.values:  # every row starts sparse, with no depth yet
             self.values = [probs.new_zeros(n, 0, 0) for _ in range(b)]
             self.indices = [torch.zeros(n, 0, 0, dtype=torch.long, device=probs.device) for _ in range(b)]
         support = [vocab] * b  # the widest distribution of each row
-        rows = [r for r in range(b) if narrow[r]]
-        if not counted:
-            support = [1 if wide else vocab for wide in narrow]
-        elif rows:
+        rows = [r for r in range(b) if narrow[r] and not self.greedy[r]]
+        if counted and rows:
             for r, s in zip(rows, (probs[rows] > 0).sum(-1).amax(-1).tolist()):
                 support[r] = s
         for r in range(b):
+            if self.greedy[r]:
+                continue
             if self.indices[r] is not None and support[r] <= vocab // 4:
                 values, index = probs[r].topk(max(1, support[r]), dim=-1)  # [N_own, S]: every positive entry
                 self.values[r], self.indices[r] = (
@@ -106,7 +112,8 @@ class BranchProbs:
         return _spread(self.values[r], self.indices[r], self.vocab)
 
     def branch(self, r: int, n: int) -> torch.Tensor:
-        """Branch n of row r: [depth, V]."""
+        """Branch n of row r (a sampled row): [depth, V]."""
+        assert not self.greedy[r], "a greedy row's distributions are not kept"
         if self.indices[r] is None:
             return self.values[r][n]
         return _spread(self.values[r][n], self.indices[r][n], self.vocab)

@@ -23,6 +23,7 @@ import torch
 
 from ssd.core.sampling import BatchSampling, sample_from, sample_on_device
 from ssd.drafting.saguaro import saguaro_probs
+from ssd.drafting.sd_proposer import to_vocab
 from ssd.drafting.shaping import TreeShaping
 from ssd.drafting.tree import BranchProbs
 from ssd.model.kv_cache import StaticKVCache
@@ -67,29 +68,27 @@ def decode_tree(
     (shaping.py), None when no row has any."""
     b, n, k = *rnd.candidates.shape, rnd.uniforms.shape[1]
     tree_start = rnd.mask.shape[-1] - k * n
-    one_hot = not on_device and bool(rnd.sampling.greedy.all())
-    # Sparse rows: greedy and top-k by their counted support on the host; greedy (one-hot) alone,
-    # uncounted, on the device.
-    narrow = (rnd.sampling.greedy if on_device else rnd.sampling.greedy | (rnd.sampling.top_k > 0)).tolist()
+    greedy = rnd.sampling.greedy.tolist()
+    # A greedy batch without shaping draws each branch's argmax, which is what sampling its one-hot
+    # distribution gives (process_logits, Saguaro's scaling keeps it one-hot), and keeps none.
+    argmax_only = shaped is None and all(greedy)
+    # Sampled rows kept sparse: top-k ones, by their counted support, on the host.
+    narrow = (rnd.sampling.top_k > 0).tolist()
     sampling = rnd.sampling.to(rnd.candidates.device)
-    feed, tokens, kept = rnd.candidates, [], BranchProbs(vocab)
+    feed, tokens, kept = rnd.candidates, [], BranchProbs(vocab, greedy)
     for d in range(k):
         positions = rnd.committed.view(b, 1) + rnd.outcome + d
         columns = (tree_start + d * n + torch.arange(n)).expand(b, n)
         mask = rnd.mask[..., : tree_start + (d + 1) * n]
         step = runner.forward(cache, feed, positions=positions, attn_mask=mask, columns=columns, on_host=not on_device)
-        if shaped is None:
-            probs = draft_probs(step, sampling, on_device)  # [b, N, V]
+        if argmax_only:
+            drawn = to_vocab(step, vocab).argmax(-1)  # [b, N]
         else:
-            probs = shaped.probs(step, rnd.sampling, draft_probs)
-        if saguaro_c < 1:
-            probs = saguaro_probs(probs, rnd.fanout[d].expand(b, n), saguaro_c)
-        u = rnd.uniforms[:, d]
-        drawn = sample_on_device(probs, u) if on_device else sample_from(probs, u, one_hot)  # [b, N]
+            drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, shaped)
+            kept.add(probs, narrow, counted=not on_device)
         if shaped is not None and d < k - 1:
             shaped.advance(drawn)
         tokens.append(drawn)
-        kept.add(probs, narrow, counted=not on_device)
         feed = drawn.clamp(min=0) if on_device else drawn  # what a -1 feeds is never read
         if on_device and feed.device.type == "cuda":
             torch.cuda.synchronize(feed.device)  # this depth done before halt is asked (module doc)
@@ -99,3 +98,18 @@ def decode_tree(
         if said == "cut" and d < k - 1:
             break
     return torch.stack(tokens, -1), kept
+
+
+def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, shaped):
+    """Depth d's draw from the draft's logits step [b, N, V_draft]: -> (tokens [b, N], the
+    distributions [b, N, V] they were drawn from, Saguaro's scaling included)."""
+    b, n = rnd.candidates.shape
+    if shaped is None:
+        probs = draft_probs(step, sampling, on_device)  # [b, N, V]
+    else:
+        probs = shaped.probs(step, rnd.sampling, draft_probs)
+    if saguaro_c < 1:
+        probs = saguaro_probs(probs, rnd.fanout[d].expand(b, n), saguaro_c)
+    u = rnd.uniforms[:, d]
+    one_hot = not on_device and bool(rnd.sampling.greedy.all())
+    return (sample_on_device(probs, u) if on_device else sample_from(probs, u, one_hot)), probs

@@ -159,8 +159,7 @@ class TreeDrafter:
         return BatchSampling.of([self.states[s].sampling for s in seq_ids])
 
     def _greedy(self, seq_ids: list[int]) -> torch.Tensor:
-        """[b] bool: greedy rows, whose every draft distribution (just in time, in the tree, with
-        Saguaro's scaling, which keeps a one-hot row one-hot) is one-hot at its drafted token."""
+        """[b] bool: greedy rows (temperature 0), whose replies carry tokens only (SpeculationReply)."""
         return torch.tensor([self.states[s].sampling.temperature == 0 for s in seq_ids], dtype=torch.bool)
 
     # ---- the round ----------------------------------------------------------------------------
@@ -311,28 +310,26 @@ class TreeDrafter:
     @torch.inference_mode()
     def resolve(self, msg: ResolveMsg) -> None:
         """Record the outcome of every row; the answer (reply()) holds cached branches for hits
-        and, when asked, neural-backup speculations for misses."""
-        rnd = self.round
-        seq_ids = list(msg.seq_ids)
-        b, k = len(seq_ids), self.k
+        and, when asked, neural-backup speculations for misses: tokens, and the distributions of
+        the sampled rows only (a greedy row's verification reads none)."""
+        rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
+        b, greedy = len(seq_ids), self._greedy(seq_ids)
         hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         rank = torch.full((b,), -1, dtype=torch.long)
-        tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, self.jit.target_vocab)
+        tokens = torch.zeros(b, k, dtype=torch.long)
+        probs = None if bool(greedy.all()) else torch.zeros(b, k, self.jit.target_vocab)
         known = [r for r, s in enumerate(seq_ids) if rnd is not None and s in rnd.seq_ids]
         if known:
-            index = [rnd.seq_ids.index(seq_ids[r]) for r in known]
-            for r, i in zip(known, index):
-                s, acc, bonus = seq_ids[r], int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
-                self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
-                self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
+            index = self._commit_outcomes(rnd, msg, known)
             rows = torch.tensor(known, dtype=torch.long)
             found, branch, rank[rows] = rnd.lookup(index, msg.num_accepted[rows], msg.bonus_tokens[rows])
             covered[rows] = found.bool()
-            mine = found.bool() & (branch % self.num_shards == self.shard)
-            hit[rows] = mine
-            if bool(mine.any()):
-                picks = [(i, n // self.num_shards) for i, n, m in zip(index, branch.tolist(), mine.tolist()) if m]
-                tokens[hit, : rnd.depth], probs[hit, : rnd.depth] = rnd.branches(picks)
+            hit[rows] = found.bool() & (branch % self.num_shards == self.shard)
+            if bool(hit.any()):
+                mine = dict(zip(known, zip(index, (branch // self.num_shards).tolist())))
+                self._copy_branches(
+                    rnd, [mine[r] for r in hit.nonzero().flatten().tolist()], hit, greedy, tokens, probs
+                )
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         if rnd is not None:
             self.counters.rounds += 1
@@ -343,12 +340,34 @@ class TreeDrafter:
         if msg.neural_backup and not bool(covered.all()):
             spec = self._draft_just_in_time(seq_ids, (~covered).tolist())
             spec = spec.on_host(~covered)
-            tokens[~covered], probs[~covered] = spec.tokens[~covered], spec.probs[~covered]
+            tokens[~covered] = spec.tokens[~covered]
+            if probs is not None:
+                probs[~covered & ~greedy] = spec.probs[~covered & ~greedy]
             num_draft = torch.where(covered, num_draft, k)
         self._reply = SpeculationReply(
             msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, rnd.build_seconds if rnd is not None else 0.0,
-            dataclasses.replace(self.counters), covered, rank, self._greedy(seq_ids),
+            self.counters.copy(), covered, rank, greedy,
         )  # fmt: skip
+
+    def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int]) -> list[int]:
+        """Append each known row's accepted drafts and bonus token to what it has committed; ->
+        each one's row in the round."""
+        index = [rnd.seq_ids.index(msg.seq_ids[r]) for r in known]
+        for r, i in zip(known, index):
+            s, acc, bonus = msg.seq_ids[r], int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
+            self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
+            self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
+        return index
+
+    @staticmethod
+    def _copy_branches(rnd, picks, hit, greedy, tokens, probs) -> None:
+        """The hit rows' cached branches (picks: (row in the round, branch of this shard) per hit
+        row, in order) into the reply's tokens [b, K], and the sampled ones' distributions into
+        probs [b, K, V] (None: no row is sampled)."""
+        tokens[hit, : rnd.depth] = rnd.branch_tokens(picks)
+        sampled = [p for p, g in zip(picks, greedy[hit].tolist()) if not g]
+        if sampled:
+            probs[hit & ~greedy, : rnd.depth] = rnd.branch_probs(sampled)
 
     def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
         """The answer to the last resolve() (computed there: nothing to wait for)."""
@@ -362,9 +381,11 @@ class TreeDrafter:
         spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
         spec, b = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool)), len(msg.seq_ids)
         tokens = spec.tokens.clamp(min=0)  # rows not needed are discarded, but the wire carries ids
+        greedy = self._greedy(msg.seq_ids)
+        probs = None if bool(greedy.all()) else spec.probs.masked_fill(greedy.view(b, 1, 1), 0.0)
         return SpeculationReply(
-            msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), tokens, spec.probs, spec.num_draft,
-            counters=dataclasses.replace(self.counters), one_hot=self._greedy(msg.seq_ids),
+            msg.round_id, msg.seq_ids, torch.zeros(b, dtype=torch.bool), tokens, probs, spec.num_draft,
+            counters=self.counters.copy(), greedy=greedy,
         )  # fmt: skip
 
     def _draft_just_in_time(self, seq_ids: list[int], need: list[bool]) -> Speculation:

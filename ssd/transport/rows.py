@@ -60,15 +60,17 @@ def assemble(
 ) -> SpeculationReply:
     """One reply for the whole batch from replies about disjoint rows: parts = (rows, reply)."""
     b = len(seq_ids)
-    vocab = max((rep.probs.shape[-1] for _, rep in parts), default=0)
+    probs = _probs_for(b, k, [rep for _, rep in parts])
     hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
-    tokens, probs = torch.zeros(b, k, dtype=torch.long), torch.zeros(b, k, vocab)
+    tokens = torch.zeros(b, k, dtype=torch.long)
     num_draft = torch.zeros(b, dtype=torch.long)
     rank = torch.full((b,), -1, dtype=torch.long)
     build = 0.0
     for rows, rep in parts:
         index = torch.tensor(rows, dtype=torch.long)
-        hit[index], tokens[index], probs[index], num_draft[index] = rep.hit, rep.tokens, rep.probs, rep.num_draft
+        hit[index], tokens[index], num_draft[index] = rep.hit, rep.tokens, rep.num_draft
+        if rep.probs is not None:
+            probs[index] = rep.probs
         covered[index] = rep.covered if rep.covered is not None else rep.hit
         if rep.bonus_rank is not None:
             rank[index] = rep.bonus_rank
@@ -85,7 +87,7 @@ def merge_shards(msg: ResolveMsg, replies: list[SpeculationReply], counters: Dra
     if not replies:
         return SpeculationReply.empty(msg.round_id, msg.seq_ids, counters, answered=False)
     b = len(msg.seq_ids)
-    tokens, probs = torch.zeros_like(replies[0].tokens), torch.zeros_like(replies[0].probs)
+    tokens, probs = torch.zeros_like(replies[0].tokens), _probs_for(b, replies[0].tokens.shape[1], replies)
     num_draft = torch.zeros(b, dtype=torch.long)
     hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
     rank = torch.full((b,), -1, dtype=torch.long)  # every worker ranks the same whole grid
@@ -93,13 +95,25 @@ def merge_shards(msg: ResolveMsg, replies: list[SpeculationReply], counters: Dra
         covered |= rep.covered if rep.covered is not None else rep.hit
         if rep.bonus_rank is not None:
             rank = torch.maximum(rank, rep.bonus_rank)
-        rows = rep.hit & ~hit
-        tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
-        hit |= rows
+        _take_rows(rep.hit & ~hit, rep, tokens, probs, num_draft)
+        hit |= rep.hit
     for rep in replies:  # the backup's drafts for rows no shard holds
-        rows = ~hit & (num_draft == 0) & (rep.num_draft > 0) & ~rep.hit
-        tokens[rows], probs[rows], num_draft[rows] = rep.tokens[rows], rep.probs[rows], rep.num_draft[rows]
+        _take_rows(~hit & (num_draft == 0) & (rep.num_draft > 0) & ~rep.hit, rep, tokens, probs, num_draft)
     build = max(rep.build_seconds for rep in replies)
     return SpeculationReply(
         msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank
     )
+
+
+def _probs_for(b: int, k: int, replies: list[SpeculationReply]) -> torch.Tensor | None:
+    """The merged reply's probs: [b, K, V] zeros to fill, or None where no part carries any (every
+    row greedy: SpeculationReply.probs)."""
+    vocab = max((rep.probs.shape[-1] for rep in replies if rep.probs is not None), default=None)
+    return None if vocab is None else torch.zeros(b, k, vocab)
+
+
+def _take_rows(rows: torch.Tensor, rep: SpeculationReply, tokens, probs, num_draft) -> None:
+    """rows [b] bool of `rep` into the merged tokens [b, K], probs [b, K, V] (None: none) and num_draft [b]."""
+    tokens[rows], num_draft[rows] = rep.tokens[rows], rep.num_draft[rows]
+    if rep.probs is not None:
+        probs[rows] = rep.probs[rows]

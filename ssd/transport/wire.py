@@ -32,8 +32,9 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import SequenceSampling
 
-# 5: admissions carry each sequence's logits processing (4: its grammar; 3: replies carry the bonus token's rank)
-MAGIC = 0x55D0_0005
+# 6: greedy reply rows travel as their tokens alone (5: admissions carry each sequence's logits
+# processing; 4: its grammar; 3: replies carry the bonus token's rank)
+MAGIC = 0x55D0_0006
 HEADER = 8
 
 
@@ -235,10 +236,11 @@ def _decode_draft_now(r: _Reader, round_id: int, floats: torch.Tensor) -> DraftN
 def _encode_reply(msg: SpeculationReply):
     b, k = msg.tokens.shape
     covered = msg.hit if msg.covered is None else msg.covered
-    layout, values = pack_probs(msg.probs, msg.tokens, msg.num_draft, msg.one_hot)
+    layout, values = pack_probs(msg.probs, msg.tokens, msg.num_draft, msg.greedy)
     rank = torch.full((b,), -1, dtype=torch.long) if msg.bonus_rank is None else msg.bonus_rank
+    vocab = 0 if msg.probs is None else msg.probs.shape[-1]  # 0: no row's distribution travels
     ints = _i(
-        [b, k, msg.probs.shape[-1]], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
+        [b, k, vocab], msg.seq_ids, msg.hit.long(), covered.long(), rank, msg.num_draft, msg.tokens,
         msg.counters.as_list(), layout,
     )  # fmt: skip
     return msg.round_id, ints, torch.cat([torch.tensor([msg.build_seconds], dtype=torch.float32), values])
@@ -250,9 +252,11 @@ def _decode_reply(r: _Reader, round_id: int, floats: torch.Tensor) -> Speculatio
     rank, num_draft = r.take(b).clone(), r.take(b).clone()
     tokens = r.take(b * k).view(b, k).clone()
     counters = DrafterCounters(*r.take(len(DrafterCounters().as_list())).tolist())
-    probs = unpack_probs(r, floats[1:], b, k, v)
+    probs, greedy = unpack_probs(r, floats[1:], b, k, v)
     rank = None if bool((rank < 0).all()) else rank  # -1: unknown, as None is
-    return SpeculationReply(round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank)
+    return SpeculationReply(
+        round_id, seq_ids, hit, tokens, probs, num_draft, float(floats[0]), counters, covered, rank, greedy
+    )
 
 
 def _encode_error(msg: ErrorMsg):
@@ -284,37 +288,44 @@ _CODECS: dict[MsgType, tuple[Callable, Callable, type | None]] = {
 }
 
 
-# How a reply row's draft probabilities [K, V] travel (lossless: decoding rebuilds the very
-# tensor the drafter sampled from). At a 128k vocabulary a dense row is 3 MB per round.
-ZERO, ONE_HOT, SPARSE, DENSE = 0, 1, 2, 3
+# How a reply row's draft probabilities [K, V] travel: lossless for every row whose distribution
+# verification reads (decoding rebuilds the very tensor the drafter sampled from); a greedy row's
+# is left out (SpeculationReply.probs). At a 128k vocabulary a dense row is 3 MB per round.
+ZERO, ONE_HOT, SPARSE, DENSE, GREEDY = range(5)
 
 
 def pack_probs(
-    probs: torch.Tensor,
+    probs: torch.Tensor | None,
     tokens: torch.Tensor | None = None,
     num_draft: torch.Tensor | None = None,
-    one_hot: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [b, K, V] float32 -> (layout ints, values float32), per row the smallest exact form:
+    """probs [b, K, V] float32 (None: every row greedy or without a speculation) -> (layout ints,
+    values float32), per row the smallest form:
         ZERO      no speculation in the row (all zeros): nothing
-        ONE_HOT   greedy rows: each position is 0 or a single 1.0: K token ids (-1 = none)
+        GREEDY    a greedy row: K token ids (-1 = none); decoded without a distribution (zeros)
+        ONE_HOT   a sampled row one-hot at each position: K token ids (-1 = none)
         SPARSE    top-k / top-p rows: K support sizes, the support's ids, their probabilities
         DENSE     the K x V probabilities
     layout = per row [form, then its ints].
 
-    one_hot [b] bool (with tokens [b, K] and num_draft [b]) names rows the sender knows to be
-    one-hot at their drafted tokens: those are packed from the tokens without reading probs
-    (O(K), where finding the form by scanning costs O(K V): milliseconds per row at V = 128k).
-    Positions past num_draft are packed as none: no verification reads them."""
-    b, k, vocab = probs.shape
+    greedy [b] bool (with tokens [b, K] and num_draft [b]) names the greedy rows: those are packed
+    from the tokens without reading probs (O(K), where finding the form by scanning costs O(K V):
+    milliseconds per row at V = 128k). Positions past num_draft are packed as none: no
+    verification reads them. Every other row is scanned."""
+    b = tokens.shape[0] if probs is None else probs.shape[0]
     ints: list[torch.Tensor] = []
     vals: list[torch.Tensor] = []
-    known = [False] * b if one_hot is None else one_hot.tolist()
+    known = [False] * b if greedy is None else greedy.tolist()
     for r in range(b):
         if known[r]:
-            ints.append(_one_hot_layout(tokens[r], int(num_draft[r])))
+            ints.append(_greedy_layout(tokens[r], int(num_draft[r])))
             continue
-        form_ints, form_vals = _pack_row(probs[r].float(), k, vocab)
+        if probs is None:  # a row without a speculation needs none either
+            assert int(num_draft[r]) == 0, "a reply leaves out the distributions of greedy rows only"
+            ints.append(torch.tensor([ZERO]))
+            continue
+        form_ints, form_vals = _pack_row(probs[r].float(), *probs.shape[1:])
         ints.append(form_ints)
         if form_vals is not None:
             vals.append(form_vals)
@@ -322,13 +333,13 @@ def pack_probs(
     return layout, torch.cat(vals) if vals else torch.zeros(0)
 
 
-def _one_hot_layout(tokens: torch.Tensor, num_draft: int) -> torch.Tensor:
-    """The layout of a row known to be one-hot at its first num_draft tokens [K]."""
+def _greedy_layout(tokens: torch.Tensor, num_draft: int) -> torch.Tensor:
+    """The layout of a greedy row: its first num_draft tokens [K] (-1 past them)."""
     if num_draft == 0:
         return torch.tensor([ZERO])
     ids = tokens.clone()
     ids[num_draft:] = -1
-    return torch.cat([torch.tensor([ONE_HOT]), ids])
+    return torch.cat([torch.tensor([GREEDY]), ids])
 
 
 def _pack_row(row: torch.Tensor, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -346,12 +357,27 @@ def _pack_row(row: torch.Tensor, k: int, vocab: int) -> tuple[torch.Tensor, torc
     return torch.tensor([DENSE]), row.reshape(-1)
 
 
-def unpack_probs(r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int) -> torch.Tensor:
-    """The inverse of pack_probs: layout read from `r`, values from `values` -> [b, K, V]."""
-    probs = torch.zeros(b, k, vocab)
+def unpack_probs(
+    r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The inverse of pack_probs: layout read from `r`, values from `values` -> (probs [b, K, V]
+    with greedy rows zeros, None when every row is greedy or empty: no [b, K, V] block is built;
+    greedy [b] bool, the rows in the GREEDY form, None when there are none)."""
+    probs: torch.Tensor | None = None
+    greedy = [False] * b
     at = 0
     for row in range(b):
         form = r.one()
+        if form == GREEDY:
+            r.take(k)
+            greedy[row] = True
+            continue
+        if form == ZERO:
+            continue
+        if form not in (ONE_HOT, SPARSE, DENSE):
+            raise ValueError(f"unknown probability layout {form} in a reply")
+        if probs is None:
+            probs = torch.zeros(b, k, vocab)
         if form == ONE_HOT:
             ids = r.take(k)
             pos = (ids >= 0).nonzero(as_tuple=True)[0]
@@ -363,9 +389,7 @@ def unpack_probs(r: "_Reader", values: torch.Tensor, b: int, k: int, vocab: int)
             pos = torch.repeat_interleave(torch.arange(k), counts)
             probs[row, pos, ids] = values[at : at + n]
             at += n
-        elif form == DENSE:
+        else:
             probs[row] = values[at : at + k * vocab].view(k, vocab)
             at += k * vocab
-        elif form != ZERO:
-            raise ValueError(f"unknown probability layout {form} in a reply")
-    return probs
+    return probs, torch.tensor(greedy) if any(greedy) else None
