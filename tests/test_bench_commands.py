@@ -8,7 +8,7 @@ import json
 
 from loadtest import offline
 from loadtest.bench import median_cell
-from ssd.bench import constrained, grammar_cost, processing_cost, processing_share
+from ssd.bench import constrained, grammar_cost, processing_cost, processing_share, vocab_speed
 
 
 def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):
@@ -34,6 +34,17 @@ def test_processing_share_times_the_engines_processing(demo_pair, tmp_path):
     processing_share.main(["--batch", "2", "--k", "3", "--repeats", "1", "--out", str(out)])
     (row,) = json.loads(out.read_text())
     assert row["batch"] == 2 and row["k"] == 3 and 0 < row["share"] < 1, row
+
+
+def test_vocab_speed_writes_each_mode_temperature_and_batch(tmp_path):
+    out = tmp_path / "vocab_speed.json"
+    args = ["--vocab", "1024", "--modes", "sd", "ssd", "--batch-sizes", "2", "--max-tokens", "6", "--repeats", "1"]
+    vocab_speed.main([*args, "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["temperature"], r["batch"]) for r in rows] == [
+        (m, t, 2) for m in ("sd", "ssd") for t in (0.0, 1.0)
+    ]
+    assert all(r["tokens_per_s"] > 0 and len(r["runs"]) == 1 for r in rows), rows
 
 
 def test_grammar_cost_on_the_demo_tokenizer(tmp_path):
