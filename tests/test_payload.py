@@ -104,6 +104,6 @@ def test_branch_probs_keep_greedy_and_top_k_rows_sparse_and_exact():
     for r in (1, 2):
         assert torch.equal(kept.dense(r), want[r])
         assert torch.equal(kept.branch(r, 5), want[r, 5])
-    row_bytes = [v.nbytes + (0 if i is None else i.nbytes) for v, i in zip(kept.values, kept.indices)]
+    row_bytes = [kept.row_nbytes(r) for r in range(3)]
     assert row_bytes[0] == 0 and row_bytes[1] == n * k * 60 * (4 + 8)
     assert max(row_bytes[:2]) < 5 * 2**20 and row_bytes[2] == n * k * vocab * 4

@@ -126,6 +126,7 @@ NEIGHBOUR_BRANCH = textwrap.dedent('''
             probs = self.round.probs
             probs.values = [v.roll(1, dims=0) for v in probs.values]
             probs.indices = [i if i is None else i.roll(1, dims=0) for i in probs.indices]
+            probs._dense = {r: [d.roll(1, dims=0) for d in depths] for r, depths in probs._dense.items()}
         return _resolve(self, msg)
 
     ssd.drafting.tree_drafter.TreeDrafter.resolve = resolve
