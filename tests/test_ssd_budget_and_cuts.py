@@ -226,3 +226,38 @@ def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
     assert not guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1], [3, 3]))
     assert drafter.predict_round(resolve, miss) is None
     assert drafter.predict_round(ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False), hit) is None
+
+
+def test_the_drafter_keeps_its_accepted_drafts_columns_and_glues_only_what_is_new(tiny_pair):
+    """After an outcome the drafter's cache holds every committed token but the last (the
+    invariant every glue starts from), the accepted drafts' columns from the round's own glue:
+    they hold what a prefill of the committed tokens computes, and the next glue feeds only the
+    bonus token and the next speculation (it fed the accepted drafts again before)."""
+    from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ResolveMsg
+    from ssd.core.sampling import SequenceSampling
+
+    k, fanout, prompt = 4, [1, 1, 1, 1, 2], list(b"def add(a, b):\n    ret")
+    spec = [117, 114, 110, 32]
+    drafter = _drafter(tiny_pair, k)
+    drafter.admit(AdmitMsg([1], [prompt], [7], [SequenceSampling(0.0, 0, 1.0)]))
+    assert drafter.begin_round(BeginRoundMsg(1, [1], torch.tensor([spec]), torch.tensor([4]), fanout))
+    drafter.resolve(ResolveMsg(1, [1], torch.tensor([2]), torch.tensor([97]), False, fanout))
+    committed = prompt + spec[:2] + [97]
+    assert drafter.states[1].tokens == committed and int(drafter.cache.lengths()[0]) == len(committed) - 1
+
+    fresh = _drafter(tiny_pair, k)
+    fresh.admit(AdmitMsg([1], [committed], [7], [SequenceSampling(0.0, 0, 1.0)]))
+    n = len(committed) - 1
+    for (keys, values), (want_k, want_v) in zip(
+        drafter.cache._storage.layers.values(), fresh.cache._storage.layers.values()
+    ):
+        torch.testing.assert_close(keys[0, :, :n], want_k[0, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[0, :, :n], want_v[0, :, :n], atol=1e-5, rtol=0)
+
+    fed = []
+    forward = drafter.runner.forward
+    drafter.runner.forward = lambda cache, tokens, *a, **kw: (
+        fed.append(tokens.shape[1]) or forward(cache, tokens, *a, **kw)
+    )
+    assert drafter.begin_round(BeginRoundMsg(2, [1], torch.tensor([[10, 32, 43, 32]]), torch.tensor([4]), fanout))
+    assert fed[0] == 1 + 4  # the glue: the bonus token, then the speculation

@@ -31,8 +31,8 @@ class SpeculationTree:
     fanout: list[int] = field(default_factory=list)
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
     depth: int = 0  # tree depth reached: cached branches hold this many tokens (1..K)
-    # A round begun on a prediction: how to take it back (generator states, committed columns
-    # the glue added per row) if the target's announcement turns out different.
+    # A round begun on a prediction: how to take it back (generator states, the columns the
+    # glue added per row) if the target's announcement turns out different.
     undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def lookup(self, rows: list[int], accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,9 @@ After a reply in which every row hit, the next announcement is known but for its
 whole if the announcement differs (`begin_round(stale=...)`, `abandon_round`).
 
 Shapes: b sequences, N = B branches per sequence, K speculation length, V target vocab.
-The drafter keeps its own KV cache of committed tokens only; tree columns live for one round.
+The drafter keeps its own KV cache: of committed tokens, and from a round's glue to its outcome
+also s_T's columns, of which the outcome keeps the accepted ones (the next glue computes only
+the bonus token and the next speculation); tree columns are scratch, past every row's length.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class _Glue:
     start: torch.Tensor  # [b] the cache column where each row's glue columns begin (its length before)
     base: torch.Tensor  # [b] the glue column (relative to start) of each row's last committed token
     columns: torch.Tensor  # [b] columns the glue added: pending committed tokens + s_T
-    pending: torch.Tensor  # [b] of which committed tokens (what a take-back keeps)
 
 
 class TreeDrafter:
@@ -209,7 +210,7 @@ class TreeDrafter:
         self.round = SpeculationTree(
             seq_ids, spec, grid, tokens, probs, list(msg.fanout),
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
-            (undo, glue.pending) if stale is not None else None,
+            (undo, glue.columns) if stale is not None else None,
         )  # fmt: skip
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
@@ -230,8 +231,7 @@ class TreeDrafter:
         cols = torch.minimum(cols, last)
         cols = cols.to(logits.device)
         glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
-        pending_lens = torch.tensor([len(p) for p in pending])
-        return _Glue(glue_logits[..., : self.jit.target_vocab], start, base, valid.sum(1), pending_lens)
+        return _Glue(glue_logits[..., : self.jit.target_vocab], start, base, valid.sum(1))
 
     def _tree_decode(
         self,
@@ -275,7 +275,6 @@ class TreeDrafter:
         if tree is None:
             self._take_back(seq_ids, undo, glue.columns)
             return None
-        self.cache.drop_last(spec_lens)  # the tree's columns were scratch: only s_T's glue columns remain
         return *tree, tree_started
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
@@ -292,8 +291,8 @@ class TreeDrafter:
         something else. Only rounds begun with `stale` can be taken back."""
         rnd = self.round
         assert rnd is not None and rnd.undo is not None, "only a predicted round can be abandoned"
-        states, pending_lens = rnd.undo
-        self._take_back(rnd.seq_ids, states, pending_lens)
+        states, columns = rnd.undo
+        self._take_back(rnd.seq_ids, states, columns)
 
     def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply) -> BeginRoundMsg | None:
         """The round the target will most likely announce next, so that its build can start
@@ -350,13 +349,17 @@ class TreeDrafter:
         )  # fmt: skip
 
     def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int]) -> list[int]:
-        """Append each known row's accepted drafts and bonus token to what it has committed; ->
-        each one's row in the round."""
+        """Append each known row's accepted drafts and bonus token to what it has committed, and
+        drop the glue columns of its rejected drafts from the cache; -> each one's row in the
+        round."""
         index = [rnd.seq_ids.index(msg.seq_ids[r]) for r in known]
+        rejected = torch.zeros(len(rnd.seq_ids), dtype=torch.long)  # per cache row: s_T's glue columns to drop
         for r, i in zip(known, index):
             s, acc, bonus = msg.seq_ids[r], int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
             self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
             self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
+            rejected[i] = len(rnd.spec_tokens[i]) - acc
+        self.cache.drop_last(rejected)  # the accepted drafts' columns stay: they hold committed tokens now
         return index
 
     @staticmethod
