@@ -1,6 +1,8 @@
-"""SSD drafter step 3, the tree decode: K forwards over the branches of this drafter's shard,
-every branch attending to its own history only (tree.py's mask), each depth drawing one token
-per branch and feeding it to the next.
+"""SSD drafter steps 1 and 3 (tree_drafter.py): the glue decode, one forward over the tokens the
+draft's cache lacks and the speculation being verified, which gives the K+1 distributions the
+fork ranks its candidates by; and the tree decode, K forwards over the branches of this
+drafter's shard, every branch attending to its own history only (tree.py's mask), each depth
+drawing one token per branch and feeding it to the next.
 
 On an accelerator a depth reads nothing back: the draw, Saguaro's scaling and the kept
 distributions stay on the device until the reply. (A round in which a row has a grammar or
@@ -27,7 +29,42 @@ from ssd.drafting.sd_proposer import to_vocab
 from ssd.drafting.shaping import TreeShaping
 from ssd.drafting.tree import BranchProbs
 from ssd.model.kv_cache import StaticKVCache
-from ssd.model.runner import ModelRunner
+from ssd.model.runner import ModelRunner, pad_rows
+
+
+@dataclass(frozen=True)
+class Glue:
+    """What the glue forward gave for a round (step 1)."""
+
+    logits: torch.Tensor  # [b, K+1, V] the draft's next-token logits after accepting j tokens
+    start: torch.Tensor  # [b] the cache column where each row's glue columns begin (its length before)
+    base: torch.Tensor  # [b] the glue column (relative to start) of each row's last committed token
+    columns: torch.Tensor  # [b] columns the glue added: pending committed tokens + s_T
+
+
+def glue_decode(
+    runner: ModelRunner,
+    cache: StaticKVCache,
+    pending: list[list[int]],
+    spec: list[list[int]],
+    k: int,
+    vocab: int,
+    on_device: bool,
+) -> Glue:
+    """One forward over [pending, s_T] per row: pending, the committed tokens the cache lacks (at
+    least the last one), spec, the speculation being verified (its real tokens); -> its logits at
+    each row's last committed token and after each of its drafts, in the target's vocabulary of
+    `vocab` tokens (left on the draft's device when `on_device`). The columns stay in the cache."""
+    start = cache.lengths()
+    tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
+    logits = runner.forward(cache, tokens, valid, on_host=not on_device)  # [b, P+K, V_draft]
+    # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
+    base = torch.tensor([len(p) - 1 for p in pending])
+    cols = base.unsqueeze(1) + torch.arange(k + 1).unsqueeze(0)  # [b, K+1]
+    last = torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1)
+    cols = torch.minimum(cols, last).to(logits.device)
+    glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, V_draft]
+    return Glue(glue_logits[..., :vocab], start, base, valid.sum(1))
 
 
 @dataclass(frozen=True)

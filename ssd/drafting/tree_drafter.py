@@ -58,7 +58,7 @@ from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
-from ssd.drafting.tree_decode import TreeRound, decode_tree
+from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -67,16 +67,6 @@ class _SeqState:
     tokens: list[int]  # committed tokens (prompt + output) as the drafter knows them
     generator: torch.Generator
     sampling: SequenceSampling
-
-
-@dataclass(frozen=True)
-class _Glue:
-    """What the glue forward gave for a round (step 1)."""
-
-    logits: torch.Tensor  # [b, K+1, V] the draft's next-token logits after accepting j tokens
-    start: torch.Tensor  # [b] the cache column where each row's glue columns begin (its length before)
-    base: torch.Tensor  # [b] the glue column (relative to start) of each row's last committed token
-    columns: torch.Tensor  # [b] columns the glue added: pending committed tokens + s_T
 
 
 class TreeDrafter:
@@ -215,23 +205,12 @@ class TreeDrafter:
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
 
-    def _glue(self, seq_ids: list[int], spec: list[list[int]], on_device: bool) -> _Glue:
-        """Step 1: one forward over [committed tokens the cache lacks, s_T] per row (its logits
-        left on the draft's device when `on_device`)."""
-        start = self.cache.lengths()
-        synced = start.tolist()
+    def _glue(self, seq_ids: list[int], spec: list[list[int]], on_device: bool) -> Glue:
+        """Step 1 over [committed tokens the cache lacks, s_T] per row (tree_decode.glue_decode)."""
+        synced = self.cache.lengths().tolist()
         pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
         assert all(pending), "the last committed token is always pending"
-        tokens, valid = pad_rows([p + s for p, s in zip(pending, spec)])
-        logits = self.runner.forward(self.cache, tokens, valid, on_host=not on_device)  # [b, P+K, V_draft]
-        # Row r's distribution after accepting j tokens sits at column len(pending_r) - 1 + j.
-        base = torch.tensor([len(p) - 1 for p in pending])
-        cols = base.unsqueeze(1) + torch.arange(self.k + 1).unsqueeze(0)  # [b, K+1]
-        last = torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1)
-        cols = torch.minimum(cols, last)
-        cols = cols.to(logits.device)
-        glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, Vd]
-        return _Glue(glue_logits[..., : self.jit.target_vocab], start, base, valid.sum(1))
+        return glue_decode(self.runner, self.cache, pending, spec, self.k, self.jit.target_vocab, on_device)
 
     def _tree_decode(
         self,
@@ -240,7 +219,7 @@ class TreeDrafter:
         fanout: list[int],
         cand: torch.Tensor,
         outcome: torch.Tensor,
-        glue: _Glue,
+        glue: Glue,
         undo: list[torch.Tensor],
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
