@@ -109,6 +109,7 @@ def decode_tree(
     # A greedy batch without shaping draws each branch's argmax, which is what sampling its one-hot
     # distribution gives (process_logits, Saguaro's scaling keeps it one-hot), and keeps none.
     argmax_only = shaped is None and all(greedy)
+    one_hot = not on_device and all(greedy)  # a greedy batch with shaping: its draws are argmaxes too
     # Sampled rows kept sparse: top-k ones, by their counted support, on the host.
     narrow = (rnd.sampling.top_k > 0).tolist()
     sampling = rnd.sampling.to(rnd.candidates.device)
@@ -121,7 +122,7 @@ def decode_tree(
         if argmax_only:
             drawn = to_vocab(step, vocab).argmax(-1)  # [b, N]
         else:
-            drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, shaped)
+            drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped)
             kept.add(probs, narrow, counted=not on_device)
         if shaped is not None and d < k - 1:
             shaped.advance(drawn)
@@ -137,9 +138,10 @@ def decode_tree(
     return torch.stack(tokens, -1), kept
 
 
-def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, shaped):
+def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, one_hot, shaped):
     """Depth d's draw from the draft's logits step [b, N, V_draft]: -> (tokens [b, N], the
-    distributions [b, N, V] they were drawn from, Saguaro's scaling included)."""
+    distributions [b, N, V] they were drawn from, Saguaro's scaling included); one_hot: every
+    row is greedy (sample_from)."""
     b, n = rnd.candidates.shape
     if shaped is None:
         probs = draft_probs(step, sampling, on_device)  # [b, N, V]
@@ -148,5 +150,4 @@ def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draf
     if saguaro_c < 1:
         probs = saguaro_probs(probs, rnd.fanout[d].expand(b, n), saguaro_c)
     u = rnd.uniforms[:, d]
-    one_hot = not on_device and bool(rnd.sampling.greedy.all())
     return (sample_on_device(probs, u) if on_device else sample_from(probs, u, one_hot)), probs

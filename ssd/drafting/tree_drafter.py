@@ -302,12 +302,11 @@ class TreeDrafter:
             rows = torch.tensor(known, dtype=torch.long)
             found, branch, rank[rows] = rnd.lookup(index, msg.num_accepted[rows], msg.bonus_tokens[rows])
             covered[rows] = found.bool()
-            hit[rows] = found.bool() & (branch % self.num_shards == self.shard)
-            if bool(hit.any()):
-                mine = dict(zip(known, zip(index, (branch // self.num_shards).tolist())))
-                self._copy_branches(
-                    rnd, [mine[r] for r in hit.nonzero().flatten().tolist()], hit, greedy, tokens, probs
-                )
+            mine = found.bool() & (branch % self.num_shards == self.shard)
+            hit[rows] = mine
+            if bool(mine.any()):  # known rows are in batch order: picks follow hit's rows
+                picks = [(i, n // self.num_shards) for i, n, m in zip(index, branch.tolist(), mine.tolist()) if m]
+                self._copy_branches(rnd, picks, hit, greedy, tokens, probs)
         num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
         if rnd is not None:
             self.counters.rounds += 1
