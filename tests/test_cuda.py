@@ -56,12 +56,14 @@ def test_greedy_on_cuda_matches_hf_generate(tiny_pair, mode):
     assert graphs["target"]["replays"] > 0 and (mode != "sd" or graphs["draft"]["replays"] > 0), graphs
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("mode", ["ar", "sd"])
-def test_steady_state_runs_no_eager_forward(tiny_pair, mode):
+def test_steady_state_runs_no_eager_forward(tiny_pair, mode, temperature):
     """Once every bucket met is captured, decoding replays graphs only: a second identical
-    generate captures nothing and runs no eager forward but its prefill."""
+    generate captures nothing and runs no eager forward but its prefill; the round's device steps
+    (verification, SD's sampled draws) replay theirs, none run eagerly."""
     with LLM(*tiny_pair, mode=mode, k=4, device="cuda", max_num_seqs=4) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0)
         llm.generate(PROMPTS, params)
         before = llm.engine.engine_metrics()["cuda_graphs"]
         llm.generate(PROMPTS, params)
@@ -70,6 +72,10 @@ def test_steady_state_runs_no_eager_forward(tiny_pair, mode):
         assert after[name]["captures"] == before[name]["captures"], (before, after)
         assert after[name]["eager_forwards"] - before[name]["eager_forwards"] <= 1, (before, after)  # the prefill
         assert after[name]["replays"] > before[name]["replays"], (before, after)
+        assert after[name]["step_captures"] == before[name]["step_captures"] and after[name]["step_eager"] == 0
+    assert after["target"]["step_replays"] > before["target"]["step_replays"], (before, after)
+    if mode == "sd" and temperature > 0:
+        assert after["draft"]["step_replays"] > before["draft"]["step_replays"], (before, after)
 
 
 def test_enforce_eager_gives_the_graphs_output(tiny_pair):

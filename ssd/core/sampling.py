@@ -75,6 +75,13 @@ class BatchSampling:
         return self.temperature == 0
 
 
+def sampling_tensors(sampling: BatchSampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p) [b]: what a captured device step (ssd/model/step_graphs.py)
+    takes in place of a BatchSampling without adjustments."""
+    assert sampling.adjust is None, "adjustments are not a captured step's input"
+    return sampling.temperature, sampling.top_k, sampling.top_p
+
+
 def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """logits [b, n, V] -> probs [b, n, V] (float32), rows processed with their own settings."""
     logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits)

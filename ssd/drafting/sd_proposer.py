@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from ssd.core.sampling import BatchSampling, process_logits, process_logits_on_device, sample_from, sample_on_device
+from ssd.core.sampling import (
+    BatchSampling,
+    process_logits,
+    process_logits_on_device,
+    sample_from,
+    sample_on_device,
+    sampling_tensors,
+)
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
 from ssd.core.token_masks import token_masks
+from ssd.drafting.saguaro import saguaro_probs
 from ssd.model.kv_cache import StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
+from ssd.model.step_graphs import run_step
 
 
 def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -19,6 +30,23 @@ def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     if logits.shape[-1] < vocab:
         logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
     return logits
+
+
+def draw_step(
+    vocab: int, greedy: bool, logits, uniforms, temperature=None, top_k=None, top_p=None, fanout=None, *, c=1.0
+):
+    """A draft step's draw on the device, as one capturable step (ssd/model/step_graphs.py):
+    logits [b, n, V_draft], uniforms [b, n], the rows' temperature, top_k and top_p [b] (no other
+    processing) -> (tokens [b, n], probs [b, n, vocab]); with Saguaro's C < 1, probs scaled at
+    fanout [b, n] (saguaro_probs) before the draw. A greedy batch's draw is the argmax, which is
+    what sampling its one-hot distribution gives (the scaling keeps it one-hot): (tokens,)."""
+    logits = to_vocab(logits, vocab)
+    if greedy:
+        return (logits.argmax(-1),)
+    probs = process_logits_on_device(logits, BatchSampling(temperature, top_k, top_p))
+    if c < 1:
+        probs = saguaro_probs(probs, fanout, c)
+    return sample_on_device(probs, uniforms), probs
 
 
 class SDProposer:
@@ -73,8 +101,11 @@ class SDProposer:
         drafted, probs = [], []
         one_hot = not on_device and greedy
         for i in range(k):
-            p = self.draft_probs(step_logits, sampling, on_device)[:, 0]  # [b, V]
-            tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)
+            if on_device and sampling.adjust is None:
+                tok, p = self._draw(step_logits, uniforms[:, i], sampling, greedy)
+            else:
+                p = self.draft_probs(step_logits, sampling, on_device)[:, 0]  # [b, V]
+                tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)
             drafted.append(tok)
             probs.append(p)
             # A -1 (no mass) fails the round where the drafts are read; until then it feeds token 0.
@@ -91,6 +122,17 @@ class SDProposer:
         # A greedy batch's verification reads no draft distribution (ssd/engine/verify.py): none is stacked.
         stacked = None if greedy else torch.stack(probs, 1)  # [b, K, V]
         return Speculation(torch.stack(drafted, 1), stacked, torch.full((b,), k, dtype=torch.long))
+
+    def _draw(self, logits, uniforms, sampling: BatchSampling, greedy: bool):
+        """A device step's draw without processing: logits [b, 1, V_draft], uniforms [b] ->
+        (tokens [b], probs [b, V] or None for a greedy batch). A sampled batch's draw replays a
+        CUDA graph where the runner has them; a greedy one is an argmax, cheaper than a replay's copies."""
+        if greedy:
+            return draw_step(self.target_vocab, True, logits, None)[0][:, 0], None
+        step = partial(draw_step, self.target_vocab, False)
+        inputs = (logits, uniforms[:, None], *sampling_tensors(sampling))
+        tok, probs = run_step(self.runner.steps, self.runner.device, "draw", step, *inputs)
+        return tok[:, 0], probs[:, 0]
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:
         pass  # nothing to overlap: drafting happens in propose()

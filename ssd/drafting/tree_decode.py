@@ -20,16 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from ssd.core.sampling import BatchSampling, sample_from, sample_on_device
+from ssd.core.sampling import BatchSampling, sample_from, sample_on_device, sampling_tensors
 from ssd.drafting.saguaro import saguaro_probs
-from ssd.drafting.sd_proposer import to_vocab
+from ssd.drafting.sd_proposer import draw_step, to_vocab
 from ssd.drafting.shaping import TreeShaping
 from ssd.drafting.tree import BranchProbs
 from ssd.model.kv_cache import StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
+from ssd.model.step_graphs import run_step
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,10 @@ def decode_tree(
         if argmax_only:
             drawn = to_vocab(step, vocab).argmax(-1)  # [b, N]
         else:
-            drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped)
+            if on_device and shaped is None:
+                drawn, probs = _draw_on_device(runner, step, rnd, d, sampling, saguaro_c, vocab)
+            else:
+                drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped)
             kept.add(probs, narrow, counted=not on_device)
         if shaped is not None and d < k - 1:
             shaped.advance(drawn)
@@ -136,6 +141,14 @@ def decode_tree(
         if said == "cut" and d < k - 1:
             break
     return torch.stack(tokens, -1), kept
+
+
+def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, vocab):
+    """_draw of a depth without shaping on the draft's device, as one step (draw_step) that
+    replays a CUDA graph where the runner has them."""
+    b, n = rnd.candidates.shape
+    inputs = (step, rnd.uniforms[:, d], *sampling_tensors(sampling), rnd.fanout[d].expand(b, n))
+    return run_step(runner.steps, runner.device, "tree draw", partial(draw_step, vocab, False, c=saguaro_c), *inputs)
 
 
 def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, one_hot, shaped):

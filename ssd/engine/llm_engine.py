@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from functools import partial
 
 import torch
 
@@ -23,7 +24,7 @@ from ssd.core.bad_words import word_tokens
 from ssd.core.config import EngineConfig
 from ssd.core.grammar import GrammarCompiler, consume
 from ssd.core.logits_processing import Processing
-from ssd.core.sampling import BatchSampling, no_mass, process_logits, process_logits_on_device
+from ssd.core.sampling import BatchSampling, no_mass, process_logits, process_logits_on_device, sampling_tensors
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
@@ -34,8 +35,9 @@ from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_pro
 from ssd.engine.request_checks import check_fits, prompt_ids
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
-from ssd.engine.verify import verify, verify_on_device
+from ssd.engine.verify import verify, verify_step
 from ssd.model.runner import pad_rows, target_runner
+from ssd.model.step_graphs import run_step
 from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
@@ -286,26 +288,29 @@ class LLMEngine:
 
     def _verify_on_device(self, tokens, valid, spec, sampling, uniforms, before) -> tuple[RoundOutcome, dict | None]:
         """_verify with the target's logits kept on its device: processed and verified there,
-        then one copy of the counts and bonus tokens to the host."""
+        then one copy of the counts and bonus tokens to the host. Without processing or
+        logprobs, the steps after the forward are one step (verify_step) that replays a CUDA graph."""
         device = self.target.device
         logits = self.target.forward(self.cache, tokens, valid, on_host=False)  # [b, K+1, V], on device
-        target_probs = process_logits_on_device(logits, sampling.to(device))
-        drafted, num_draft, uniforms = (
-            t.to(device, non_blocking=True) for t in (spec.tokens, spec.num_draft, uniforms)
-        )
-        draft_probs = None if spec.probs is None else spec.probs.to(device, non_blocking=True)
-        # A draft token of -1: its distribution had no mass (sample_on_device); the host's sampler raises there.
-        in_spec = torch.arange(spec.k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
-        broken = ((drafted < 0) & in_spec).any(1)
-        drafted = drafted.clamp(min=0)
-        result = verify_on_device(drafted, draft_probs, target_probs, num_draft, uniforms[:, :-1], uniforms[:, -1])
-        counts = torch.stack([result.num_accepted, result.bonus_tokens, broken.long()]).cpu()  # the round's one copy
+        plain = sampling.adjust is None and not any(s.params.logprobs is not None for s in self.running)
+        drafts = (spec.tokens, spec.num_draft, uniforms, spec.probs)
+        target_probs = None
+        if plain:
+            how = "greedy" if bool(sampling.greedy.all()) else "logits"  # a host read of host tensors
+            # A greedy batch's step reads neither uniforms nor settings: none is copied in.
+            inputs = (*drafts[:2], None, None) if how == "greedy" else (*drafts, *sampling_tensors(sampling))
+            step = partial(verify_step, how)
+            (counts,) = run_step(self.target.steps, device, f"verify {how}", step, logits, *inputs)
+        else:  # the processed probs are what logprobs and processing read
+            target_probs = process_logits_on_device(logits, sampling.to(device))
+            (counts,) = run_step(None, device, "", partial(verify_step, "probs"), target_probs, *drafts)
+        counts = counts.cpu()  # the round's one copy
         if bool((counts[2] > 0).any()):
             raise no_mass("draft", "draft_dtype")
         if bool((counts[1] < 0).any()):
             raise no_mass("target", "dtype")
         outcome = RoundOutcome(counts[0], counts[1], before)
-        return outcome, self._round_logprobs(logits, target_probs, spec, outcome)
+        return outcome, None if plain else self._round_logprobs(logits, target_probs, spec, outcome)
 
     def _commit(
         self, spec: Speculation, outcome: RoundOutcome, logprobs: dict | None

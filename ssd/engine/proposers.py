@@ -11,6 +11,8 @@ the models load.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from collections.abc import Callable
 
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig
@@ -27,6 +29,8 @@ from ssd.transport.spawn import SpawnedWorkers, WorkerStarter
 # (engine config, the target's vocabulary size) -> where the draft pool gets its workers.
 WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
 
+logger = logging.getLogger(__name__)
+
 # The draft worker's entry point: what spawned worker processes run (`python -m WORKER_MODULE`).
 WORKER_MODULE = "ssd.worker"
 
@@ -39,6 +43,7 @@ def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) ->
     if config.mode not in ("ssd", "auto") or inprocess or config.draft_launcher == "ray" or not _spawns(config, given):
         return None
     _refuse_nccl_on_one_gpu(config)
+    _warn_on_a_shared_gpu_without_mps(config)
     return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
 
 
@@ -86,24 +91,49 @@ def resolve_provider(
     if not _spawns(config, given):
         return given
     _refuse_nccl_on_one_gpu(config)
+    if starter is None:  # worker_starter has said it
+        _warn_on_a_shared_gpu_without_mps(config)
     return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE, starter)
+
+
+def _gpu(device: str) -> str | None:
+    """The GPU a device names ("cuda" and "cuda:0" name one), or None for another kind."""
+    kind, _, index = device.partition(":")
+    return f"cuda:{index or 0}" if kind == "cuda" else None
 
 
 def _refuse_nccl_on_one_gpu(config: EngineConfig) -> None:
     """The torch transport joins the target and each spawned worker over NCCL on a CUDA device,
     and NCCL refuses two ranks on one GPU (ncclInvalidUsage, seen on the one-GPU H100 machine)."""
-
-    def gpu(device: str) -> str | None:  # "cuda" and "cuda:0" name one GPU
-        kind, _, index = device.partition(":")
-        return f"cuda:{index or 0}" if kind == "cuda" else None
-
-    shared = gpu(config.device)
-    if config.draft_transport == "torch" and shared is not None and shared == gpu(config.draft_device):
+    shared = _gpu(config.device)
+    if config.draft_transport == "torch" and shared is not None and shared == _gpu(config.draft_device):
         raise ValueError(
             f"draft_transport='torch' joins the target and each draft worker over NCCL, which refuses two "
             f"processes on one GPU ({shared}): put the draft on another GPU (draft_device), or use "
             "draft_transport 'shm' or 'grpc'"
         )
+
+
+def mps_running() -> bool:
+    """Whether a CUDA MPS control daemon serves this machine's processes: its pipe directory
+    (CUDA_MPS_PIPE_DIRECTORY, by default /tmp/nvidia-mps) holds its control pipe."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+
+
+def _warn_on_a_shared_gpu_without_mps(config: EngineConfig) -> None:
+    """Spawned draft workers on the target's GPU are other processes: without MPS the GPU
+    time-slices between processes, so a worker's tree decode runs only between the target's
+    kernels, and SSD falls behind SD (docs/gpu.md, one H200: ssd 340 tok/s against sd 579 without
+    MPS, 897 with it). A warning, not an error: the output is exact either way."""
+    shared = _gpu(config.device)
+    if shared is None or shared != _gpu(config.draft_device) or mps_running():
+        return
+    logger.warning(
+        "SSD's draft workers share %s with the target, and no CUDA MPS daemon is running: the GPU "
+        "time-slices between their processes and SSD runs slower than SD. Start MPS before the engine "
+        "(nvidia-cuda-mps-control -d), or put the draft on another GPU (draft_device), or use mode='sd'",
+        shared,
+    )
 
 
 def _spawns(config: EngineConfig, given: WorkerProviderFactory | None) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.core.sampling import sample_from, sample_on_device
+from ssd.core.sampling import BatchSampling, process_logits_on_device, sample_from, sample_on_device
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,35 @@ def verify_reference(
         num_accepted.append(k)
         bonus.append(tok)
     return VerifyResult(torch.tensor(num_accepted), torch.tensor(bonus))
+
+
+def verify_greedy_on_device(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor):
+    """verify_on_device for a batch whose rows are all greedy, from the target's logits [b, K+1, V]
+    without processing them: its one-hot target_probs accept a token iff it is the argmax and
+    draw the argmax as the bonus token, whatever draft_probs are. Same result, two kernels
+    instead of a vocabulary sort and softmaxes."""
+    k_max = draft_tokens.shape[1]
+    best = target_logits.argmax(-1)  # [b, K+1]: the index process_logits' one-hot rows put their mass at
+    in_spec = torch.arange(k_max, device=num_draft.device).unsqueeze(0) < num_draft.unsqueeze(1)  # [b, K]
+    num_accepted = ((draft_tokens == best[:, :k_max]) & in_spec).long().cumprod(-1).sum(-1)  # [b]
+    return VerifyResult(num_accepted, best.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
+
+
+def verify_step(how: str, target, drafted, num_draft, uniforms, draft_probs, temperature=None, top_k=None, top_p=None):
+    """A device round's verification after the target's forward, as one capturable step
+    (ssd/model/step_graphs.py). how: "greedy" (target: the logits [b, K+1, V] of a batch whose
+    rows are all greedy), "logits" (target: logits, processed here with the rows' temperature,
+    top_k and top_p [b] and nothing else) or "probs" (target: processed probs [b, K+1, V]).
+    drafted [b, K] (-1: a draft from a distribution without mass), num_draft [b], uniforms
+    [b, K+1], draft_probs [b, K, V] or None.
+    -> ([3, b] long: accepted counts, bonus tokens (-1: no mass), 1 where a draft was -1,)."""
+    in_spec = torch.arange(drafted.shape[1], device=drafted.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    broken = ((drafted < 0) & in_spec).any(1)
+    drafted = drafted.clamp(min=0)
+    if how == "greedy":
+        result = verify_greedy_on_device(drafted, target, num_draft)
+    else:
+        if how == "logits":
+            target = process_logits_on_device(target, BatchSampling(temperature, top_k, top_p))
+        result = verify_on_device(drafted, draft_probs, target, num_draft, uniforms[:, :-1], uniforms[:, -1])
+    return (torch.stack([result.num_accepted, result.bonus_tokens, broken.long()]),)

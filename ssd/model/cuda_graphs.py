@@ -43,12 +43,16 @@ MAX_NEW_TOKENS = 64  # tokens per row of the largest captured forward (a verific
 
 @dataclass
 class GraphStats:
-    """What a runner's graphs did: replays, eager forwards (outside the buckets), captures."""
+    """What a runner's graphs did: replays, eager forwards (outside the buckets), captures; and
+    the same for its device steps (ssd/model/step_graphs.py). capture_s counts both."""
 
     replays: int = 0
     eager_forwards: int = 0
     captures: int = 0
     capture_s: float = 0.0
+    step_replays: int = 0
+    step_captures: int = 0
+    step_eager: int = 0  # device steps run eagerly: signatures past step_graphs.MAX_GRAPHS
 
 
 @dataclass

@@ -11,6 +11,7 @@ from transformers import Cache
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
 from ssd.model.kv_cache import StaticKVCache
+from ssd.model.step_graphs import StepGraphs
 from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         if self.lean is not None and device.type == "cuda" and parallel is None and not eager:
             self.graphs = CudaGraphs(self.lean, device, self.attention_dtype)
+        # The sampling and verification between forwards replay graphs too, counted in the same stats.
+        self.steps: StepGraphs | None = StepGraphs(device, self.graphs.stats) if self.graphs is not None else None
 
     def close(self) -> None:
         """Nothing to release (a TensorParallelRunner, the other target runner, stops its ranks)."""

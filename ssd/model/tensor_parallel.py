@@ -190,6 +190,7 @@ class TensorParallelRunner:
         # The model's Hugging Face config and generation config, as a loaded model has them (the
         # engine reads its EOS there); set by the loader.
         self.config = self.generation_config = None
+        self.steps = None  # a split model's round steps run eagerly, as its forwards do
         self._lock = threading.Lock()
         self._caches = 0
         self.failure: str | None = None
