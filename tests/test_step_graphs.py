@@ -155,3 +155,19 @@ def test_the_steps_trace_without_a_graph_break():
     _traces(partial(verify_step, "greedy"), logits, drafted, num_draft, None, None)
     _traces(partial(verify_step, "logits"), logits, drafted, num_draft, uniforms, draft_probs, *settings)
     _traces(partial(draw_step, vocab, False), logits[:, :1], uniforms[:, :1], *settings)
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(monkeypatch, caplog):
+    stats = GraphStats()
+    steps = StepGraphs(CPU, stats, capture=False)
+
+    def refused(fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(steps, "_capture", refused)
+    with caplog.at_level("WARNING", logger="ssd.model.step_graphs"):
+        for _ in range(2):
+            (out,) = steps("h", lambda x: (x + 1,), torch.zeros(2))
+            assert out.tolist() == [1.0, 1.0]
+    assert stats.step_eager == 2 and stats.step_captures == 0 and stats.step_replays == 0
+    assert [r.getMessage().count("could not be captured") for r in caplog.records] == [1]  # said once

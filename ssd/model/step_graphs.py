@@ -21,11 +21,13 @@ host (a batch being all greedy, say) goes into the step's name, which is part of
 All graphs of one StepGraphs share a memory pool (their replays never overlap: one stream). A
 later capture may reuse memory an earlier graph only needs while it runs, so a replay may
 overwrite another graph's outputs: that is why callers get copies. At most MAX_GRAPHS are
-captured; a call with another signature after that runs eagerly, counted in the stats.
+captured; a call with another signature after that runs eagerly, counted in the stats, as does
+a step whose capture failed (with a warning that says why).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,9 @@ import torch
 from ssd.model.cuda_graphs import GraphStats
 
 MAX_GRAPHS = 64  # signatures per StepGraphs: batch sizes x a few names in practice
+_UNSEEN = object()  # a signature not met yet (None in StepGraphs.steps: met, and not capturable)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,20 +65,20 @@ class StepGraphs:
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(device) if capture else None
-        self.steps: dict[tuple, _Step] = {}
+        self.steps: dict[tuple, _Step | None] = {}
 
     def __call__(self, name: str, fn: Callable[..., tuple], *inputs: torch.Tensor | None) -> tuple:
         """fn(*inputs) by a graph replay (captured on the signature's first call) -> copies of its
         outputs, on this device."""
         key = (name, _signature(inputs))
-        step = self.steps.get(key)
-        if step is None and len(self.steps) >= MAX_GRAPHS:
+        step = self.steps.get(key, _UNSEEN)
+        if step is _UNSEEN and len(self.steps) < MAX_GRAPHS:
+            step = self.steps[key] = self._captured(name, fn, inputs)
+        elif step is not _UNSEEN and step is not None:
+            self._fill(step, inputs)
+        if step is _UNSEEN or step is None:  # past the limit, or not capturable
             self.stats.step_eager += 1
             return fn(*(None if t is None else t.to(self.device, non_blocking=True) for t in inputs))
-        if step is None:
-            step = self.steps[key] = self._capture(fn, inputs)
-        else:
-            self._fill(step, inputs)
         step.replay()
         self.stats.step_replays += 1
         return tuple(t.clone() for t in step.outputs)
@@ -85,6 +90,15 @@ class StepGraphs:
             if t.device.type == "cpu" and self.capture:
                 t = t.pin_memory()  # a copy from pageable memory would wait for every queued kernel
             buffer.copy_(t, non_blocking=True)
+
+    def _captured(self, name: str, fn: Callable[..., tuple], inputs: tuple) -> _Step | None:
+        """_capture, or None where the step cannot be captured (a kernel that a capture refuses):
+        said once, and the signature's calls run eagerly (counted in step_eager)."""
+        try:
+            return self._capture(fn, inputs)
+        except RuntimeError as err:
+            logger.warning("the device step %r could not be captured, so it runs eagerly: %s", name, err)
+            return None
 
     def _capture(self, fn: Callable[..., tuple], inputs: tuple) -> _Step:
         """Record fn on buffers filled with this call's inputs (the warm-up run that CUDA
