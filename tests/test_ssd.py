@@ -239,6 +239,13 @@ def test_reproducible_setting_on_the_default_transport(tiny_pair):
         m = llm.metrics()
     assert batched[0] == alone and again == alone
     assert m["cache_hit_rate"] > 0 and m["ssd"]["drafter_rounds_cut"] == 0, m
+    # Where the builds' time went: every tree whole (depth K = 4), glue and tree timed.
+    s = m["ssd"]
+    assert s["drafter_rounds_built"] >= s["drafter_rounds"] > 0 and s["drafter_prepare_us"] > 0, s
+    assert s["drafter_tree_depths"] == 4 * s["drafter_rounds_built"] and s["drafter_tree_us"] > 0, s
+    assert s["drafter_mean_depth"] == 4 and s["drafter_depth_ms"] == round(
+        s["drafter_tree_us"] / s["drafter_tree_depths"] / 1000, 3
+    )
 
 
 def test_seeded_sample_independent_of_batch(tiny_pair):

@@ -160,6 +160,13 @@ class DrafterCounters:
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
+    # Where the builds' time went (every tree built, taken-back ones not): trees, their depths,
+    # and microseconds preparing them (glue forward, fork, shaping) and decoding them. Over a
+    # verification's time these say whether a tree can reach depth K before the outcome comes.
+    built: int = 0
+    depths: int = 0
+    prepare_us: int = 0
+    tree_us: int = 0
     # Largest bytes of the branch probabilities one round kept ([b, N_own, depth, V] float32).
     branch_probs_bytes: int = 0
     # Peak resident memory of the worker process (VmHWM, read after a reply at most once a second:
@@ -174,9 +181,19 @@ class DrafterCounters:
             self.confirmed,
             self.taken_back,
             self.rejected,
+            self.built,
+            self.depths,
+            self.prepare_us,
+            self.tree_us,
             self.branch_probs_bytes,
             self.peak_rss_bytes,
         ]
+
+    def count_build(self, depth: int, prepare_s: float, tree_s: float) -> None:
+        """A tree built to `depth`, after prepare_s seconds of glue and fork and tree_s of decoding."""
+        self.built, self.depths = self.built + 1, self.depths + depth
+        self.prepare_us += round(prepare_s * 1e6)
+        self.tree_us += round(tree_s * 1e6)
 
     def copy(self) -> DrafterCounters:
         return DrafterCounters(*self.as_list())
@@ -186,8 +203,16 @@ class DrafterCounters:
         peaks = [max(a, b) for a, b in zip(self.as_list()[_COUNTS:], other.as_list()[_COUNTS:])]
         return DrafterCounters(*summed, *peaks)
 
-    def as_dict(self) -> dict[str, int]:
-        return {f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())}
+    def as_dict(self) -> dict[str, float]:
+        """The counters by name, and what they give per tree built: its mean depth, and the ms of
+        its preparation and of one of its depths (a pool's: the mean over its workers)."""
+        built, depths = max(self.built, 1), max(self.depths, 1)
+        return {
+            **{f"drafter_{name}": value for name, value in zip(COUNTER_NAMES, self.as_list())},
+            "drafter_mean_depth": round(self.depths / built, 3),
+            "drafter_prepare_ms": round(self.prepare_us / built / 1000, 3),
+            "drafter_depth_ms": round(self.tree_us / depths / 1000, 3),
+        }
 
 
 COUNTER_NAMES = (
@@ -197,10 +222,14 @@ COUNTER_NAMES = (
     "predicted_confirmed",
     "predicted_taken_back",
     "rejected_messages",
+    "rounds_built",
+    "tree_depths",
+    "prepare_us",
+    "tree_us",
     "branch_probs_bytes",
     "peak_rss_bytes",
 )
-_COUNTS = 6  # the first six are counts; the rest are high-water marks
+_COUNTS = 10  # the first ten are counts (summed over a pool's workers); the rest are high-water marks
 
 
 # Candidates ranked per outcome for the bonus token's rank: enough for fan-outs of up to 128

@@ -202,6 +202,7 @@ class TreeDrafter:
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.columns) if stale is not None else None,
         )  # fmt: skip
+        self.counters.count_build(depth, tree_started - started, now - tree_started)
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
 

@@ -34,7 +34,7 @@ from ssd.core.sampling import SequenceSampling
 
 # 6: greedy reply rows travel as their tokens alone (5: admissions carry each sequence's logits
 # processing; 4: its grammar; 3: replies carry the bonus token's rank)
-MAGIC = 0x55D0_0006
+MAGIC = 0x55D0_0007
 HEADER = 8
 
 
