@@ -4,8 +4,9 @@ uncaptured functions, and the buffers' mechanics, on CPU.
 1. verify_step's greedy shortcut (two kernels from the logits) equals the reference rule on the
    processed one-hot distributions, ties and drafts of -1 included; its "logits" form equals
    processing then verifying; draw_step's greedy draw equals sampling the processed one-hot rows.
-2. StepGraphs(capture=False) runs each step on static buffers as a replay would: refilled per
-   call, outputs copied out, None inputs kept, a signature past MAX_GRAPHS run eagerly.
+2. StepGraphs(capture=False) runs each step on static buffers as a replay would: rows padded
+   to a power of two, refilled per call, the call's rows copied out, None inputs kept, a
+   signature past MAX_GRAPHS or a failed capture run eagerly.
 3. The engine's device round through StepGraphs(capture=False), the SD draft's draws and the
    SSD tree's too, gives the host round's tokens, greedy (= Hugging Face) and sampled.
 4. Both steps trace under torch.compile(fullgraph=True): capturable.
@@ -56,9 +57,9 @@ def test_the_greedy_verify_step_equals_the_reference_rule(seed):
     draft_probs = random_dists(gen, (b, k, vocab))  # a greedy target reads none of it
     for probs in (None, draft_probs):
         want = verify_reference(drafted.clamp(min=0), probs, one_hot, num_draft, uniforms[:, :-1], uniforms[:, -1])
-        assert counts[0].tolist() == want.num_accepted.tolist() and counts[1].tolist() == want.bonus_tokens.tolist()
+        assert torch.equal(counts[:, :2], torch.stack([want.num_accepted, want.bonus_tokens], 1))
     in_spec = torch.arange(k).unsqueeze(0) < num_draft.unsqueeze(1)
-    assert counts[2].tolist() == ((drafted < 0) & in_spec).any(1).long().tolist()
+    assert counts[:, 2].tolist() == ((drafted < 0) & in_spec).any(1).long().tolist()
     (as_logits,) = verify_step("logits", logits, drafted, num_draft, uniforms, None, *_settings(greedy))
     assert torch.equal(as_logits, counts)
 
@@ -78,7 +79,7 @@ def test_the_sampled_verify_step_equals_processing_then_the_reference(seed):
     (counts,) = verify_step("logits", logits, drafted, num_draft, uniforms, draft_probs, *_settings(sampling))
     target = process_logits(logits, sampling)
     want = verify_reference(drafted, draft_probs, target, num_draft, uniforms[:, :-1], uniforms[:, -1])
-    assert counts[0].tolist() == want.num_accepted.tolist() and counts[1].tolist() == want.bonus_tokens.tolist()
+    assert torch.equal(counts[:, :2], torch.stack([want.num_accepted, want.bonus_tokens], 1))
     (of_probs,) = verify_step("probs", target, drafted, num_draft, uniforms, draft_probs)
     assert torch.equal(of_probs, counts)
 
@@ -107,15 +108,17 @@ def test_step_buffers_refill_copy_out_and_stop_capturing_past_the_limit(monkeypa
     a, b = steps("f", fn, torch.ones(3), None, torch.full((3,), 5.0))
     assert a.tolist() == [2.0] * 3 and b.tolist() == [6.0] * 3 and calls == [True]
     a.fill_(0)  # a caller's copy: the step's own outputs are not touched
-    a2, b2 = steps("f", fn, torch.arange(3.0), None, torch.zeros(3))
-    assert a2.tolist() == [0.0, 2.0, 4.0] and b2.tolist() == [0.0, 1.0, 2.0]
-    assert (stats.step_captures, stats.step_replays, stats.step_eager) == (1, 2, 0)
-    steps("f", fn, torch.ones(4), None, torch.ones(4))  # another shape: another step
+    a2, b2 = steps("f", fn, torch.arange(4.0), None, torch.zeros(4))  # 3 and 4 rows: one bucket
+    assert a2.tolist() == [0.0, 2.0, 4.0, 6.0] and b2.tolist() == [0.0, 1.0, 2.0, 3.0]
+    a3, _ = steps("f", fn, torch.full((3,), 7.0), None, torch.zeros(3))  # the rows given, not the bucket's
+    assert a3.tolist() == [14.0] * 3 and len(steps.steps) == 1
+    assert (stats.step_captures, stats.step_replays, stats.step_eager) == (1, 3, 0)
+    steps("f", fn, torch.ones(5), None, torch.ones(5))  # another bucket: another step
     steps("g", fn, torch.ones(4), None, torch.ones(4))  # another name: another step
     assert len(steps.steps) == 3
     monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 3)
-    (c, _) = steps("f", fn, torch.ones(5), None, torch.ones(5))
-    assert c.tolist() == [2.0] * 5 and stats.step_eager == 1 and len(steps.steps) == 3
+    (c, _) = steps("f", fn, torch.ones(9), None, torch.ones(9))
+    assert c.tolist() == [2.0] * 9 and stats.step_eager == 1 and len(steps.steps) == 3
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
@@ -161,7 +164,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(monkeypatch, c
     stats = GraphStats()
     steps = StepGraphs(CPU, stats, capture=False)
 
-    def refused(fn, inputs):
+    def refused(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(steps, "_capture", refused)

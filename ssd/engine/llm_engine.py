@@ -304,12 +304,12 @@ class LLMEngine:
         else:  # the processed probs are what logprobs and processing read
             target_probs = process_logits_on_device(logits, sampling.to(device))
             (counts,) = run_step(None, device, "", partial(verify_step, "probs"), target_probs, *drafts)
-        counts = counts.cpu()  # the round's one copy
-        if bool((counts[2] > 0).any()):
+        accepted, bonus, broken = counts.cpu().unbind(1)  # the round's one copy
+        if bool((broken > 0).any()):
             raise no_mass("draft", "draft_dtype")
-        if bool((counts[1] < 0).any()):
+        if bool((bonus < 0).any()):
             raise no_mass("target", "dtype")
-        outcome = RoundOutcome(counts[0], counts[1], before)
+        outcome = RoundOutcome(accepted, bonus, before)
         return outcome, None if plain else self._round_logprobs(logits, target_probs, spec, outcome)
 
     def _commit(

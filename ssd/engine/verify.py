@@ -133,7 +133,7 @@ def verify_step(how: str, target, drafted, num_draft, uniforms, draft_probs, tem
     top_k and top_p [b] and nothing else) or "probs" (target: processed probs [b, K+1, V]).
     drafted [b, K] (-1: a draft from a distribution without mass), num_draft [b], uniforms
     [b, K+1], draft_probs [b, K, V] or None.
-    -> ([3, b] long: accepted counts, bonus tokens (-1: no mass), 1 where a draft was -1,)."""
+    -> ([b, 3] long: accepted count, bonus token (-1: no mass), 1 where a draft was -1,)."""
     in_spec = torch.arange(drafted.shape[1], device=drafted.device).unsqueeze(0) < num_draft.unsqueeze(1)
     broken = ((drafted < 0) & in_spec).any(1)
     drafted = drafted.clamp(min=0)
@@ -143,4 +143,4 @@ def verify_step(how: str, target, drafted, num_draft, uniforms, draft_probs, tem
         if how == "logits":
             target = process_logits_on_device(target, BatchSampling(temperature, top_k, top_p))
         result = verify_on_device(drafted, draft_probs, target, num_draft, uniforms[:, :-1], uniforms[:, -1])
-    return (torch.stack([result.num_accepted, result.bonus_tokens, broken.long()]),)
+    return (torch.stack([result.num_accepted, result.bonus_tokens, broken.long()], 1),)

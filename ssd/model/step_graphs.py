@@ -13,10 +13,15 @@ functions of ssd/core/sampling.py and ssd/engine/verify.py are written so, and
 tests/test_device_round.py traces them with fullgraph=True. Anything a function decides on the
 host (a batch being all greedy, say) goes into the step's name, which is part of its key.
 
-    key      (name, each input's shape and dtype, or None)
+    key      (name, each input's shape and dtype, or None), rows padded
     inputs   static device buffers; a call copies its inputs in (host ones through pinned memory,
              without waiting for the device)
-    outputs  what the capture allocated; a call returns copies of them
+    outputs  what the capture allocated; a call returns copies of its rows
+
+Dimension 0 of every input and output is the batch's rows, b, and a step is captured for b
+rounded up to a power of two (as the forwards' buckets are): a server meets a handful of
+buckets, not every batch size, and at a 128k vocabulary the verification's [b, K+1, V] logits
+buffer is 3.6 MB a row. Rows past b hold zeros or an earlier call's rows: computed, and dropped.
 
 All graphs of one StepGraphs share a memory pool (their replays never overlap: one stream). A
 later capture may reuse memory an earlier graph only needs while it runs, so a replay may
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.model.cuda_graphs import GraphStats
+from ssd.model.cuda_graphs import GraphStats, padded
 
 MAX_GRAPHS = 64  # signatures per StepGraphs: batch sizes x a few names in practice
 _UNSEEN = object()  # a signature not met yet (None in StepGraphs.steps: met, and not capturable)
@@ -49,8 +54,15 @@ class _Step:
     outputs: tuple[torch.Tensor, ...] = ()  # written by each replay
 
 
-def _signature(inputs: tuple) -> tuple:
-    return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
+def _rows(inputs: tuple) -> int:
+    """The batch's rows: dimension 0 of every input given."""
+    rows = {t.shape[0] for t in inputs if t is not None}
+    assert len(rows) == 1, f"a step's inputs share their rows (dimension 0): {rows}"
+    return rows.pop()
+
+
+def _signature(inputs: tuple, rows: int) -> tuple:
+    return tuple(None if t is None else ((rows, *t.shape[1:]), t.dtype) for t in inputs)
 
 
 class StepGraphs:
@@ -70,10 +82,11 @@ class StepGraphs:
     def __call__(self, name: str, fn: Callable[..., tuple], *inputs: torch.Tensor | None) -> tuple:
         """fn(*inputs) by a graph replay (captured on the signature's first call) -> copies of its
         outputs, on this device."""
-        key = (name, _signature(inputs))
+        b = _rows(inputs)
+        key = (name, _signature(inputs, padded(b)))
         step = self.steps.get(key, _UNSEEN)
         if step is _UNSEEN and len(self.steps) < MAX_GRAPHS:
-            step = self.steps[key] = self._captured(name, fn, inputs)
+            step = self.steps[key] = self._captured(name, fn, inputs, padded(b))
         elif step is not _UNSEEN and step is not None:
             self._fill(step, inputs)
         if step is _UNSEEN or step is None:  # past the limit, or not capturable
@@ -81,7 +94,7 @@ class StepGraphs:
             return fn(*(None if t is None else t.to(self.device, non_blocking=True) for t in inputs))
         step.replay()
         self.stats.step_replays += 1
-        return tuple(t.clone() for t in step.outputs)
+        return tuple(t[:b].clone() for t in step.outputs)
 
     def _fill(self, step: _Step, inputs: tuple) -> None:
         for buffer, t in zip(step.inputs, inputs):
@@ -89,22 +102,24 @@ class StepGraphs:
                 continue
             if t.device.type == "cpu" and self.capture:
                 t = t.pin_memory()  # a copy from pageable memory would wait for every queued kernel
-            buffer.copy_(t, non_blocking=True)
+            buffer[: t.shape[0]].copy_(t, non_blocking=True)
 
-    def _captured(self, name: str, fn: Callable[..., tuple], inputs: tuple) -> _Step | None:
+    def _captured(self, name: str, fn: Callable[..., tuple], inputs: tuple, rows: int) -> _Step | None:
         """_capture, or None where the step cannot be captured (a kernel that a capture refuses):
         said once, and the signature's calls run eagerly (counted in step_eager)."""
         try:
-            return self._capture(fn, inputs)
+            return self._capture(fn, inputs, rows)
         except RuntimeError as err:
             logger.warning("the device step %r could not be captured, so it runs eagerly: %s", name, err)
             return None
 
-    def _capture(self, fn: Callable[..., tuple], inputs: tuple) -> _Step:
-        """Record fn on buffers filled with this call's inputs (the warm-up run that CUDA
-        libraries need before a capture computes this call's outputs too)."""
+    def _capture(self, fn: Callable[..., tuple], inputs: tuple, rows: int) -> _Step:
+        """Record fn on buffers of `rows` rows filled with this call's inputs (the warm-up run
+        that CUDA libraries need before a capture computes this call's outputs too)."""
         started = time.perf_counter()
-        buffers = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in inputs)
+        buffers = tuple(
+            None if t is None else torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in inputs
+        )
         step = _Step(buffers, replay=lambda: None)
         self._fill(step, inputs)
         if not self.capture:
