@@ -348,8 +348,8 @@ def test_nccl_between_two_processes_on_one_gpu_is_refused_before_any_starts():
 
 def test_draft_workers_sharing_the_targets_gpu_without_mps_are_warned_of(tmp_path, monkeypatch, caplog):
     """Without CUDA MPS a GPU time-slices between processes, and SSD with its workers on the
-    target's GPU ran at 0.59x SD on the H200 (0.38x of its speed with MPS): the engine says so,
-    and what to change, where it starts the workers; not with MPS up, nor for other GPUs."""
+    target's GPU ran at 0.37x SD on the H200 (0.67x with MPS): the engine says so, and what to
+    change, where it starts the workers; not with MPS up, nor for other GPUs."""
     from dataclasses import replace
 
     from ssd.core.config import EngineArgs

@@ -160,9 +160,11 @@ class DrafterCounters:
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
-    # Where the builds' time went (every tree built, taken-back ones not): trees, their depths,
-    # and microseconds preparing them (glue forward, fork, shaping) and decoding them. Over a
-    # verification's time these say whether a tree can reach depth K before the outcome comes.
+    # Where the builds' time went (every tree built, but those of predicted rounds that went stale
+    # while building): trees, their depths, and host microseconds preparing them (glue forward,
+    # fork, shaping) and decoding them. On a device the glue's kernels are queued, not waited
+    # for, so some of their time shows in the first depth's. Against a verification's time these
+    # say whether a tree can reach depth K before the outcome comes.
     built: int = 0
     depths: int = 0
     prepare_us: int = 0

@@ -131,7 +131,7 @@ class SDProposer:
             return draw_step(self.target_vocab, True, logits, None)[0][:, 0], None
         step = partial(draw_step, self.target_vocab, False)
         inputs = (logits, uniforms[:, None], *sampling_tensors(sampling))
-        tok, probs = run_step(self.runner.steps, self.runner.device, "draw", step, *inputs)
+        tok, probs = run_step(self.runner.steps, self.runner.device, f"draw V={self.target_vocab}", step, *inputs)
         return tok[:, 0], probs[:, 0]
 
     def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None:

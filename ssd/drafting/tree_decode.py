@@ -115,6 +115,8 @@ def decode_tree(
     # Sampled rows kept sparse: top-k ones, by their counted support, on the host.
     narrow = (rnd.sampling.top_k > 0).tolist()
     sampling = rnd.sampling.to(rnd.candidates.device)
+    if on_device and shaped is None and not argmax_only:  # each branch a row of the depths' draw step
+        flat_settings = tuple(t.repeat_interleave(n) for t in sampling_tensors(sampling))  # [b N] each
     feed, tokens, kept = rnd.candidates, [], BranchProbs(vocab, greedy)
     for d in range(k):
         positions = rnd.committed.view(b, 1) + rnd.outcome + d
@@ -125,7 +127,7 @@ def decode_tree(
             drawn = to_vocab(step, vocab).argmax(-1)  # [b, N]
         else:
             if on_device and shaped is None:
-                drawn, probs = _draw_on_device(runner, step, rnd, d, sampling, saguaro_c, vocab)
+                drawn, probs = _draw_on_device(runner, step, rnd, d, flat_settings, saguaro_c, vocab)
             else:
                 drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped)
             kept.add(probs, narrow, counted=not on_device)
@@ -143,12 +145,17 @@ def decode_tree(
     return torch.stack(tokens, -1), kept
 
 
-def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, vocab):
+def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, flat_settings: tuple, saguaro_c, vocab):
     """_draw of a depth without shaping on the draft's device, as one step (draw_step) that
-    replays a CUDA graph where the runner has them."""
+    replays a CUDA graph where the runner has them. The b x N branches are the step's rows (each
+    draws from its own logits with its row's settings, flat_settings [b N] each), so that its
+    captures vary with b N in power-of-two buckets, not with every budget and batch size."""
     b, n = rnd.candidates.shape
-    inputs = (step, rnd.uniforms[:, d], *sampling_tensors(sampling), rnd.fanout[d].expand(b, n))
-    return run_step(runner.steps, runner.device, "tree draw", partial(draw_step, vocab, False, c=saguaro_c), *inputs)
+    fanout = rnd.fanout[d].expand(b * n, 1)
+    inputs = (step.reshape(b * n, 1, -1), rnd.uniforms[:, d].reshape(b * n, 1), *flat_settings, fanout)
+    draw = partial(draw_step, vocab, False, c=saguaro_c)
+    tokens, probs = run_step(runner.steps, runner.device, f"tree draw V={vocab} C={saguaro_c}", draw, *inputs)
+    return tokens.view(b, n), probs.view(b, n, -1)
 
 
 def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, one_hot, shaped):

@@ -123,15 +123,15 @@ def mps_running() -> bool:
 def _warn_on_a_shared_gpu_without_mps(config: EngineConfig) -> None:
     """Spawned draft workers on the target's GPU are other processes: without MPS the GPU
     time-slices between processes, so a worker's tree decode runs only between the target's
-    kernels, and SSD falls behind SD (docs/gpu.md, one H200: ssd 340 tok/s against sd 579 without
-    MPS, 897 with it). A warning, not an error: the output is exact either way."""
+    kernels (docs/gpu.md, one H200, demo pair: SSD at 0.37x SD without MPS, 0.67x with it). A
+    warning, not an error: the output is exact either way."""
     shared = _gpu(config.device)
     if shared is None or shared != _gpu(config.draft_device) or mps_running():
         return
     logger.warning(
         "SSD's draft workers share %s with the target, and no CUDA MPS daemon is running: the GPU "
-        "time-slices between their processes and SSD runs slower than SD. Start MPS before the engine "
-        "(nvidia-cuda-mps-control -d), or put the draft on another GPU (draft_device), or use mode='sd'",
+        "time-slices between their processes, which starves the workers' trees. Start MPS before the engine "
+        "(nvidia-cuda-mps-control -d), or put the draft on another GPU (draft_device), or compare with mode='sd'",
         shared,
     )
 

@@ -52,7 +52,7 @@ class GraphStats:
     capture_s: float = 0.0
     step_replays: int = 0
     step_captures: int = 0
-    step_eager: int = 0  # device steps run eagerly: signatures past step_graphs.MAX_GRAPHS
+    step_eager: int = 0  # device steps run eagerly: past step_graphs.MAX_GRAPHS, or not capturable
 
 
 @dataclass

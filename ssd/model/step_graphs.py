@@ -11,7 +11,8 @@ What may be captured: a pure function of tensors (None allowed in place of one) 
 of tensors, with no host reads and the same kernels for the same input shapes: the device
 functions of ssd/core/sampling.py and ssd/engine/verify.py are written so, and
 tests/test_device_round.py traces them with fullgraph=True. Anything a function decides on the
-host (a batch being all greedy, say) goes into the step's name, which is part of its key.
+host (a batch being all greedy, say) and every constant bound into it (the vocabulary, Saguaro's
+C) goes into the step's name, which is part of its key.
 
     key      (name, each input's shape and dtype, or None), rows padded
     inputs   static device buffers; a call copies its inputs in (host ones through pinned memory,
@@ -114,8 +115,8 @@ class StepGraphs:
             return None
 
     def _capture(self, fn: Callable[..., tuple], inputs: tuple, rows: int) -> _Step:
-        """Record fn on buffers of `rows` rows filled with this call's inputs (the warm-up run
-        that CUDA libraries need before a capture computes this call's outputs too)."""
+        """Record fn on buffers of `rows` rows, filled with this call's inputs before the warm-up
+        run that CUDA libraries need ahead of a capture (the caller's replay then computes them)."""
         started = time.perf_counter()
         buffers = tuple(
             None if t is None else torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in inputs
