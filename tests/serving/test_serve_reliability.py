@@ -312,7 +312,7 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
     with grpc.insecure_channel(served.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
         metadata = [("application", "main"), ("authorization", f"Bearer {served.api_key}")]
-        for _ in range(7):
+        for _ in range(9):
             for body, status, _ in BAD:
                 if status == 200:
                     continue
@@ -348,10 +348,12 @@ def test_bad_input_barrage_http_and_grpc_leaves_memory_flat(served):
     # which refuses nearly all of the barrage, within 24 MiB. A target replica that had served
     # little before (this module run alone) takes one step of 35-50 MiB at a varying moment
     # within its first minute, then stays flat (readings taken alone: 542, 582, 582, 582, 585,
-    # 585, 585); its bound is 64 MiB, which a leak of 13 MiB or more per repeat exceeds.
+    # 585, 585). One reading can also be high for a moment and fall back: a CI run read 577, 588,
+    # 569, 559, 592, 591, 638, so each end is the lower of two readings (repeats 2-3 and the
+    # last two). A leak of L MiB per repeat grows that by 5 L: the bound of 64 MiB catches 13.
     assert set(sizes[0]) == set(sizes[-1]) and len(sizes[0]) == 2, sizes
     for title in sizes[0]:
-        growth = sizes[-1][title] - sizes[2][title]
+        growth = min(s[title] for s in sizes[-2:]) - min(s[title] for s in sizes[2:4])
         assert growth < (24 if title.endswith(":Ingress") else 64), (title, [s[title] for s in sizes])
 
 
