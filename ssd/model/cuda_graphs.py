@@ -63,6 +63,22 @@ class _Captured:
     logits: torch.Tensor | None = None  # [B, n, V] float32, written by each replay
 
 
+def record(run: Callable[[], object], device: torch.device, stream, pool) -> tuple[Callable[[], None], object]:
+    """A CUDA graph of run() on `stream`, its memory in `pool`, after one warm-up run there (CUDA
+    libraries need one before a capture) -> (the graph's replay, what run() returned during the
+    capture: the tensors each replay rewrites)."""
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        run()
+    current.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread of this process (a channel's receiver) may use CUDA meanwhile.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = run()
+    return graph.replay, out
+
+
 def padded(x: int, floor: int = 1) -> int:
     """The bucket of x: the next power of two, at least floor."""
     return max(floor, 1 << (max(1, x) - 1).bit_length())
@@ -154,15 +170,7 @@ class CudaGraphs:
         if not self.capture:
             entry.replay = lambda: setattr(entry, "logits", run())
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                run()
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread of this process (a channel's receiver) may use CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                entry.logits = run()
-            entry.replay = graph.replay
+            entry.replay, entry.logits = record(run, self.device, self.stream, self.pool)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - started
         return entry

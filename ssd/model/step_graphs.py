@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.model.cuda_graphs import GraphStats, padded
+from ssd.model.cuda_graphs import GraphStats, padded, record
 
 MAX_GRAPHS = 64  # signatures per StepGraphs: batch sizes x a few names in practice
 _UNSEEN = object()  # a signature not met yet (None in StepGraphs.steps: met, and not capturable)
@@ -130,16 +130,8 @@ class StepGraphs:
 
             step.replay = run
         else:
-            current = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(current)
-            with torch.cuda.stream(self.stream):
-                fn(*buffers)
-            current.wait_stream(self.stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread of this process (a channel's receiver) may use CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                step.outputs = tuple(fn(*buffers))
-            step.replay = graph.replay
+            step.replay, outputs = record(lambda: fn(*buffers), self.device, self.stream, self.pool)
+            step.outputs = tuple(outputs)
         self.stats.step_captures += 1
         self.stats.capture_s += time.perf_counter() - started
         return step
