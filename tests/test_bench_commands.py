@@ -8,7 +8,7 @@ import json
 
 from loadtest import offline
 from loadtest.bench import median_cell
-from ssd.bench import constrained, grammar_cost, processing_cost, processing_share, vocab_speed
+from ssd.bench import constrained, grammar_cost, pack_time, processing_cost, processing_share, vocab_speed
 
 
 def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):
@@ -34,6 +34,16 @@ def test_processing_share_times_the_engines_processing(demo_pair, tmp_path):
     processing_share.main(["--batch", "2", "--k", "3", "--repeats", "1", "--out", str(out)])
     (row,) = json.loads(out.read_text())
     assert row["batch"] == 2 and row["k"] == 3 and 0 < row["share"] < 1, row
+
+
+def test_pack_time_prints_each_form_and_a_rounds_messages(capsys):
+    assert pack_time.main(["--vocab", "300", "--batch", "2", "--repeats", "2"]) == 0
+    forms = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(forms) == 4, forms
+    assert pack_time.main(["--round", "--batch", "1", "--repeats", "3"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [r[0] for r in rows] == ["| BEGIN_ROUND", "| RESOLVE", "| REPLY"], rows
+    assert all(float(x.strip(" |")) > 0 for r in rows for x in r[1:]), rows
 
 
 def test_vocab_speed_writes_each_mode_temperature_and_batch(tmp_path):

@@ -1,11 +1,15 @@
 """Host time of a reply on the wire at a real vocabulary (`python -m ssd.bench.pack_time`): how
 long framing (the worker's side) and unframing (the target's) one REPLY takes per row, for each
-form a row's draft distributions travel in (ssd/transport/wire.py pack_probs).
+form a row's draft distributions travel in (ssd/transport/reply_probs.py pack_probs).
 
 Rows: greedy, marked by the drafter (what a drafter sends: tokens only, no distributions),
 one-hot found by scanning (a reply that does not mark its greedy rows), top-50 support, dense.
 Median of --repeats frames of a batch of --batch rows, divided by the batch. One thread, as a
 draft worker runs.
+
+--round: instead, the microseconds of the three frames every SSD round sends at batch --batch
+(the announcement BEGIN_ROUND, the outcome RESOLVE, and a REPLY of greedy rows), framed and
+unframed, median of --repeats; at batch 1 they sit on the round's critical path.
 """
 
 from __future__ import annotations
@@ -65,13 +69,53 @@ def measure(vocab: int, k: int, batch: int, repeats: int) -> dict[str, tuple[flo
     return out
 
 
+def round_messages(k: int, batch: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """kind -> (frame us, unframe us) of one round's messages at `batch` greedy rows, medians."""
+    import torch
+
+    from ssd.core.protocol import BeginRoundMsg, DrafterCounters, MsgType, ResolveMsg, SpeculationReply
+    from ssd.transport.wire import frame, unframe
+
+    torch.set_num_threads(1)
+    ids, fanout, rows = list(range(batch)), [3, 2, 2, 1, 1, 1, 1][: k + 1], torch.ones(batch, dtype=torch.bool)
+    tokens, num_draft = torch.randint(258, (batch, k)), torch.full((batch,), k)
+    messages = {
+        "BEGIN_ROUND": BeginRoundMsg(5, ids, tokens, num_draft, fanout, [120] * batch),
+        "RESOLVE": ResolveMsg(5, ids, torch.full((batch,), 4), torch.full((batch,), 17), True, fanout),
+        "REPLY": SpeculationReply(
+            5, ids, rows, tokens, None, num_draft, 0.01, DrafterCounters(), rows, torch.zeros(batch, dtype=torch.long),
+            rows,
+        ),
+    }  # fmt: skip
+    out = {}
+    for name, msg in messages.items():
+        kind = MsgType[name]
+        enc, dec = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            header, body = frame(kind, msg, 1)
+            framed = time.perf_counter()
+            unframe(header, body)
+            enc.append(framed - started)
+            dec.append(time.perf_counter() - framed)
+        out[name] = (1e6 * statistics.median(enc), 1e6 * statistics.median(dec))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ssd.bench.pack_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=128_256, help="vocabulary size V")
     p.add_argument("--k", type=int, default=6, help="speculation length K")
     p.add_argument("--batch", type=int, default=4, help="rows per reply")
     p.add_argument("--repeats", type=int, default=20, help="frames timed per form (median)")
+    p.add_argument("--round", action="store_true", help="time a round's three messages instead (microseconds)")
     args = p.parse_args(argv)
+    if args.round:
+        sys.stdout.write(f"K {args.k}, {args.batch} greedy rows, median of {args.repeats}\n")
+        sys.stdout.write("| message | frame us | unframe us |\n|---|---|---|\n")
+        for name, (enc, dec) in round_messages(args.k, args.batch, args.repeats).items():
+            sys.stdout.write(f"| {name} | {enc:.1f} | {dec:.1f} |\n")
+        return 0
     sys.stdout.write(f"V {args.vocab}, K {args.k}, {args.batch} rows per reply, median of {args.repeats}\n")
     sys.stdout.write("| row form | frame ms per row | unframe ms per row |\n|---|---|---|\n")
     for name, (enc, dec) in measure(args.vocab, args.k, args.batch, args.repeats).items():

@@ -61,6 +61,15 @@ class SpeculationTree:
         """The same branches' distributions [m, depth, V], on the host (one copy)."""
         return torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
 
+    def copy_branches(self, picks: list[tuple[int, int]], rows: list[int], greedy: list[bool], tokens, probs) -> None:
+        """Branches of this shard (picks, as in branch_tokens) into reply rows `rows` (one each, in
+        order) of tokens [b, K], and the sampled rows' (greedy [b]) distributions into probs
+        [b, K, V] (None: no row is sampled)."""
+        tokens[rows, : self.depth] = self.branch_tokens(picks)
+        sampled = [(p, r) for p, r in zip(picks, rows) if not greedy[r]]
+        if sampled:
+            probs[[r for _, r in sampled], : self.depth] = self.branch_probs([p for p, _ in sampled])
+
 
 @dataclass
 class BranchProbs:

@@ -290,66 +290,84 @@ class TreeDrafter:
     def resolve(self, msg: ResolveMsg) -> None:
         """Record the outcome of every row; the answer (reply()) holds cached branches for hits
         and, when asked, neural-backup speculations for misses: tokens, and the distributions of
-        the sampled rows only (a greedy row's verification reads none)."""
+        the sampled rows only (a greedy row's verification reads none). Rows are tracked in host
+        lists: this sits between the target's outcome and its next verification (at batch 1 each
+        tensor operation costs microseconds)."""
         rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
-        b, greedy = len(seq_ids), self._greedy(seq_ids)
-        hit, covered = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
-        rank = torch.full((b,), -1, dtype=torch.long)
+        b = len(seq_ids)
+        greedy = [self.states[s].sampling.temperature == 0 for s in seq_ids]
         tokens = torch.zeros(b, k, dtype=torch.long)
-        probs = None if bool(greedy.all()) else torch.zeros(b, k, self.jit.target_vocab)
-        known = [r for r, s in enumerate(seq_ids) if rnd is not None and s in rnd.seq_ids]
-        if known:
-            index = self._commit_outcomes(rnd, msg, known)
-            rows = torch.tensor(known, dtype=torch.long)
-            found, branch, rank[rows] = rnd.lookup(index, msg.num_accepted[rows], msg.bonus_tokens[rows])
-            covered[rows] = found.bool()
-            mine = found.bool() & (branch % self.num_shards == self.shard)
-            hit[rows] = mine
-            if bool(mine.any()):  # known rows are in batch order: picks follow hit's rows
-                picks = [(i, n // self.num_shards) for i, n, m in zip(index, branch.tolist(), mine.tolist()) if m]
-                self._copy_branches(rnd, picks, hit, greedy, tokens, probs)
-        num_draft = torch.where(hit, rnd.depth if rnd is not None else 0, 0)
+        probs = None if all(greedy) else torch.zeros(b, k, self.jit.target_vocab)
+        hit, covered, rank = self._look_up(rnd, msg, greedy, tokens, probs)
+        depth = rnd.depth if rnd is not None else 0
+        num_draft = torch.tensor([depth if h else 0 for h in hit], dtype=torch.long)
         if rnd is not None:
             self.counters.rounds += 1
             self.counters.cut += int(rnd.depth < k)
         self.round = None
         # The neural backup drafts the rows no shard holds (a row another drafter holds is
         # answered by that one); the pool asks one drafter per round.
-        if msg.neural_backup and not bool(covered.all()):
-            spec = self._draft_just_in_time(seq_ids, (~covered).tolist())
-            spec = spec.on_host(~covered)
-            tokens[~covered] = spec.tokens[~covered]
+        if msg.neural_backup and not all(covered):
+            missed = torch.tensor([not c for c in covered], dtype=torch.bool)
+            spec = self._draft_just_in_time(seq_ids, missed.tolist())
+            spec = spec.on_host(missed)
+            tokens[missed] = spec.tokens[missed]
             if probs is not None:
-                probs[~covered & ~greedy] = spec.probs[~covered & ~greedy]
-            num_draft = torch.where(covered, num_draft, k)
+                sampled = missed & ~torch.tensor(greedy, dtype=torch.bool)
+                probs[sampled] = spec.probs[sampled]
+            num_draft = torch.where(missed, k, num_draft)
+        flags = torch.tensor([hit, covered, greedy], dtype=torch.bool)  # [3, b]
+        seconds = rnd.build_seconds if rnd is not None else 0.0
         self._reply = SpeculationReply(
-            msg.round_id, msg.seq_ids, hit, tokens, probs, num_draft, rnd.build_seconds if rnd is not None else 0.0,
-            self.counters.copy(), covered, rank, greedy,
+            msg.round_id, msg.seq_ids, flags[0], tokens, probs, num_draft, seconds, self.counters.copy(), flags[1],
+            torch.tensor(rank, dtype=torch.long), flags[2],
         )  # fmt: skip
+
+    def _look_up(
+        self, rnd: SpeculationTree | None, msg: ResolveMsg, greedy: list[bool], tokens: torch.Tensor, probs
+    ) -> tuple[list[bool], list[bool], list[int]]:
+        """Commit the outcome of every row the round holds and look it up in the round's grid;
+        -> per row (hit: this shard holds its branch, covered: some shard does, the bonus
+        token's rank; False, False, -1 for a row the round does not hold). The hits' branches go
+        into tokens [b, K] and, for sampled rows, probs [b, K, V]."""
+        b = len(msg.seq_ids)
+        hit, covered, rank = [False] * b, [False] * b, [-1] * b
+        known = [r for r, s in enumerate(msg.seq_ids) if rnd is not None and s in rnd.seq_ids]
+        if not known:
+            return hit, covered, rank
+        index = self._commit_outcomes(rnd, msg, known)
+        accepted, bonus = msg.num_accepted, msg.bonus_tokens
+        if len(known) < b:
+            rows = torch.tensor(known, dtype=torch.long)
+            accepted, bonus = accepted[rows], bonus[rows]
+        found, branch, ranks = rnd.lookup(index, accepted, bonus).tolist()
+        picks = []  # (row in the round, branch of this shard) per hit row, in batch order
+        for r, i, f, n, place in zip(known, index, found, branch, ranks):
+            covered[r], rank[r] = bool(f), place
+            if f and n % self.num_shards == self.shard:
+                hit[r] = True
+                picks.append((i, n // self.num_shards))
+        if picks:
+            rnd.copy_branches(picks, [r for r, h in enumerate(hit) if h], greedy, tokens, probs)
+        return hit, covered, rank
 
     def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int]) -> list[int]:
         """Append each known row's accepted drafts and bonus token to what it has committed, and
         drop the glue columns of its rejected drafts from the cache; -> each one's row in the
         round."""
-        index = [rnd.seq_ids.index(msg.seq_ids[r]) for r in known]
-        rejected = torch.zeros(len(rnd.seq_ids), dtype=torch.long)  # per cache row: s_T's glue columns to drop
+        position = {s: i for i, s in enumerate(rnd.seq_ids)}
+        index = [position[msg.seq_ids[r]] for r in known]
+        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
+        rejected = [0] * len(rnd.seq_ids)  # per cache row: s_T's glue columns to drop
         for r, i in zip(known, index):
-            s, acc, bonus = msg.seq_ids[r], int(msg.num_accepted[r]), int(msg.bonus_tokens[r])
-            self.states[s].tokens.extend(rnd.spec_tokens[i][:acc] + [bonus])
-            self.grammars.commit(s, rnd.spec_tokens[i][:acc] + [bonus])
+            s, acc = msg.seq_ids[r], accepted[r]
+            committed = rnd.spec_tokens[i][:acc] + [bonus[r]]
+            self.states[s].tokens.extend(committed)
+            self.grammars.commit(s, committed)
             rejected[i] = len(rnd.spec_tokens[i]) - acc
-        self.cache.drop_last(rejected)  # the accepted drafts' columns stay: they hold committed tokens now
+        # The accepted drafts' columns stay: they hold committed tokens now.
+        self.cache.drop_last(torch.tensor(rejected, dtype=torch.long))
         return index
-
-    @staticmethod
-    def _copy_branches(rnd, picks, hit, greedy, tokens, probs) -> None:
-        """The hit rows' cached branches (picks: (row in the round, branch of this shard) per hit
-        row, in order) into the reply's tokens [b, K], and the sampled ones' distributions into
-        probs [b, K, V] (None: no row is sampled)."""
-        tokens[hit, : rnd.depth] = rnd.branch_tokens(picks)
-        sampled = [p for p, g in zip(picks, greedy[hit].tolist()) if not g]
-        if sampled:
-            probs[hit & ~greedy, : rnd.depth] = rnd.branch_probs(sampled)
 
     def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
         """The answer to the last resolve() (computed there: nothing to wait for)."""
