@@ -24,7 +24,7 @@ class BodyReader:
         self.pos += n
         return out
 
-    def one(self) -> int:
+    def one(self) -> int | float:  # a float from a values reader
         self.pos += 1
         return self._view[self.pos - 1]
 

@@ -33,7 +33,7 @@ def pack_probs(
     milliseconds per row at V = 128k). Positions past num_draft are packed as none: no
     verification reads them. Every other row is scanned."""
     b = tokens.shape[0] if probs is None else probs.shape[0]
-    ints: list[torch.Tensor | list[int]] = []  # per row: its layout (the host's lists where it is read from them)
+    ints: list[torch.Tensor | list[int]] = []  # per row: its layout (a list, or a tensor where scanned)
     vals: list[torch.Tensor] = []
     known = [False] * b if greedy is None else greedy.tolist()
     drafted = [] if num_draft is None else num_draft.tolist()
