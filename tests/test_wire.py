@@ -57,6 +57,21 @@ def test_a_foreign_header_is_refused():
         body_size(header, FP + 1)
 
 
+@pytest.mark.parametrize("kind", [MsgType.RESOLVE, MsgType.REPLY, MsgType.ADMIT])
+def test_a_truncated_or_malformed_body_raises_value_error(kind):
+    """A frame that carries the right fingerprint but too few values, or a negative count, is a
+    ValueError: the worker ends that session on it (an IndexError from reading past the body's
+    memoryview would escape its handler)."""
+    msg = next(m for k, m in every_message() if k == kind)
+    header, body = frame(kind, msg, FP)
+    header = header.clone()
+    header[3] = 2  # two ints of the body are all that is left of it
+    with pytest.raises(ValueError, match="malformed frame"):
+        unframe(header, body[:16].clone())
+    with pytest.raises(ValueError, match="malformed frame"):
+        decode(kind, 1, torch.tensor([-1, 0, 0, 0]), torch.zeros(0))
+
+
 def test_reply_probabilities_travel_in_their_smallest_exact_form():
     """At a 128k vocabulary a dense row is 3 MB per round: greedy rows carry token ids only,
     top-k rows their support, and decoding rebuilds the exact tensor."""

@@ -7,26 +7,32 @@ import torch
 
 
 class BodyReader:
-    """Reads a body part in order: numbers and lists through a memoryview (indexing the tensor
-    makes a tensor first: microseconds each), tensors as views (clone what outlives the frame)."""
+    """Reads a body part (a host tensor, as every transport hands it to unframe) in order:
+    numbers and lists through a memoryview (indexing the tensor makes a tensor first:
+    microseconds each), arrays as tensor views (clone what outlives the frame). Reading past
+    the end or a negative count raises ValueError, which ends the session like any malformed
+    frame."""
 
     def __init__(self, values: torch.Tensor) -> None:
         self.ints, self.pos = values, 0  # `ints`: the int body, or the float one for a values reader
         self._view = memoryview(values.numpy()) if values.numel() else memoryview(b"")
 
+    def _advance(self, n: int) -> int:
+        start, self.pos = self.pos, self.pos + n
+        if n < 0 or self.pos > len(self._view):
+            raise ValueError(f"malformed frame: {n} values asked at {start} of a body of {len(self._view)}")
+        return start
+
     def take(self, n: int) -> torch.Tensor:
-        out = self.ints[self.pos : self.pos + n]
-        self.pos += n
-        return out
+        start = self._advance(n)
+        return self.ints[start : self.pos]
 
     def take_list(self, n: int) -> list:
-        out = self._view[self.pos : self.pos + n].tolist()
-        self.pos += n
-        return out
+        start = self._advance(n)
+        return self._view[start : self.pos].tolist()
 
     def one(self) -> int | float:  # a float from a values reader
-        self.pos += 1
-        return self._view[self.pos - 1]
+        return self._view[self._advance(1)]
 
 
 def flat_ints(*parts) -> torch.Tensor:
