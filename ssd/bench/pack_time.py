@@ -52,21 +52,28 @@ def measure(vocab: int, k: int, batch: int, repeats: int) -> dict[str, tuple[flo
     import torch
 
     from ssd.core.protocol import MsgType
-    from ssd.transport.wire import frame, unframe
 
     torch.set_num_threads(1)
     out = {}
     for name, reply in _replies(vocab, k, batch).items():
-        enc, dec = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            header, body = frame(MsgType.REPLY, reply, 1)
-            framed = time.perf_counter()
-            unframe(header, body)
-            enc.append(framed - started)
-            dec.append(time.perf_counter() - framed)
-        out[name] = (1e3 * statistics.median(enc) / batch, 1e3 * statistics.median(dec) / batch)
+        enc, dec = _frame_times(MsgType.REPLY, reply, repeats)
+        out[name] = (1e3 * enc / batch, 1e3 * dec / batch)
     return out
+
+
+def _frame_times(kind, msg, repeats: int) -> tuple[float, float]:
+    """(median seconds to frame msg, median seconds to unframe it) over repeats."""
+    from ssd.transport.wire import frame, unframe
+
+    enc, dec = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        header, body = frame(kind, msg, 1)
+        framed = time.perf_counter()
+        unframe(header, body)
+        enc.append(framed - started)
+        dec.append(time.perf_counter() - framed)
+    return statistics.median(enc), statistics.median(dec)
 
 
 def round_messages(k: int, batch: int, repeats: int) -> dict[str, tuple[float, float]]:
@@ -74,10 +81,9 @@ def round_messages(k: int, batch: int, repeats: int) -> dict[str, tuple[float, f
     import torch
 
     from ssd.core.protocol import BeginRoundMsg, DrafterCounters, MsgType, ResolveMsg, SpeculationReply
-    from ssd.transport.wire import frame, unframe
 
     torch.set_num_threads(1)
-    ids, fanout, rows = list(range(batch)), [3, 2, 2, 1, 1, 1, 1][: k + 1], torch.ones(batch, dtype=torch.bool)
+    ids, fanout, rows = list(range(batch)), ([3, 2, 2] + [1] * k)[: k + 1], torch.ones(batch, dtype=torch.bool)
     tokens, num_draft = torch.randint(258, (batch, k)), torch.full((batch,), k)
     messages = {
         "BEGIN_ROUND": BeginRoundMsg(5, ids, tokens, num_draft, fanout, [120] * batch),
@@ -89,16 +95,8 @@ def round_messages(k: int, batch: int, repeats: int) -> dict[str, tuple[float, f
     }  # fmt: skip
     out = {}
     for name, msg in messages.items():
-        kind = MsgType[name]
-        enc, dec = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            header, body = frame(kind, msg, 1)
-            framed = time.perf_counter()
-            unframe(header, body)
-            enc.append(framed - started)
-            dec.append(time.perf_counter() - framed)
-        out[name] = (1e6 * statistics.median(enc), 1e6 * statistics.median(dec))
+        enc, dec = _frame_times(MsgType[name], msg, repeats)
+        out[name] = (1e6 * enc, 1e6 * dec)
     return out
 
 

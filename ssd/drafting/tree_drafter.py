@@ -308,8 +308,9 @@ class TreeDrafter:
         # The neural backup drafts the rows no shard holds (a row another drafter holds is
         # answered by that one); the pool asks one drafter per round.
         if msg.neural_backup and not all(covered):
-            missed = torch.tensor([not c for c in covered], dtype=torch.bool)
-            spec = self._draft_just_in_time(seq_ids, missed.tolist())
+            need = [not c for c in covered]
+            missed = torch.tensor(need, dtype=torch.bool)
+            spec = self._draft_just_in_time(seq_ids, need)
             spec = spec.on_host(missed)
             tokens[missed] = spec.tokens[missed]
             if probs is not None:
@@ -332,10 +333,12 @@ class TreeDrafter:
         into tokens [b, K] and, for sampled rows, probs [b, K, V]."""
         b = len(msg.seq_ids)
         hit, covered, rank = [False] * b, [False] * b, [-1] * b
-        known = [r for r, s in enumerate(msg.seq_ids) if rnd is not None and s in rnd.seq_ids]
+        position = {} if rnd is None else {s: i for i, s in enumerate(rnd.seq_ids)}  # seq id -> row in the round
+        known = [r for r, s in enumerate(msg.seq_ids) if s in position]
         if not known:
             return hit, covered, rank
-        index = self._commit_outcomes(rnd, msg, known)
+        index = [position[msg.seq_ids[r]] for r in known]
+        self._commit_outcomes(rnd, msg, known, index)
         accepted, bonus = msg.num_accepted, msg.bonus_tokens
         if len(known) < b:
             rows = torch.tensor(known, dtype=torch.long)
@@ -351,12 +354,9 @@ class TreeDrafter:
             rnd.copy_branches(picks, [r for r, h in enumerate(hit) if h], greedy, tokens, probs)
         return hit, covered, rank
 
-    def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int]) -> list[int]:
-        """Append each known row's accepted drafts and bonus token to what it has committed, and
-        drop the glue columns of its rejected drafts from the cache; -> each one's row in the
-        round."""
-        position = {s: i for i, s in enumerate(rnd.seq_ids)}
-        index = [position[msg.seq_ids[r]] for r in known]
+    def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int], index: list[int]) -> None:
+        """Append each known row's (index: its row in the round) accepted drafts and bonus token
+        to what it has committed, and drop the glue columns of its rejected drafts from the cache."""
         accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
         rejected = [0] * len(rnd.seq_ids)  # per cache row: s_T's glue columns to drop
         for r, i in zip(known, index):
@@ -367,7 +367,6 @@ class TreeDrafter:
             rejected[i] = len(rnd.spec_tokens[i]) - acc
         # The accepted drafts' columns stay: they hold committed tokens now.
         self.cache.drop_last(torch.tensor(rejected, dtype=torch.long))
-        return index
 
     def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
         """The answer to the last resolve() (computed there: nothing to wait for)."""

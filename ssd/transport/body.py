@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+_SMALL_PART = 256  # elements up to which a tensor part joins flat_ints' Python list
+
 
 class BodyReader:
     """Reads a body part (a host tensor, as every transport hands it to unframe) in order:
@@ -53,6 +55,3 @@ def flat_ints(*parts) -> torch.Tensor:
     if small or not out:
         out.append(torch.tensor(small, dtype=torch.long))
     return out[0] if len(out) == 1 else torch.cat(out)
-
-
-_SMALL_PART = 256  # elements up to which a tensor part joins flat_ints' Python list
