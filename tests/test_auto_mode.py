@@ -5,10 +5,12 @@ at T=1; and a draft made slow on purpose, or plain decoding made slow, moving th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
 import pytest
+import torch
 from ssd_stats import STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
 from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_workers: the fixtures of test_ssd
     check_greedy,
@@ -18,6 +20,7 @@ from test_ssd import (  # noqa: F401 - prompts, tiny_reference, no_leaked_worker
 )
 
 from ssd import LLM, SamplingParams
+from ssd.core.config import EngineArgs, available_cpus
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.engine.autopilot import ModeChooser, bucket_of
@@ -277,3 +280,38 @@ def test_a_slow_draft_moves_auto_to_plain_decoding_and_slow_plain_decoding_to_sp
     rounds = {mode: figures["rounds"] for mode, figures in auto["modes"].items()}
     chosen = sum(rounds[m] for m in expected)
     assert chosen >= 0.6 * sum(rounds.values()), auto
+
+
+@pytest.fixture
+def every_core():
+    """torch's default threads in this process (the suite runs on one: conftest), restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(available_cpus())
+    yield available_cpus()
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="one core: SSD's rounds and the others get the same threads")
+def test_ssd_rounds_leave_the_draft_workers_their_cores(tiny_pair, prompts, tiny_reference, every_core):
+    """With num_threads unset and the draft workers on this host, an SSD round runs the target on
+    the cores the workers' threads leave (on every core, an SSD round at batch 2 took 3x as long
+    on 2 cores); an auto engine's sd rounds take them all again. A num_threads given is kept."""
+    beside = max(1, every_core - 1)  # one worker of one thread
+    with LLM(*tiny_pair, mode="ssd", k=4, max_num_seqs=2) as llm:
+        assert torch.get_num_threads() == beside
+        check_greedy(llm, prompts, tiny_reference)
+    torch.set_num_threads(every_core)
+    with LLM(*tiny_pair, mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, max_num_seqs=2) as llm:
+        for mode, threads in (("sd", every_core), ("ssd", beside), ("ar", every_core)):
+            llm.engine.chooser = ModeChooser((mode,))
+            llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+            assert torch.get_num_threads() == threads, mode
+    with LLM(*tiny_pair, mode="ssd", k=4, num_threads=2) as llm:
+        assert torch.get_num_threads() == 2 and llm.engine.threads == {}
+
+
+def test_threads_beside_workers_are_the_cores_the_workers_leave():
+    config = EngineArgs(mode="ssd", draft_workers=2, draft_num_threads=2).to_config()
+    assert config.threads_beside_workers(16) == 12
+    assert dataclasses.replace(config, tensor_parallel_size=2).threads_beside_workers(16) == 6
+    assert config.threads_beside_workers(2) == 1  # never none

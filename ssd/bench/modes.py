@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ssd.core.config import available_cpus
+
 logger = logging.getLogger(__name__)
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,10 @@ class EngineArgs(BaseModel):
         "that outgrow one device; a split draft runs eagerly (no CUDA graphs).",
     )
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads for this process; None = torch's default."
+        None,
+        ge=1,
+        description="torch intra-op threads for this process; None = torch's default, except in SSD's rounds when "
+        "SSD's draft workers run as processes on this host: then the cores their threads leave.",
     )
     seed: int = Field(
         0,
@@ -297,12 +301,28 @@ class EngineConfig:
         SSD's drafter in the engine's thread. SSD's draft workers load their own."""
         return self.draft is not None and (self.mode in ("sd", "auto") or self.draft_transport == "inprocess")
 
+    def threads_beside_workers(self, cpus: int) -> int:
+        """torch threads for each target rank on a host whose cores it shares with this engine's
+        draft workers, when num_threads is unset: what the workers' threads leave of cpus, split
+        among the ranks, at least one. Left at torch's default the target takes every core while
+        each worker drafts or spins on one: on 2 cores an SSD round at batch 2 took 3x as long."""
+        busy = self.draft_workers * self.draft_tensor_parallel_size * self.draft_num_threads
+        return max(1, (cpus - busy) // self.tensor_parallel_size)
+
     @property
     def tree_shards(self) -> int:
         """Workers that share one sequence's speculation tree: D when they split the outcomes, 1
         when each drafts whole trees of its own sequences. The tree covers tree_shards x ssd_budget
         branches (ssd_budget is one worker's share, what the budget sizer sizes)."""
         return self.draft_workers if self.draft_split == "outcomes" else 1
+
+
+def available_cpus() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def fingerprint(*parts) -> int:

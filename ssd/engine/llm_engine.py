@@ -31,7 +31,7 @@ from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Sp
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
 from ssd.engine.metrics import EngineMetrics, graph_metrics
-from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers
+from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers, round_threads
 from ssd.engine.request_checks import check_fits, prompt_ids
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
@@ -81,6 +81,8 @@ class LLMEngine:
         self.mode = AUTO_MODES[0] if self.chooser is not None else config.mode  # of the round being run
         self.greedy = False  # mode auto: whether every row of the round being run is greedy
         self.proposer: Proposer | None = self.proposers.get(self.mode)
+        self.threads = round_threads(config, worker_provider, torch.get_num_threads())
+        self._use_threads()
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -223,6 +225,11 @@ class LLMEngine:
         self._account(time.perf_counter() - started, spec, tokens, batch)
         return scored + outputs
 
+    def _use_threads(self) -> None:
+        threads = self.threads.get(self.mode)
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
     def _choose_mode(self) -> None:
         """Mode auto: this round's mode and proposer. SSD's drafters let go of the batch while
         other modes run and rejoin when SSD's rounds resume (ssd/engine/autopilot.py)."""
@@ -232,6 +239,7 @@ class LLMEngine:
         self.greedy = all(s.params.temperature == 0 for s in self.running)
         self.mode = self.chooser.choose(len(self.running), self.greedy)
         self.proposer = self.proposers.get(self.mode)
+        self._use_threads()
         ssd = self.proposers["ssd"]
         if self.mode != "ssd":
             ssd.detach()

@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig
+from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, available_cpus
 from ssd.core.speculation import Proposer
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
@@ -39,12 +39,29 @@ def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) ->
     """config.draft_workers worker processes started now, for an engine that will spawn its draft
     workers (see resolve_provider), or None: what a caller starts before loading the models and
     passes to build_proposers, which gives it to the provider (whose close() closes it)."""
-    inprocess = config.draft_transport == "inprocess"
-    if config.mode not in ("ssd", "auto") or inprocess or config.draft_launcher == "ray" or not _spawns(config, given):
+    if not workers_on_this_host(config, given):
         return None
     _refuse_nccl_on_one_gpu(config)
     _warn_on_a_shared_gpu_without_mps(config)
     return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
+
+
+def workers_on_this_host(config: EngineConfig, given: WorkerProviderFactory | None) -> bool:
+    """Whether the engine's SSD drafts in worker processes it starts on this host."""
+    if config.mode not in ("ssd", "auto") or config.draft_transport == "inprocess":
+        return False
+    return config.draft_launcher != "ray" and _spawns(config, given)
+
+
+def round_threads(config: EngineConfig, given: WorkerProviderFactory | None, default: int) -> dict[str, int]:
+    """This process's torch threads for a round of each mode, where they change with the mode:
+    num_threads unset and SSD's draft workers on this host's cores. SSD's rounds leave the workers
+    the cores their threads use (left at every core, the target's threads and the workers' took
+    turns: on 2 cores an SSD round at batch 2 took 3x as long); sd's and ar's, which mode auto
+    runs while the workers wait blocked, take `default` (torch's)."""
+    if config.num_threads is not None or not workers_on_this_host(config, given):
+        return {}
+    return {"ssd": config.threads_beside_workers(available_cpus()), "sd": default, "ar": default}
 
 
 def build_proposers(
