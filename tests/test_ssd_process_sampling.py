@@ -37,7 +37,8 @@ CASES = {
     # Two rows at a time: rounds in which both hit are common, and the worker predicts the next
     # one; sequences finishing every few rounds make it take predictions back. Most trees here
     # reach depth K, some are cut.
-    "predicted_rounds": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural"), 1000),
+    # 500 samples: ~800 rounds, of which 160-200 predictions confirmed and as many taken back.
+    "predicted_rounds": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural"), 500),
     # A pool of two workers sharing the branch grid: each row's hit comes from either share.
     "two_workers": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2}, N_SAMPLES),
     # Two workers, two rows: after an all-hit round the worker that did not hold every hit is
@@ -65,7 +66,7 @@ CASES = {
     "two_workers_predicted": (
         SamplingParams(temperature=1.0),
         dict(max_num_seqs=2, ssd_backup="neural", draft_workers=2),
-        1000,
+        500,  # ~1550 rounds, 600-670 PREDICT hints, 400-450 predictions confirmed
     ),
 }
 
