@@ -137,6 +137,34 @@ def test_outcome_reaches_the_drafter_before_the_engines_bookkeeping(tiny_pair, p
     assert len(rounds) >= 3 and all(r == ["resolve", "append", "reply"] for r in rounds), events
 
 
+def test_the_drafters_admit_a_request_before_the_target_prefills_it(tiny_pair, prompts, tiny_reference):
+    """A new row's ADMIT goes out before the target's prefill, so the draft worker prefills the
+    draft on its own core while the target prefills (after it, the prefill came before the
+    first round's speculation). A request that only scores its prompt is never admitted."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, max_num_seqs=2) as llm:
+        events: list[tuple] = []
+        client, runner = llm.engine.proposers["ssd"].client, llm.engine.target
+        admit, forward = client.admit, runner.forward
+
+        def admitted(msg):
+            events.append(("admit", list(msg.seq_ids)))
+            return admit(msg)
+
+        def forwarded(cache, tokens, *args, **kwargs):
+            events.append(("forward", tokens.shape[1]))
+            return forward(cache, tokens, *args, **kwargs)
+
+        client.admit, runner.forward = admitted, forwarded
+        scoring = SamplingParams(max_tokens=0, prompt_logprobs=0)
+        outs = llm.generate([prompts[0], prompts[1]], [greedy(), scoring])
+        check_greedy(llm, prompts, tiny_reference)
+    assert events[:2] == [("admit", [0]), ("forward", max(len(o.prompt_token_ids) for o in outs) - 1)], events
+    admitted_ids = [i for kind, ids in events if kind == "admit" for i in ids]
+    assert outs[1].token_ids == [] and 1 not in admitted_ids, events  # seq 1 scored its prompt only
+    assert len(admitted_ids) == 1 + len(prompts) + 1, events
+
+
 @pytest.mark.parametrize("channel", ["shm", "gloo"])
 def test_greedy_matches_hf_process_transport(tiny_pair, prompts, tiny_reference, channel):
     """Over either channel; also a bf16 draft beside the fp32 target: the draft's precision

@@ -157,6 +157,16 @@ class LLMEngine:
         if room <= 0 or not self.waiting:
             return []
         new, self.waiting = self.waiting[:room], self.waiting[room:]
+        # The rows that go on past their prefill join the proposers first: SSD's drafters then
+        # prefill the draft while the target prefills here, not after it, ahead of the first round.
+        going = [s for s in new if s.params.max_tokens != 0]
+        if going:
+            if self.chooser is not None:
+                # Mode auto, out of sd (as of the last round): the SD draft's prefill of a new row
+                # (a draft forward on this thread) waits until an sd round needs it.
+                self.proposers["sd"].defer_prefill = self.mode != "sd"
+            for proposer in self.proposers.values():
+                proposer.add(going)
         tokens, valid = pad_rows([s.prompt_ids[:-1] for s in new])
         scoring = any(s.params.prompt_logprobs is not None for s in new)  # else nobody reads the logits
         logits = self.target.forward(self.cache.add_rows(len(new)), tokens, valid, on_host=False, with_logits=scoring)
@@ -171,14 +181,8 @@ class LLMEngine:
             kept = [*range(before), *(before + i for i, s in enumerate(new) if not s.finished)]
             self.cache.keep(torch.tensor(kept, dtype=torch.long))
             new = [s for s in new if not s.finished]
-        if new:
-            if self.chooser is not None:
-                # Mode auto, out of sd (as of the last round): the SD draft's prefill of a new row
-                # (a draft forward on this thread) waits until an sd round needs it.
-                self.proposers["sd"].defer_prefill = self.mode != "sd"
-            for proposer in self.proposers.values():
-                proposer.add(new)
-            self.running.extend(new)
+        assert new == going, "a prefill finishes only the rows that asked for no tokens"
+        self.running.extend(going)
         return [self._output(s) for s in scored]
 
     def _keep(self, rows: list[int]) -> None:
