@@ -25,6 +25,7 @@ from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.engine.autopilot import ModeChooser, bucket_of
 from ssd.engine.llm_engine import LLMEngine
+from ssd.engine.proposers import round_threads
 
 P_MIN = 1e-3
 # Switch every few rounds: every round is a probe of the next mode.
@@ -300,7 +301,7 @@ def test_ssd_rounds_leave_the_draft_workers_their_cores(tiny_pair, prompts, tiny
     with LLM(*tiny_pair, mode="ssd", k=4, max_num_seqs=2) as llm:
         assert torch.get_num_threads() == beside
         check_greedy(llm, prompts, tiny_reference)
-    torch.set_num_threads(every_core)
+    assert torch.get_num_threads() == every_core  # close() puts the process's threads back
     with LLM(*tiny_pair, mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, max_num_seqs=2) as llm:
         for mode, threads in (("sd", every_core), ("ssd", beside), ("ar", every_core)):
             llm.engine.chooser = ModeChooser((mode,))
@@ -315,3 +316,6 @@ def test_threads_beside_workers_are_the_cores_the_workers_leave():
     assert config.threads_beside_workers(16) == 12
     assert dataclasses.replace(config, tensor_parallel_size=2).threads_beside_workers(16) == 6
     assert config.threads_beside_workers(2) == 1  # never none
+    # Never more than the process had (OMP_NUM_THREADS, the caller's setting), whatever the cores.
+    assert round_threads(config, None, 1) == {"ssd": 1, "sd": 1, "ar": 1}
+    assert round_threads(dataclasses.replace(config, num_threads=3), None, 8) == {}

@@ -84,7 +84,7 @@ class EngineArgs(BaseModel):
         None,
         ge=1,
         description="torch intra-op threads for this process; None = torch's default, except in SSD's rounds when "
-        "SSD's draft workers run as processes on this host: then the cores their threads leave.",
+        "SSD's draft workers run as processes on this host: then at most the cores their threads leave.",
     )
     seed: int = Field(
         0,
@@ -302,10 +302,11 @@ class EngineConfig:
         return self.draft is not None and (self.mode in ("sd", "auto") or self.draft_transport == "inprocess")
 
     def threads_beside_workers(self, cpus: int) -> int:
-        """torch threads for each target rank on a host whose cores it shares with this engine's
-        draft workers, when num_threads is unset: what the workers' threads leave of cpus, split
-        among the ranks, at least one. Left at torch's default the target takes every core while
-        each worker drafts or spins on one: on 2 cores an SSD round at batch 2 took 3x as long."""
+        """The most torch threads the engine's process may use on a host whose cores it shares
+        with this engine's draft workers, when num_threads is unset: what the workers' threads
+        leave of cpus, split as among the target's ranks, at least one. Left at torch's default
+        the target takes every core while each worker drafts or spins on one: on 2 cores an SSD
+        round at batch 2 took 3x as long."""
         busy = self.draft_workers * self.draft_tensor_parallel_size * self.draft_num_threads
         return max(1, (cpus - busy) // self.tensor_parallel_size)
 

@@ -81,7 +81,8 @@ class LLMEngine:
         self.mode = AUTO_MODES[0] if self.chooser is not None else config.mode  # of the round being run
         self.greedy = False  # mode auto: whether every row of the round being run is greedy
         self.proposer: Proposer | None = self.proposers.get(self.mode)
-        self.threads = round_threads(config, worker_provider, torch.get_num_threads())
+        self._threads_before = torch.get_num_threads()  # the process's, put back at close()
+        self.threads = round_threads(config, worker_provider, self._threads_before)
         self._use_threads()
         eos = getattr(target_model.generation_config, "eos_token_id", None)
         if isinstance(eos, list):
@@ -207,6 +208,7 @@ class LLMEngine:
             return scored
         started = time.perf_counter()
         self._choose_mode()
+        self._use_threads()  # here, not only at a switch: the thread that steps may not be the one that built
         # The first position's adjustments: SD's draft advances them, verification extends them.
         sampling = self._sampling(masks=self.mode == "sd")
         k = self._round_k()
@@ -230,6 +232,7 @@ class LLMEngine:
         return scored + outputs
 
     def _use_threads(self) -> None:
+        """This round's mode's threads, where they depend on the mode (proposers.round_threads)."""
         threads = self.threads.get(self.mode)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -243,7 +246,6 @@ class LLMEngine:
         self.greedy = all(s.params.temperature == 0 for s in self.running)
         self.mode = self.chooser.choose(len(self.running), self.greedy)
         self.proposer = self.proposers.get(self.mode)
-        self._use_threads()
         ssd = self.proposers["ssd"]
         if self.mode != "ssd":
             ssd.detach()
@@ -408,3 +410,5 @@ class LLMEngine:
         for proposer in self.proposers.values():
             proposer.close()
         self.target.close()  # a tensor-parallel target's ranks stop (closing twice is a no-op)
+        if self.threads:  # the process's threads, as they were before this engine changed them
+            torch.set_num_threads(self._threads_before)

@@ -58,10 +58,11 @@ def round_threads(config: EngineConfig, given: WorkerProviderFactory | None, def
     num_threads unset and SSD's draft workers on this host's cores. SSD's rounds leave the workers
     the cores their threads use (left at every core, the target's threads and the workers' took
     turns: on 2 cores an SSD round at batch 2 took 3x as long); sd's and ar's, which mode auto
-    runs while the workers wait blocked, take `default` (torch's)."""
+    runs while the workers wait blocked, take `default` (the process's threads before the engine:
+    torch's default, OMP_NUM_THREADS or the caller's setting), which SSD's never exceed."""
     if config.num_threads is not None or not workers_on_this_host(config, given):
         return {}
-    return {"ssd": config.threads_beside_workers(available_cpus()), "sd": default, "ar": default}
+    return {"ssd": min(default, config.threads_beside_workers(available_cpus())), "sd": default, "ar": default}
 
 
 def build_proposers(
