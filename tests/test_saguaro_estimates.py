@@ -18,6 +18,7 @@ from ssd.core.sampling import BatchSampling
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Source
+from ssd.drafting.backup_choice import PROBE_EVERY, BackupChoice
 from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.ssd_proposer import SSDProposer
 
@@ -163,3 +164,32 @@ def test_the_miss_law_is_refitted_at_the_first_learned_round_and_every_few_after
     rounds = 2 * MISS_LAW_REFIT_ROUNDS + 1
     run_rounds("fast", 0.8, 1.0, 0.6, a_fast=0.05, rounds=rounds, seed=3)
     assert len(fits) == 3  # rounds 1, 1 + R and 1 + 2R
+
+
+def _rounds(choice: BackupChoice, n: int, wait: float) -> list[str]:
+    """n rounds at batch 1, every other one a miss, the target waiting `wait` verifications for a
+    neural backup's reply (0.05 for a hit's) -> the backup chosen in each."""
+    chosen = []
+    for r in range(n):
+        chosen.append(choice.choose(1, None))
+        choice.observe_reply(r % 2, 1, 0.5, 0.05 if r % 2 else wait)
+        if chosen[-1] == "fast" and r % 2 == 0:
+            choice.observe_fast(0.01)
+    return chosen
+
+
+def test_the_neural_backup_is_measured_again_after_a_slow_stretch_turned_the_choice_fast():
+    """Figures of the demo pair at batch 1, T=1 (where the choice sits near its threshold): a
+    stretch in which the neural backup's replies came slowly turns the choice to fast; once they
+    are quick again, the probes of the neural backup bring it back (without them, its cost was
+    never measured again and the choice stayed fast)."""
+    choice = BackupChoice("auto")
+    choice.e_hit.value, choice.e_neural.value, choice.t_primary.value = 4.5, 4.1, 1.05
+    choice.e_neural.observed = True
+    assert _rounds(choice, 40, 0.65)[-1] == "neural"
+    assert _rounds(choice, 200, 2.5)[-10:] == ["fast"] * 10  # the slow stretch
+    after = _rounds(choice, 400, 0.65)
+    assert after[-100:] == ["neural"] * 100, after
+    # Where fast is right, a probe costs one round with misses in every PROBE_EVERY + 1 (half the rounds miss).
+    slow = _rounds(choice, 40 * PROBE_EVERY, 2.5)[4 * PROBE_EVERY :]
+    assert 0 < slow.count("neural") <= 2 * len(slow) / PROBE_EVERY, slow.count("neural")

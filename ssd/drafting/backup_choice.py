@@ -22,12 +22,22 @@ class Ema:
         self.value, self.weight, self.seen = (value or 0.0), weight, value is not None
         self.observed = False  # True once a real observation arrived (not just the prior)
 
-    def update(self, x: float) -> None:
-        self.value = self.value + self.weight * (x - self.value) if self.seen else x
+    def update(self, x: float, weight: float | None = None) -> None:
+        """Move toward x by `weight` (default: the average's own)."""
+        self.value = self.value + (weight or self.weight) * (x - self.value) if self.seen else x
         self.seen = self.observed = True
 
     def or_else(self, fallback: float) -> float:
         return self.value if self.observed else fallback
+
+
+# While the fast backup is chosen the neural one's cost is not measured, so one slow stretch (on
+# a shared VM, the worker's core taken for a while) could keep the choice on fast for good: after
+# the fast backup served the misses of PROBE_EVERY rounds, the neural one serves the next round
+# with misses, and that measurement moves its estimate PROBE_WEIGHT of the way. (Demo pair, batch 1, T=1: runs whose
+# choice turned fast after such a stretch stayed there for hundreds of rounds, 12-20% slower.)
+PROBE_EVERY = 32
+PROBE_WEIGHT = 0.5
 
 
 class BackupChoice:
@@ -40,11 +50,15 @@ class BackupChoice:
         self.p_hit, self.e_hit, self.e_neural, self.e_fast = Ema(0.7), Ema(3.0), Ema(3.0), Ema(1.5)
         self.t_primary, self.t_neural, self.t_fast = Ema(1.0), Ema(0.5), Ema(0.01)
         self.build_ratio = Ema(None, weight=0.1)
+        self._fast_served = 0  # rounds whose misses the fast backup served since neural last did
+        self._probing = False  # the neural backup serves misses until its cost is measured again
 
     def choose(self, batch: int, fixed_build_share: float | None) -> str:
         """The backup for the misses of a round of `batch` rows (also kept as `last`)."""
         if self.mode == "auto":
-            self.last = "fast" if prefer_fast_backup(batch, *self.live(fixed_build_share)) else "neural"
+            fast = prefer_fast_backup(batch, *self.live(fixed_build_share))
+            self._probing = fast and (self._probing or self._fast_served >= PROBE_EVERY)
+            self.last = "fast" if fast and not self._probing else "neural"
         return self.last
 
     def observe_tokens(self, source: Source, tokens: int) -> None:
@@ -60,11 +74,13 @@ class BackupChoice:
         if hits == batch:
             self.t_primary.update(1.0 + wait_ratio)
         elif self.last == "neural":
-            self.t_neural.update(wait_ratio)
+            self.t_neural.update(wait_ratio, PROBE_WEIGHT if self._probing else None)
+            self._probing, self._fast_served = False, 0
 
     def observe_fast(self, ratio: float) -> None:
         """The fast backup filled a round's misses in `ratio` verifications."""
         self.t_fast.update(ratio)
+        self._fast_served += 1
 
     def live(self, fixed_build_share: float | None) -> tuple[float, ...]:
         """(p_hit, e_hit, e_neural, t_neural, e_fast, t_fast, t_primary) for Theorem 17.
