@@ -296,19 +296,16 @@ def every_core():
 def test_ssd_rounds_leave_the_draft_workers_their_cores(tiny_pair, prompts, tiny_reference, every_core):
     """With num_threads unset and the draft workers on this host, an SSD round runs the target on
     the cores the workers' threads leave (on every core, an SSD round at batch 2 took 3x as long
-    on 2 cores); an auto engine's sd rounds take them all again. A num_threads given is kept."""
+    on 2 cores); an auto engine's sd and ar rounds take the process's threads, and close() puts
+    them back. (A num_threads given is kept: test_threads_beside_workers_...)"""
     beside = max(1, every_core - 1)  # one worker of one thread
-    with LLM(*tiny_pair, mode="ssd", k=4, max_num_seqs=2) as llm:
-        assert torch.get_num_threads() == beside
-        check_greedy(llm, prompts, tiny_reference)
-    assert torch.get_num_threads() == every_core  # close() puts the process's threads back
     with LLM(*tiny_pair, mode="auto", k=4, ssd_budget=12, ssd_autobudget=False, max_num_seqs=2) as llm:
-        for mode, threads in (("sd", every_core), ("ssd", beside), ("ar", every_core)):
+        for mode, threads in (("sd", every_core), ("ssd", beside), ("ar", every_core), ("ssd", beside)):
             llm.engine.chooser = ModeChooser((mode,))
             llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
             assert torch.get_num_threads() == threads, mode
-    with LLM(*tiny_pair, mode="ssd", k=4, num_threads=2) as llm:
-        assert torch.get_num_threads() == 2 and llm.engine.threads == {}
+        check_greedy(llm, prompts, tiny_reference)  # its last rounds in ssd
+    assert torch.get_num_threads() == every_core
 
 
 def test_threads_beside_workers_are_the_cores_the_workers_leave():
