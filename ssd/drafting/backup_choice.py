@@ -34,8 +34,9 @@ class Ema:
 # While the fast backup is chosen the neural one's cost is not measured, so one slow stretch (on
 # a shared VM, the worker's core taken for a while) could keep the choice on fast for good: after
 # the fast backup served the misses of PROBE_EVERY rounds, the neural one serves the next round
-# with misses, and that measurement moves its estimate PROBE_WEIGHT of the way. (Demo pair, batch 1, T=1: runs whose
-# choice turned fast after such a stretch stayed there for hundreds of rounds, 12-20% slower.)
+# with misses, and that measurement moves its estimate PROBE_WEIGHT of the way. (Demo pair, batch
+# 1, T=1: runs whose choice turned fast after such a stretch stayed there for hundreds of rounds,
+# 12-20% slower.)
 PROBE_EVERY = 32
 PROBE_WEIGHT = 0.5
 
