@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ssd import bench
+from ssd.bench.modes import variants
 from ssd.model.demo_models import DemoTrainingConfig, ModelShape, build_tokenizer, make_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -245,18 +246,21 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
 
 def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
     """--draft-workers gives SSD one row per D (each worker builds ssd_budget branches, the tree
-    covers D times as many), --draft-transports one per transport, crossed; more workers than
-    cores is said; an unknown transport is refused."""
+    covers D times as many), --draft-transports one per transport, crossed (the labels from the
+    variants alone; one crossed row runs); more workers than cores is said; an unknown transport
+    is refused."""
+    labels = [v.label for v in variants(["sd", "ssd"], None, [4], [1, 2], ["shm", "grpc"])]
+    assert labels == [
+        "sd", "ssd B=4 D=1 tr=shm", "ssd B=4 D=1 tr=grpc", "ssd B=4 D=2 tr=shm", "ssd B=4 D=2 tr=grpc"
+    ], labels  # fmt: skip
     target, draft = pair
     caplog.set_level(logging.WARNING)
     argv = ["--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6"]
-    argv += ["--temperatures", "0", "--settings", "paper", "--modes", "sd,ssd", "--draft-workers", "1,2"]
-    argv += ["--draft-transports", "shm,grpc", "--ssd-budget", "4", "--pair-reps", "2"]
+    argv += ["--temperatures", "0", "--settings", "paper", "--modes", "ssd", "--draft-workers", "2"]
+    argv += ["--draft-transports", "grpc", "--ssd-budget", "4", "--pair-reps", "2"]
     results = bench.run(parse([*argv, "--out-dir", str(tmp_path), "--no-progress"]))
     runs = {r["mode"]: r for r in results["runs"]}
-    assert list(runs) == [
-        "sd", "ssd B=4 D=1 tr=shm", "ssd B=4 D=1 tr=grpc", "ssd B=4 D=2 tr=shm", "ssd B=4 D=2 tr=grpc"
-    ], list(runs)  # fmt: skip
+    assert list(runs) == ["ssd B=4 D=2 tr=grpc"], list(runs)
     two = runs["ssd B=4 D=2 tr=grpc"]
     assert two["draft_workers"] == 2 and two["ssd"]["draft_workers"] == 2 and two["ssd"]["budget"] == 8, two["ssd"]
     assert two["draft_transport"] == "grpc" and 0 <= two["cache_hit_rate"] <= 1

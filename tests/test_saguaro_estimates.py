@@ -9,6 +9,8 @@ come and go as in a server. The proposer's estimates of a, m and r must converge
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -171,8 +173,8 @@ def _rounds(choice: BackupChoice, n: int, wait: float) -> list[str]:
     neural backup's reply (0.05 for a hit's) -> the backup chosen in each."""
     chosen = []
     for r in range(n):
-        chosen.append(choice.choose(1, None))
-        choice.observe_reply(r % 2, 1, 0.5, 0.05 if r % 2 else wait)
+        chosen.append(choice.choose([False], None))
+        choice.observe_reply([bool(r % 2)], [False], 0.5, 0.05 if r % 2 else wait)
         if chosen[-1] == "fast" and r % 2 == 0:
             choice.observe_fast(0.01)
     return chosen
@@ -184,8 +186,8 @@ def test_the_neural_backup_is_measured_again_after_a_slow_stretch_turned_the_cho
     are quick again, the probes of the neural backup bring it back (without them, its cost was
     never measured again and the choice stayed fast)."""
     choice = BackupChoice("auto")
-    choice.e_hit.value, choice.e_neural.value, choice.t_primary.value = 4.5, 4.1, 1.05
-    choice.e_neural.observed = True
+    sampled = choice.yields[False]
+    sampled.e_hit.value, sampled.r_neural.value, choice.t_primary.value = 4.5, 4.1 / 4.5, 1.05
     assert _rounds(choice, 40, 0.65)[-1] == "neural"
     assert _rounds(choice, 200, 2.5)[-10:] == ["fast"] * 10  # the slow stretch
     after = _rounds(choice, 400, 0.65)
@@ -193,3 +195,41 @@ def test_the_neural_backup_is_measured_again_after_a_slow_stretch_turned_the_cho
     # Where fast is right, a probe costs one round with misses in every PROBE_EVERY + 1 (half the rounds miss).
     slow = _rounds(choice, 40 * PROBE_EVERY, 2.5)[4 * PROBE_EVERY :]
     assert 0 < slow.count("neural") <= 2 * len(slow) / PROBE_EVERY, slow.count("neural")
+
+
+# The demo pair's figures at batch 1 (ad hoc runs): p_hit and tokens per round by source.
+GREEDY_ROW = (0.93, {Source.CACHE: 6, Source.NEURAL: 4.6, Source.FAST: 1.7})
+SAMPLED_ROW = (0.5, {Source.CACHE: 4.8, Source.NEURAL: 4.3, Source.FAST: 1.2})
+
+
+def _serve(choice: BackupChoice, greedy: bool, rounds: int, rng: random.Random) -> list[str]:
+    """`rounds` rounds of one greedy or sampled row, in the proposer's order (the choice at the
+    outcome, then the reply's figures) -> the backup chosen in each round with a miss."""
+    p_hit, tokens = GREEDY_ROW if greedy else SAMPLED_ROW
+    source, chosen = Source.CACHE, []
+    for _ in range(rounds):
+        backup = choice.choose([greedy], None)
+        choice.observe_tokens(source, tokens[source], greedy)
+        hit = rng.random() < p_hit
+        choice.observe_reply([hit], [greedy], 0.8, 0.05 if hit or backup == "fast" else 0.65)
+        if not hit:
+            chosen.append(backup)
+            if backup == "fast":
+                choice.observe_fast(0.01)
+        source = Source.CACHE if hit else (Source.FAST if backup == "fast" else Source.NEURAL)
+    return chosen
+
+
+def test_the_backup_choice_keeps_greedy_and_sampled_rows_figures_apart():
+    """Greedy rows, where the fast backup is as good as the neural one, then sampled rows, where
+    the neural one earns far more: the sampled rows' misses get the neural backup from their
+    first (with one set of figures for all rows, the greedy rounds' hit rate and yields held the
+    choice on fast for the first dozens of sampled rounds). A mixed batch's rows all hit with
+    the product of their hit rates."""
+    choice, rng = BackupChoice("auto"), random.Random(0)
+    assert _serve(choice, True, 400, rng)[-20:].count("fast") > 10
+    assert _serve(choice, False, 200, rng)[:40] == ["neural"] * 40
+    greedy, sampled = choice.yields[True].p_hit.value, choice.yields[False].p_hit.value
+    p_hit, e_hit = choice.live([True, False, False], None)[:2]
+    assert p_hit**3 == pytest.approx(greedy * sampled**2)
+    assert e_hit == pytest.approx((choice.yields[True].e_hit.value + 2 * choice.yields[False].e_hit.value) / 3)

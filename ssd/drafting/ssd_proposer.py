@@ -183,7 +183,7 @@ class SSDProposer:
         next round's fan-out (sent along, so the drafter can begin that round at once) are chosen
         from the estimates of the rounds before (observe() adds this one)."""
         self._verify_s = max(time.perf_counter() - self._sent_at, 1e-6)
-        backup = self.backup.choose(len(seqs), self.sizer.c0)
+        backup = self.backup.choose(_greedy(seqs), self.sizer.c0)
         self.next_fanout = self._fanout()
         ids = [s.seq_id for s in seqs]
         self.client.resolve(
@@ -198,9 +198,10 @@ class SSDProposer:
         t0 = time.perf_counter()
         reply = self.client.reply(self.config.draft_deadline_s)
         wait = time.perf_counter() - t0  # what the target waited, beyond its own bookkeeping
-        self._learn(speculation, outcome, reply)
+        greedy = _greedy(seqs)
+        self._learn(speculation, outcome, reply, greedy)
         hits = self._store(seqs, reply)
-        self._time(reply, hits, len(seqs), wait)
+        self._time(reply, greedy, wait)
         t1 = time.perf_counter()
         for s in seqs:
             if s.seq_id not in self.prepared and not s.finished:
@@ -208,7 +209,9 @@ class SSDProposer:
         if self.backup.last == "fast" and len(seqs) > hits:
             self.backup.observe_fast((time.perf_counter() - t1) / self._verify_s)
 
-    def _learn(self, speculation: Speculation, outcome: RoundOutcome, reply: SpeculationReply) -> None:
+    def _learn(
+        self, speculation: Speculation, outcome: RoundOutcome, reply: SpeculationReply, greedy: list[bool]
+    ) -> None:
         """Acceptance a, the miss law (m, r) and tokens per round by source, from this round."""
         accepted, drafted = outcome.num_accepted.tolist(), speculation.num_draft.tolist()
         # The miss law is about the tree: whether the outcome was in the round's branch grid
@@ -220,7 +223,7 @@ class SSDProposer:
         cap = min(RANK_DEPTH, sum(self.fanout))  # no fan-out of this round reaches past its whole budget
         for r, src in enumerate(speculation.source.tolist()):
             source = Source(src)
-            self.backup.observe_tokens(source, accepted[r] + 1)
+            self.backup.observe_tokens(source, accepted[r] + 1, greedy[r])
             # a is the draft model's acceptance: n-gram and random tokens say nothing about it.
             if source != Source.FAST:
                 self.estimates.observe_round(accepted[r], drafted[r])
@@ -258,14 +261,14 @@ class SSDProposer:
                 self.prepared[s.seq_id] = _Prepared(reply.tokens[r].tolist(), _row(reply.probs, r), Source.NEURAL)
         return hits
 
-    def _time(self, reply: SpeculationReply, hits: int, batch: int, wait: float) -> None:
+    def _time(self, reply: SpeculationReply, greedy: list[bool], wait: float) -> None:
         """What the round cost, relative to its verification: the drafter's build (the budget
         sizer's input) and the target's wait (the backup choice's)."""
         self.drafter_counters = reply.counters
         build = reply.build_seconds / self._verify_s
         if self.config.ssd_autobudget and self.fanout:
             self.sizer.observe(sum(self.fanout) / self.config.tree_shards, build)
-        self.backup.observe_reply(hits, batch, build, wait / self._verify_s)
+        self.backup.observe_reply([bool(h) for h in reply.hit.tolist()], greedy, build, wait / self._verify_s)
 
     def _fast(self, seq: Sequence) -> _Prepared:
         index = self.ngram[seq.seq_id]
@@ -302,6 +305,11 @@ class SSDProposer:
             **self.drafter_counters.as_dict(),
             **(self.client.stats() if hasattr(self.client, "stats") else {}),
         }
+
+
+def _greedy(seqs: list[Sequence]) -> list[bool]:
+    """Whether each row is greedy: the backup choice keeps its figures by that (backup_choice.py)."""
+    return [s.params.temperature == 0 for s in seqs]
 
 
 def _row(probs: torch.Tensor | None, r: int) -> torch.Tensor | None:
