@@ -27,13 +27,12 @@ BIG_BATCH = dict(max_num_seqs=4096)  # every sample in one batch: the drafter's 
 
 CASES = {
     # name: (sampling params, engine options, samples)
+    # Thousands of rows in one batch: the tree is the slow side, and every round's tree is cut
+    # before depth K (the first case asserts it; all of its 5-6 rounds were cut in every run tried).
     "temperature1": (SamplingParams(temperature=1.0), BIG_BATCH, N_SAMPLES),
     "top_p0.8": (SamplingParams(temperature=1.5, top_p=0.8), BIG_BATCH, N_SAMPLES),
     "top_k5": (SamplingParams(temperature=1.0, top_k=5), BIG_BATCH, N_SAMPLES),
     "saguaro_c0.3": (SamplingParams(temperature=1.0), {**BIG_BATCH, "saguaro_c": 0.3}, N_SAMPLES),
-    # Thousands of rows in one batch: the tree is the slow side, and every round's tree is cut
-    # before depth K (above too); here with a wide fixed budget.
-    "cut_trees": (SamplingParams(temperature=1.0), {**BIG_BATCH, "ssd_budget": 24, "ssd_autobudget": False}, N_SAMPLES),
     # Two rows at a time: rounds in which both hit are common, and the worker predicts the next
     # one; sequences finishing every few rounds make it take predictions back. Most trees here
     # reach depth K, some are cut.
@@ -102,7 +101,7 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
     assert 0 < m["accepted_tokens"] < m["draft_tokens"], m
     assert m["cache_hits"] > 0 and m["backup_neural_rounds"] + m["backup_fast_rounds"] > 0, m
     rounds = ssd["drafter_rounds"]
-    if case == "cut_trees":
+    if case == "temperature1":
         assert ssd["drafter_rounds_cut"] > 0.5 * rounds, ssd
     if "draft_workers" in options:
         assert ssd["draft_workers_live"] == 2 and min(ssd["draft_shard_hits"]) > 0, ssd
