@@ -49,7 +49,9 @@ def every_message() -> list[tuple[MsgType, object]]:
         SequenceSampling(1.25, 50, 0.5, "12345678", 40, -1),
     ]
     spec = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]])
-    counters = DrafterCounters(3, 1, 2, 1, 1, 4, built=5, depths=17, prepare_us=12_345, tree_us=2**40, peak_rss_bytes=9)
+    counters = DrafterCounters(
+        3, 1, 2, 1, 1, 4, drafted_early=2, built=5, depths=17, prepare_us=12_345, tree_us=2**40, peak_rss_bytes=9
+    )
     return [
         (MsgType.JOIN, JoinMsg(1, 3)),
         (MsgType.ADMIT, AdmitMsg([5, 9, 2], [[1, 2, 3], [7], list(range(40))], [2**62 - 1, 0, 12345], sampling)),

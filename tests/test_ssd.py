@@ -252,7 +252,8 @@ def test_greedy_batches_leave_the_draft_probabilities_out_and_mixed_ones_keep_th
 def test_reproducible_setting_on_the_default_transport(tiny_pair):
     """ssd_reproducible=True with the process transport: a seeded request gives the same tokens
     on a fresh engine, after other requests, and batched with others, although without it the
-    tree depth of a round follows the outcome's arrival time."""
+    tree depth of a round follows the outcome's arrival time (and whether the worker drafted a
+    first speculation at admission: tests/test_early_draft.py)."""
     target, draft = tiny_pair
     prompts = ["def f(x):", "hello", "import os\n"]
     params = [SamplingParams(temperature=1.0, max_tokens=48, seed=s, ignore_eos=True) for s in (7, 8, 9)]
@@ -267,6 +268,8 @@ def test_reproducible_setting_on_the_default_transport(tiny_pair):
         m = llm.metrics()
     assert batched[0] == alone and again == alone
     assert m["cache_hit_rate"] > 0 and m["ssd"]["drafter_rounds_cut"] == 0, m
+    # Each batch came to an idle worker: its first speculations were drafted during the prefill.
+    assert m["ssd"]["drafter_first_drafts_early"] == 6, m["ssd"]
     # Where the builds' time went: every tree whole (depth K = 4), glue and tree timed.
     s = m["ssd"]
     assert s["drafter_rounds_built"] >= s["drafter_rounds"] > 0 and s["drafter_prepare_us"] > 0, s

@@ -160,6 +160,7 @@ class DrafterCounters:
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
+    drafted_early: int = 0  # rows whose first speculation was drafted at admission and served (early_draft.py)
     # Where the builds' time went (every tree built, but those of predicted rounds that went stale
     # while building): trees, their depths, and host microseconds preparing them (glue forward,
     # fork, shaping) and decoding them. On a device the glue's kernels are queued, not waited
@@ -183,6 +184,7 @@ class DrafterCounters:
             self.confirmed,
             self.taken_back,
             self.rejected,
+            self.drafted_early,
             self.built,
             self.depths,
             self.prepare_us,
@@ -224,6 +226,7 @@ COUNTER_NAMES = (
     "predicted_confirmed",
     "predicted_taken_back",
     "rejected_messages",
+    "first_drafts_early",
     "rounds_built",
     "tree_depths",
     "prepare_us",
@@ -231,7 +234,7 @@ COUNTER_NAMES = (
     "branch_probs_bytes",
     "peak_rss_bytes",
 )
-_COUNTS = 10  # the first ten are counts (summed over a pool's workers); the rest are high-water marks
+_COUNTS = 11  # the first eleven are counts (summed over a pool's workers); the rest are high-water marks
 
 
 # Candidates ranked per outcome for the bonus token's rank: enough for fan-outs of up to 128

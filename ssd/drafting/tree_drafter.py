@@ -54,6 +54,7 @@ from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.speculation import Speculation
 from ssd.drafting.draft_grammars import DraftGrammars
 from ssd.drafting.draft_processing import DraftView, first_position, processes
+from ssd.drafting.early_draft import EarlyDraft
 from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.shaping import RoundShaping, TreeShaping
@@ -100,6 +101,7 @@ class TreeDrafter:
         self.round: SpeculationTree | None = None
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
+        self._early: EarlyDraft | None = None  # first speculations drafted at admission, until asked for
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -110,15 +112,33 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def admit(self, msg: AdmitMsg) -> None:
+        self._settle_early()
         for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
             self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
             self.grammars.admit(seq_id, sampling, list(prompt))
         tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
         self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid, with_logits=False)
         self.order.extend(msg.seq_ids)
+        self._draft_early(list(msg.seq_ids))
+
+    def _draft_early(self, new: list[int]) -> None:
+        """Rows admitted to a drafter that holds no others: their first speculation, drafted now,
+        while the target prefills them (early_draft.py)."""
+        if self.round is not None or self.order != new:
+            return
+        generators = [self.states[s].generator.get_state() for s in new]
+        spec = self._draft_just_in_time(new, [True] * len(new))
+        self._early = EarlyDraft(new, spec.on_host(torch.ones(len(new), dtype=torch.bool)), generators)
+
+    def _settle_early(self) -> None:
+        """Take back first speculations drafted at admission that no DRAFT_NOW asked for."""
+        if self._early is not None:
+            self._early.take_back({s: state.generator for s, state in self.states.items()})
+            self._early = None
 
     @torch.inference_mode()
     def release(self, msg: ReleaseMsg) -> None:
+        self._settle_early()
         gone = set(msg.seq_ids)
         keep = [i for i, s in enumerate(self.order) if s not in gone]
         self.cache.keep(torch.tensor(keep, dtype=torch.long))
@@ -168,6 +188,7 @@ class TreeDrafter:
         is taken back: cache and generators are as before the call. Returns whether the round
         was built."""
         started = time.perf_counter()
+        self._settle_early()
         seq_ids = list(msg.seq_ids)
         self._rows(seq_ids)
         undo = [self.states[s].generator.get_state() for s in seq_ids] if stale is not None else []
@@ -293,6 +314,7 @@ class TreeDrafter:
         the sampled rows only (a greedy row's verification reads none). Rows are tracked in host
         lists: this sits between the target's outcome and its next verification (at batch 1 each
         tensor operation costs microseconds)."""
+        self._settle_early()
         rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
         b = len(seq_ids)
         greedy = [self.states[s].sampling.temperature == 0 for s in seq_ids]
@@ -376,9 +398,17 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
-        """Speculations drafted just in time for the rows in msg.need (sequences with no cached one)."""
-        spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
-        spec, b = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool)), len(msg.seq_ids)
+        """Speculations drafted just in time for the rows in msg.need (sequences with no cached one),
+        or at their admission where that drafted these (early_draft.py)."""
+        early, b = self._early, len(msg.seq_ids)
+        if early is not None and early.serves(list(msg.seq_ids), list(msg.need)):
+            self._early = None
+            self.counters.drafted_early += b
+            spec = early.spec
+        else:
+            self._settle_early()
+            spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
+            spec = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool))
         tokens = spec.tokens.clamp(min=0)  # rows not needed are discarded, but the wire carries ids
         greedy = self._greedy(msg.seq_ids)
         probs = None if bool(greedy.all()) else spec.probs.masked_fill(greedy.view(b, 1, 1), 0.0)

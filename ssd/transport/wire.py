@@ -34,9 +34,10 @@ from ssd.core.sampling import SequenceSampling
 from ssd.transport.body import BodyReader, flat_ints
 from ssd.transport.reply_probs import pack_probs, unpack_probs
 
-# 6: greedy reply rows travel as their tokens alone (5: admissions carry each sequence's logits
+# 8: replies' counters count first speculations drafted at admission (7: where builds' time goes;
+# 6: greedy reply rows travel as their tokens alone; 5: admissions carry each sequence's logits
 # processing; 4: its grammar; 3: replies carry the bonus token's rank)
-MAGIC = 0x55D0_0007
+MAGIC = 0x55D0_0008
 HEADER = 8
 
 
