@@ -134,13 +134,14 @@ class BackupChoice:
         (fixed_build_share: the budget sizer's fixed share, when it has one; else the measured
         build ratio). The choice itself waits for FIRST_MEASURES measurements."""
         b, rows = max(len(greedy), 1), [self.yields[g] for g in greedy] or [self.yields[False]]
-        p_all = math.prod(y.p_hit.value for y in rows)
+        # The geometric mean through logs: a product of thousands of rates underflows.
+        p_hit = math.exp(sum(math.log(max(y.p_hit.value, 1e-12)) for y in rows) / b)
         e_hit = sum(y.e_hit.value for y in rows) / b
         e_neural = sum(y.e_hit.value * y.r_neural.value for y in rows) / b
         e_fast = sum(y.e_hit.value * y.r_fast.value for y in rows) / b
         guess = fixed_build_share if fixed_build_share is not None else self.build_ratio.or_else(self.t_neural.value)
         t_neural = self.t_neural.or_else(max(guess, 0.0))
-        return p_all ** (1 / b), e_hit, e_neural, t_neural, e_fast, self.t_fast.value, self.t_primary.value
+        return p_hit, e_hit, e_neural, t_neural, e_fast, self.t_fast.value, self.t_primary.value
 
     def stats(self, fixed_build_share: float | None) -> dict:
         """The figures at the latest round's rows (b_star: at a batch of rows like them)."""

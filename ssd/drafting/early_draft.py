@@ -10,7 +10,8 @@ first (BEGIN_ROUND after the fast backup speculated, another ADMIT, a RELEASE, a
 other rows) takes it back: the rows' generators return to their states from before it, so what a
 request samples never depends on whether it was drafted early (as with predicted rounds,
 ssd/worker/session.py). (Demo pair, batch 1, CPU: the wait was about 7 ms of a request's first
-round.)
+round.) A drafter in the engine's own thread (draft_transport="inprocess") drafts it at
+admission too, before the prefill rather than beside it: the same work, earlier.
 """
 
 from __future__ import annotations

@@ -83,9 +83,12 @@ class TreeDrafter:
         shard: int = 0,
         num_shards: int = 1,
         tokenizer: Callable[[], object] | None = None,
+        early_drafts: bool = True,
     ) -> None:
         """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
-        (draft_grammars.py); None: their speculations are unmasked."""
+        (draft_grammars.py); None: their speculations are unmasked. early_drafts: draft new rows'
+        first speculations at admission (early_draft.py; off where the backup is fixed to fast,
+        which never asks for them)."""
         assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
@@ -102,6 +105,7 @@ class TreeDrafter:
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
         self._early: EarlyDraft | None = None  # first speculations drafted at admission, until asked for
+        self.early_drafts = early_drafts
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -123,8 +127,9 @@ class TreeDrafter:
 
     def _draft_early(self, new: list[int]) -> None:
         """Rows admitted to a drafter that holds no others: their first speculation, drafted now,
-        while the target prefills them (early_draft.py)."""
-        if self.round is not None or self.order != new:
+        while the target prefills them (early_draft.py). In a pool that splits outcomes only shard
+        0 does it: the neural backup asks the first live shard."""
+        if not self.early_drafts or self.shard != 0 or self.round is not None or self.order != new:
             return
         generators = [self.states[s].generator.get_state() for s in new]
         spec = self._draft_just_in_time(new, [True] * len(new))

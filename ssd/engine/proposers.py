@@ -89,7 +89,9 @@ def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider
     if config.draft_transport == "inprocess":
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
         tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
-        drafter = TreeDrafter(runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer)
+        drafter = TreeDrafter(
+            runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer, early_drafts=config.ssd_backup != "fast"
+        )
         return SSDProposer(drafter, config, vocab)
     provider = resolve_provider(config, worker_provider, starter)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)

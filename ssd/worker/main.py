@@ -87,7 +87,7 @@ def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
     processes of this one, when cfg.draft_tensor_parallel_size > 1)."""
     runner = draft_runner(load_draft(cfg), cfg.draft_device, cfg.lean_forward, cfg.enforce_eager)
     tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
-    return TreeDrafter(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer)
+    return TreeDrafter(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer, early_drafts=cfg.ssd_backup != "fast")
 
 
 def run(spec: dict) -> int:
