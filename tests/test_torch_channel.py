@@ -330,6 +330,27 @@ def test_a_worker_whose_port_accepts_then_resets_is_given_up_in_seconds(hold_fir
         close()
 
 
+def test_a_store_that_never_connects_after_the_probe_is_a_worker_going_away(monkeypatch):
+    """Regression (a CI run of the test above): the store client retries reset connections until
+    its 5 s and then reports either the last reset or the time out, by where its retry loop
+    stood; the time out came out as ChannelTimeout. With the caller's own deadline the shorter,
+    a time out stays the caller's."""
+    import torch.distributed as dist
+
+    from ssd.transport import torch_channel
+
+    def never_connects(*args, **kwargs):
+        raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect to (h, 1).")
+
+    monkeypatch.setattr(torch_channel.dist, "TCPStore", never_connects)
+    with socket.create_server(("127.0.0.1", 0)) as server:  # takes the probe
+        address = f"torch://127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(ChannelClosed, match="going away"):
+            connect_torch(address, FP, datetime.timedelta(seconds=180))
+        with pytest.raises(ChannelTimeout):
+            connect_torch(address, FP, datetime.timedelta(seconds=2))
+
+
 def test_nccl_between_two_processes_on_one_gpu_is_refused_before_any_starts():
     """NCCL refuses two ranks on one GPU (ncclInvalidUsage, seen on the one-GPU H100 machine, after
     the workers had loaded): the engine says what to change before starting any."""

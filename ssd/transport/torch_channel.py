@@ -337,13 +337,17 @@ def connect_torch(
         raise ChannelTimeout(f"draft worker at {address} did not answer within {timeout.total_seconds():g} s") from err
     except OSError as err:
         raise ChannelClosed(f"no draft worker listens at {address}: {err}") from err
+    store_timeout = min(left(), STORE_CONNECT_TIMEOUT)
     try:
-        store = dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False, timeout=min(left(), STORE_CONNECT_TIMEOUT)
-        )
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=store_timeout)
         theirs = store.get(_BACKEND).decode()
     except (RuntimeError, OSError) as err:
-        if isinstance(err, OSError) or "reset by peer" in str(err):
+        # The store client retries reset connections until its timeout; whether it then reports
+        # the last reset or the time out depends on where its retry loop stands. Either way, a
+        # port that took the probe but whose store never connected within STORE_CONNECT_TIMEOUT
+        # (not the caller's shorter deadline) is a worker going away.
+        never_connected = "trying to connect" in str(err) and store_timeout >= STORE_CONNECT_TIMEOUT
+        if isinstance(err, OSError) or "reset by peer" in str(err) or never_connected:
             raise ChannelClosed(
                 f"the draft worker at {address} reset the connection (it is going away): {err}"
             ) from err
