@@ -129,6 +129,42 @@ def test_a_drafter_answers_the_same_on_its_device_round(tiny_pair, saguaro_c):
             assert torch.equal(getattr(h, field), getattr(d, field)), field
 
 
+@pytest.mark.parametrize("cut", [0, 2])
+def test_a_device_round_queues_the_next_depth_and_a_cut_drops_it(tiny_pair, cut):
+    """The device round issues depth d + 1 before it asks whether to stop after depth d (the
+    device then never waits for the host); an outcome arriving after depth `cut` leaves the
+    same cut tree as the host round's, the queued depth dropped."""
+
+    def built(device_round: bool):
+        d = _drafter(tiny_pair, device_round, 0.5)
+        rows = [SequenceSampling(1.0, 0, 1.0), SequenceSampling(0.0, 0, 1.0)]
+        d.admit(AdmitMsg([0, 1], [[5, 9, 14], [3, 7]], [1, 2], rows))
+        forward, issued, asked = d.runner.forward, [0], []
+
+        def counted(*args, **kwargs):
+            issued[0] += 1
+            return forward(*args, **kwargs)
+
+        def interrupted() -> bool:  # the outcome arrives after depth `cut`
+            asked.append(issued[0])
+            return len(asked) > cut
+
+        d.runner.forward = counted
+        spec = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]])
+        assert d.begin_round(BeginRoundMsg(0, [0, 1], spec, torch.tensor([4, 3]), [2, 2, 1, 1, 2]), interrupted)
+        hits = d.round.grid.candidates[:, 0].cpu()  # outcome 0's first branch in both rows
+        d.resolve(ResolveMsg(0, [0, 1], torch.tensor([0, 0]), hits, True, [2, 2, 1, 1, 2]))
+        return d.reply(), asked
+
+    (host, host_asked), (device, device_asked) = built(False), built(True)
+    assert host.hit.all() and host.num_draft.tolist() == [cut + 1, cut + 1]
+    for field in ("hit", "tokens", "num_draft", "probs"):
+        assert torch.equal(getattr(host, field), getattr(device, field)), field
+    # Forwards issued when depth d's halt was asked: the glue's, then depths 0..d (host) or 0..d+1.
+    assert host_asked == [d + 2 for d in range(cut + 1)]
+    assert device_asked == [d + 3 for d in range(cut + 1)]
+
+
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_the_engine_gives_the_same_tokens_with_the_drafts_device_round(tiny_pair, mode):
     prompts = ["def add(a, b):\n    return", "x", "import os\n"]

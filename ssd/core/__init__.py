@@ -7,4 +7,5 @@ sequence.py       Sequence (one request inside the engine), CompletionOutput
 speculation.py    Speculation (a round's proposals), Source, RoundOutcome, SpecMetrics, Proposer
 protocol.py       the draft protocol: message kinds, messages, DraftClient
 detokenizer.py    incremental detokenization
+transfer.py       host-to-device copies that do not wait for the device
 """

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ssd.core.logits_processing import Adjustments, Processing
+from ssd.core.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class BatchSampling:
 
     def to(self, device: torch.device) -> "BatchSampling":
         adjust = self.adjust.to(device) if self.adjust is not None else None
-        return BatchSampling(*(t.to(device) for t in (self.temperature, self.top_k, self.top_p)), adjust)
+        return BatchSampling(*(to_device(t, device) for t in (self.temperature, self.top_k, self.top_p)), adjust)
 
     def adjusted(self, adjust: Adjustments | None) -> "BatchSampling":
         return replace(self, adjust=adjust)

@@ -16,6 +16,7 @@ import torch
 
 from ssd.core.protocol import RANK_DEPTH
 from ssd.core.sampling import no_mass
+from ssd.core.transfer import to_device
 from ssd.model.kv_cache import additive_mask
 
 
@@ -185,8 +186,9 @@ def fork(
     depth = min(max(widest, RANK_DEPTH), vocab)
     device = glue_logits.device
     real = torch.arange(spec_tokens.shape[1]) < spec_lens.unsqueeze(1)  # [b, K]
-    flat = (outcome * depth + rank).to(device)  # [b, N]: where each branch's candidate sits in ranked
-    candidates, ranked = rank_candidates(glue_logits, spec_tokens.to(device), real.to(device), flat, depth)
+    flat = to_device(outcome * depth + rank, device)  # [b, N]: where each branch's candidate sits in ranked
+    spec_tokens, real = to_device(spec_tokens, device), to_device(real, device)
+    candidates, ranked = rank_candidates(glue_logits, spec_tokens, real, flat, depth)
     return Fork(candidates, outcome, ranked[..., :RANK_DEPTH])
 
 

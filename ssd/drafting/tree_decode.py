@@ -10,7 +10,10 @@ processing runs on the host: their shaping follows host-side matchers and histor
 from a distribution without mass is -1 there (the host's sampler raises); the reply refuses a
 branch holding one (SpeculationTree.branches). The host waits for each depth to finish before
 it polls `halt`: what cuts the tree short and what times the build must see real progress, not
-queued work (a wait, no data read back).
+queued work (a wait, no data read back). It queues the next depth before that wait, so the
+device runs depth d + 1 while the host waits for depth d, polls and issues: a depth costs the
+device's time, not the device's plus the host's. A cut drops the one depth queued past it (its
+columns are scratch, its uniforms drawn with the round's).
 
 Shapes: b sequences, N branches per sequence (this shard's), K speculation length, V the
 target's vocabulary, W the cache's width before the tree.
@@ -25,6 +28,7 @@ from functools import partial
 import torch
 
 from ssd.core.sampling import BatchSampling, sample_from, sample_on_device, sampling_tensors
+from ssd.core.transfer import to_device
 from ssd.drafting.saguaro import saguaro_probs
 from ssd.drafting.sd_proposer import draw_step, to_vocab
 from ssd.drafting.shaping import TreeShaping
@@ -64,7 +68,7 @@ def glue_decode(
     base = torch.tensor([len(p) - 1 for p in pending])
     cols = base.unsqueeze(1) + torch.arange(k + 1).unsqueeze(0)  # [b, K+1]
     last = torch.tensor([len(p) + len(s) - 1 for p, s in zip(pending, spec)]).unsqueeze(1)
-    cols = torch.minimum(cols, last).to(logits.device)
+    cols = to_device(torch.minimum(cols, last), logits.device)
     glue_logits = logits.gather(1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, K+1, V_draft]
     return Glue(glue_logits[..., :vocab], start, base, valid.sum(1))
 
@@ -117,32 +121,65 @@ def decode_tree(
     sampling = rnd.sampling.to(rnd.candidates.device)
     if on_device and shaped is None and not argmax_only:  # each branch a row of the depths' draw step
         flat_settings = tuple(t.repeat_interleave(n) for t in sampling_tensors(sampling))  # [b N] each
-    feed, tokens, kept = rnd.candidates, [], BranchProbs(vocab, greedy)
-    for d in range(k):
+    tokens, kept = [], BranchProbs(vocab, greedy)
+
+    def issue(d: int, feed: torch.Tensor) -> _Depth:
+        """Queue depth d's forward and draw, fed `feed` [b, N] (the depth before's draws)."""
         positions = rnd.committed.view(b, 1) + rnd.outcome + d
         columns = (tree_start + d * n + torch.arange(n)).expand(b, n)
         mask = rnd.mask[..., : tree_start + (d + 1) * n]
         step = runner.forward(cache, feed, positions=positions, attn_mask=mask, columns=columns, on_host=not on_device)
         if argmax_only:
-            drawn = to_vocab(step, vocab).argmax(-1)  # [b, N]
-        else:
-            if on_device and shaped is None:
-                drawn, probs = _draw_on_device(runner, step, rnd, d, flat_settings, saguaro_c, vocab)
-            else:
-                drawn, probs = _draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped)
-            kept.add(probs, narrow, counted=not on_device)
+            return _Depth.queued(to_vocab(step, vocab).argmax(-1), None)  # [b, N]
+        if on_device and shaped is None:
+            return _Depth.queued(*_draw_on_device(runner, step, rnd, d, flat_settings, saguaro_c, vocab))
+        return _Depth.queued(*_draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped))
+
+    # A device round queues depth d + 1 before it waits for depth d, so that the device never idles
+    # while the host issues a depth (module doc); a cut then drops the depth queued past it.
+    ahead = on_device
+    queued = issue(0, rnd.candidates)
+    for d in range(k):
+        depth = queued
+        if ahead and d < k - 1:
+            queued = issue(d + 1, depth.drawn.clamp(min=0))  # what a -1 feeds is never read
+        depth.wait()
+        tokens.append(depth.drawn)
+        if depth.probs is not None:
+            kept.add(depth.probs, narrow, counted=not on_device)
         if shaped is not None and d < k - 1:
-            shaped.advance(drawn)
-        tokens.append(drawn)
-        feed = drawn.clamp(min=0) if on_device else drawn  # what a -1 feeds is never read
-        if on_device and feed.device.type == "cuda":
-            torch.cuda.synchronize(feed.device)  # this depth done before halt is asked (module doc)
+            shaped.advance(depth.drawn)
         said = halt(d)
         if said == "stale":
             return None
         if said == "cut" and d < k - 1:
             break
+        if not ahead and d < k - 1:
+            queued = issue(d + 1, depth.drawn)
     return torch.stack(tokens, -1), kept
+
+
+@dataclass(frozen=True)
+class _Depth:
+    """One depth of the tree decode, queued on the draft's device."""
+
+    drawn: torch.Tensor  # [b, N] long: each branch's token at this depth (-1: a draw without mass, on a device)
+    probs: torch.Tensor | None  # [b, N, V]: the distributions drawn from; None for argmax draws (kept nowhere)
+    done: torch.cuda.Event | None  # recorded after the depth's work on a CUDA device
+
+    @staticmethod
+    def queued(drawn: torch.Tensor, probs: torch.Tensor | None) -> _Depth:
+        done = None
+        if drawn.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(drawn.device))
+        return _Depth(drawn, probs, done)
+
+    def wait(self) -> None:
+        """Until the depth has run: what cuts the tree short and what times the build must see
+        real progress, not queued work (a wait, no data read back)."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, flat_settings: tuple, saguaro_c, vocab):

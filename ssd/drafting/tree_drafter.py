@@ -52,6 +52,7 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.speculation import Speculation
+from ssd.core.transfer import to_device
 from ssd.drafting.draft_grammars import DraftGrammars
 from ssd.drafting.draft_processing import DraftView, first_position, processes
 from ssd.drafting.early_draft import EarlyDraft
@@ -212,7 +213,7 @@ class TreeDrafter:
             return False
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, torch.tensor([len(s) for s in spec]), row_fan)
-        cand, outcome = grid.candidates[:, shard.to(grid.candidates.device)], grid.outcome[:, shard]
+        cand, outcome = grid.candidates[:, to_device(shard, grid.candidates.device)], grid.outcome[:, shard]
         sampling = self._sampling(seq_ids)
         shaped = shaping.tree(cand, outcome, sampling)
         tree = self._tree_decode(
@@ -263,11 +264,12 @@ class TreeDrafter:
         spec_lens = torch.tensor([len(s) for s in spec])
         lengths = self.cache.lengths()  # the glue's included
         mask = tree_mask(lengths, glue.start, glue.base, spec_lens, outcome, k, self.runner.attention_dtype)
+        uniforms = torch.stack([torch.rand(k, cand.shape[1], generator=self.states[s].generator) for s in seq_ids])
         rnd = TreeRound(
             cand, outcome, torch.tensor([len(self.states[s].tokens) for s in seq_ids]),
-            mask.to(self.runner.device),  # built once a round; each depth attends to a slice of it
-            torch.stack([torch.rand(k, cand.shape[1], generator=self.states[s].generator) for s in seq_ids]).to(device),
-            torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long, device=device), sampling,
+            to_device(mask, self.runner.device),  # built once a round; each depth attends to a slice of it
+            to_device(uniforms, device),
+            to_device(torch.tensor(fanout[:k] + [0] * max(0, k - len(fanout)), dtype=torch.long), device), sampling,
         )  # fmt: skip
 
         def halt(d: int) -> str | None:

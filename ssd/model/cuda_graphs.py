@@ -139,9 +139,10 @@ class CudaGraphs:
         if all(t.device.type == "cpu" for t in inputs):
             staged = torch.stack(inputs, 1)  # one copy to the device
             entry.packed[:b].copy_(staged.pin_memory() if self.capture else staged, non_blocking=True)
-        else:  # a device round's tokens are on the device already
+        else:  # a device round's tokens are on the device already; its positions and columns are not
             for i, t in enumerate(inputs):
-                entry.packed[:b, i].copy_(t, non_blocking=True)
+                pinned = self.capture and t.device.type == "cpu"  # contiguous: an expanded view's pinned copy overlaps
+                entry.packed[:b, i].copy_(t.contiguous().pin_memory() if pinned else t, non_blocking=True)
         if entry.mask is not None:
             entry.mask[:b, :, :, :width].copy_(attn_mask, non_blocking=True)
             entry.mask[:b, :, :, width:].fill_(torch.finfo(entry.mask.dtype).min)

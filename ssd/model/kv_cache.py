@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from ssd.core.transfer import to_device
+
 COLUMN_MULTIPLE = 256  # first growth step of the columns (then they double): few sizes over a server's life
 
 
@@ -189,7 +191,7 @@ class StaticKVCache:
         uniform = bool((columns == first[:1] + torch.arange(n)).all()) if self.batch_size else False
         self._first = int(first[0, 0]) if uniform else None
         # The index goes to the device only where the write needs it (rows at different columns).
-        self._columns = None if uniform else columns.to(device)
+        self._columns = None if uniform else to_device(columns, device)
         self._width, self._scratch = width, scratch
         return width
 

@@ -1,0 +1,22 @@
+"""Host-to-device copies that do not wait for the device.
+
+torch synchronizes the stream after a copy from pageable host memory to a CUDA device
+(non_blocking=False), so every `.to("cuda")` of a host tensor makes the host wait for all the
+work it has queued. A round that prepares its next device steps while earlier ones run (the SSD
+drafter's glue, fork and tree depths) copies through pinned memory instead: the copy is queued
+behind that work and the host goes on. The pinned block is torch's (its caching host allocator
+reuses it only once the copy has run), so the source may change right after the call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`, queued behind the device's work where it is a CUDA device and t is on the
+    host; elsewhere t.to(device)."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    # contiguous: pinning keeps strides, and an expanded view's pinned copy would overlap itself.
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
