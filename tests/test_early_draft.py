@@ -1,5 +1,5 @@
 """A drafter holding no other rows drafts a new row's first speculation at admission, while the
-target prefills it (ssd/drafting/early_draft.py): served to the neural backup's DRAFT_NOW for
+target prefills it (ssd/drafting/neural_backup.py): served to the neural backup's DRAFT_NOW for
 exactly those rows, or taken back, with the rows' generators restored, when anything else comes
 first. Either way what is drafted and sampled is what it would be without it."""
 
@@ -58,7 +58,7 @@ def test_what_comes_after_an_early_draft_gets_what_it_would_have_got(draft_model
     order, for some of them, or after a RELEASE it is drafted afresh from generators put back:
     the replies and the generators' states equal a drafter's that never drafted early."""
     drafters = [admitted(draft_model, True), admitted(draft_model, False)]
-    assert drafters[0]._early is not None and drafters[1]._early is None
+    assert drafters[0].backup.early is not None and drafters[1].backup.early is None
     ids, need = {"asked": ([1, 2], [True, True]), "other order": ([2, 1], [True, True])}.get(
         then, ([1, 2], [True, False])
     )

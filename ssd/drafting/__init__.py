@@ -3,7 +3,7 @@
 sd_proposer.py     SDProposer: ordinary SD, the draft drafts K tokens just in time
 ssd_proposer.py    SSDProposer: SSD's target side (cache hits, backups, fan-out, estimates)
 tree_drafter.py    TreeDrafter: SSD's draft side (glue, fork, tree decode, the cache)
-early_draft.py     a new row's first speculation, drafted while the target prefills it
+neural_backup.py   the drafter's just-in-time drafts, and a new row's first one during its prefill
 tree.py            the fork, the tree's attention mask, one round's SpeculationTree
 saguaro.py         Saguaro's formulas: fan-out, sampling, the miss law, Theorems 7 and 17
 backup_choice.py   the live figures of the backup choice

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -50,25 +49,17 @@ from ssd.core.protocol import (
     ResolveMsg,
     SpeculationReply,
 )
-from ssd.core.sampling import BatchSampling, SequenceSampling
+from ssd.core.sampling import BatchSampling
 from ssd.core.speculation import Speculation
 from ssd.core.transfer import to_device
 from ssd.drafting.draft_grammars import DraftGrammars
-from ssd.drafting.draft_processing import DraftView, first_position, processes
-from ssd.drafting.early_draft import EarlyDraft
+from ssd.drafting.neural_backup import NeuralBackup, SeqState
 from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
 from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
 from ssd.model.runner import ModelRunner, pad_rows
-
-
-@dataclass
-class _SeqState:
-    tokens: list[int]  # committed tokens (prompt + output) as the drafter knows them
-    generator: torch.Generator
-    sampling: SequenceSampling
 
 
 class TreeDrafter:
@@ -88,7 +79,7 @@ class TreeDrafter:
     ) -> None:
         """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
         (draft_grammars.py); None: their speculations are unmasked. early_drafts: draft new rows'
-        first speculations at admission (early_draft.py; off where the backup is fixed to fast,
+        first speculations at admission (neural_backup.py; off where the backup is fixed to fast,
         which never asks for them)."""
         assert 0 <= shard < num_shards
         self.runner = runner
@@ -100,12 +91,12 @@ class TreeDrafter:
         # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
         self.device_round = runner.device.type != "cpu"
         self.grammars = DraftGrammars(tokenizer, target_vocab)
-        self.states: dict[int, _SeqState] = {}
+        self.states: dict[int, SeqState] = {}
         self.order: list[int] = []  # seq id of each cache row
         self.round: SpeculationTree | None = None
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
-        self._early: EarlyDraft | None = None  # first speculations drafted at admission, until asked for
+        self.backup = NeuralBackup(self.jit, self.grammars, k)
         self.early_drafts = early_drafts
 
     # ---- membership -------------------------------------------------------------------------
@@ -117,9 +108,9 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def admit(self, msg: AdmitMsg) -> None:
-        self._settle_early()
+        self.backup.settle(self.states)
         for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
-            self.states[seq_id] = _SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
+            self.states[seq_id] = SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
             self.grammars.admit(seq_id, sampling, list(prompt))
         tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
         self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid, with_logits=False)
@@ -128,23 +119,14 @@ class TreeDrafter:
 
     def _draft_early(self, new: list[int]) -> None:
         """Rows admitted to a drafter that holds no others: their first speculation, drafted now,
-        while the target prefills them (early_draft.py). In a pool that splits outcomes only shard
-        0 does it: the neural backup asks the first live shard."""
-        if not self.early_drafts or self.shard != 0 or self.round is not None or self.order != new:
-            return
-        generators = [self.states[s].generator.get_state() for s in new]
-        spec = self._draft_just_in_time(new, [True] * len(new))
-        self._early = EarlyDraft(new, spec.on_host(torch.ones(len(new), dtype=torch.bool)), generators)
-
-    def _settle_early(self) -> None:
-        """Take back first speculations drafted at admission that no DRAFT_NOW asked for."""
-        if self._early is not None:
-            self._early.take_back({s: state.generator for s, state in self.states.items()})
-            self._early = None
+        while the target prefills them (neural_backup.py). In a pool that splits outcomes only
+        shard 0 does it: the neural backup asks the first live shard."""
+        if self.early_drafts and self.shard == 0 and self.round is None and self.order == new:
+            self.backup.draft_early(new, self.states)
 
     @torch.inference_mode()
     def release(self, msg: ReleaseMsg) -> None:
-        self._settle_early()
+        self.backup.settle(self.states)
         gone = set(msg.seq_ids)
         keep = [i for i, s in enumerate(self.order) if s not in gone]
         self.cache.keep(torch.tensor(keep, dtype=torch.long))
@@ -194,7 +176,7 @@ class TreeDrafter:
         is taken back: cache and generators are as before the call. Returns whether the round
         was built."""
         started = time.perf_counter()
-        self._settle_early()
+        self.backup.settle(self.states)
         seq_ids = list(msg.seq_ids)
         self._rows(seq_ids)
         undo = [self.states[s].generator.get_state() for s in seq_ids] if stale is not None else []
@@ -321,7 +303,7 @@ class TreeDrafter:
         the sampled rows only (a greedy row's verification reads none). Rows are tracked in host
         lists: this sits between the target's outcome and its next verification (at batch 1 each
         tensor operation costs microseconds)."""
-        self._settle_early()
+        self.backup.settle(self.states)
         rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
         b = len(seq_ids)
         greedy = [self.states[s].sampling.temperature == 0 for s in seq_ids]
@@ -406,16 +388,14 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
         """Speculations drafted just in time for the rows in msg.need (sequences with no cached one),
-        or at their admission where that drafted these (early_draft.py)."""
-        early, b = self._early, len(msg.seq_ids)
-        if early is not None and early.serves(list(msg.seq_ids), list(msg.need)):
-            self._early = None
+        or at their admission where that drafted these (neural_backup.py)."""
+        seq_ids, need, b = list(msg.seq_ids), list(msg.need), len(msg.seq_ids)
+        spec = self.backup.take_early(seq_ids, need)
+        if spec is not None:
             self.counters.drafted_early += b
-            spec = early.spec
         else:
-            self._settle_early()
-            spec = self._draft_just_in_time(list(msg.seq_ids), list(msg.need))
-            spec = spec.on_host(torch.tensor(list(msg.need), dtype=torch.bool))
+            self.backup.settle(self.states)
+            spec = self._draft_just_in_time(seq_ids, need).on_host(torch.tensor(need, dtype=torch.bool))
         tokens = spec.tokens.clamp(min=0)  # rows not needed are discarded, but the wire carries ids
         greedy = self._greedy(msg.seq_ids)
         probs = None if bool(greedy.all()) else spec.probs.masked_fill(greedy.view(b, 1, 1), 0.0)
@@ -425,26 +405,9 @@ class TreeDrafter:
         )  # fmt: skip
 
     def _draft_just_in_time(self, seq_ids: list[int], need: list[bool]) -> Speculation:
-        """Neural backup: ordinary just-in-time drafting. The batch forward covers every row,
-        but only rows in `need` draw from their own generators (the others draw from a
-        scratch one and their drafts are discarded), so a seeded sequence's draws do not
-        depend on which other sequences missed."""
+        """The neural backup's speculations for the rows in `need` (neural_backup.py)."""
         self._rows(seq_ids)
-        scratch = torch.Generator()
-        views = [
-            DraftView(state.tokens, state.sampling, state.generator if n else scratch, self.grammars.matchers.get(s))
-            for s, n in zip(seq_ids, need)
-            for state in [self.states[s]]
-        ]
-        sampling = self._sampling(seq_ids)
-        rows = [self.states[s].sampling for s in seq_ids]
-        if self.grammars.any(seq_ids) or any(map(processes, rows)):  # processed position by position, as SD drafts
-            sampling = first_position(views, rows, sampling, self.jit.target_vocab)
-        spec = self.jit.propose(views, self.k, sampling)
-        # Keep only committed tokens in the cache: the drafts are rolled back at once.
-        committed = torch.tensor([v.num_tokens for v in views])
-        self.cache.drop_last(self.cache.lengths() - committed + 1)
-        return spec
+        return self.backup.draft(seq_ids, self.states, need)
 
     def close(self) -> None:
         """Stop a split draft's ranks (a whole draft has nothing to release)."""
