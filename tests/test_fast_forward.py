@@ -97,6 +97,34 @@ def test_fused_forward_matches_hugging_face(kind, dtype):
         assert ours <= 1.25 * theirs + 0.02, (ours, theirs)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_products_without_packing_share_the_modules_weights(kind, monkeypatch):
+    """Where a weight cannot be packed (a GPU target), the fused products hold no copy: the
+    modules' q, k, v and gate, up weights become views of the fused ones, so the model's weights
+    take the same memory, and both forwards compute what they computed before."""
+    from ssd.model import fast_forward
+
+    model = _tiny(kind)
+    hf = ModelRunner(model, torch.device("cpu"), lean=False)
+    want = _script(hf, hf.new_cache())
+    before = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(fast_forward, "can_pack", lambda weight: False)
+    fused = ModelRunner(model, torch.device("cpu"), fused=True)
+    layer, attn = fused.lean.layers[0], model.model.layers[0].self_attn
+    assert layer.qkv.packed is None and layer.qkv.sizes == [64, 32, 32]
+    storage = layer.qkv.weight.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == storage for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    mlp = model.model.layers[0].mlp
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up.weight.untyped_storage().data_ptr()
+    assert layer.o_fused.weight.data_ptr() == attn.o_proj.weight.data_ptr()  # one module: its own weight
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == before * 4, "the fused weights are the only copy"
+    for g, w in zip(_script(fused, fused.new_cache()), want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+    for g, w in zip(_script(hf, hf.new_cache()), want):  # Hugging Face's forward reads the views
+        assert torch.equal(g, w)
+
+
 def test_fused_rope_table_grows_with_the_positions():
     """The fused path gathers rotary rows from a table of the positions seen so far; positions
     past it (here past the model's max_position_embeddings, 256) grow it, with the same result."""

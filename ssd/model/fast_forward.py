@@ -76,11 +76,13 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 class _Linear:
     """x -> x W^T + b for one or more nn.Linear modules stacked along the output dimension
-    (one product instead of several), with W prepacked for oneDNN where can_pack allows.
-    Holds a copy of the weights (packed, or concatenated where packing is unavailable)."""
+    (one product instead of several), with W prepacked for oneDNN where can_pack allows. Packed,
+    it holds a copy of the weights (oneDNN's layout); otherwise none: the modules' weights become
+    views of the concatenated one (`_share`), so fusing a GPU target's projections costs no
+    memory."""
 
     def __init__(self, modules) -> None:
-        weight = torch.cat([m.weight.detach() for m in modules])  # [sum(out), in]
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
         biases = [m.bias for m in modules]
         self.modules = list(modules)
         self.bias = None
@@ -94,6 +96,8 @@ class _Linear:
         self.sizes = [m.weight.shape[0] for m in modules]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if can_pack(weight) else None
         self.weight = None if self.packed is not None else weight
+        if self.packed is None:
+            _share(self.modules, weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -118,6 +122,20 @@ class _Linear:
             return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         outs = [F.linear(x, m.weight, m.bias) for m in self.modules]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _share(modules, weight: torch.Tensor) -> None:
+    """Point each module's weight at its rows of `weight`, the concatenation of theirs: the
+    concatenated copy becomes the only one (the modules' own weights are freed where nothing
+    else holds them). Their products, Hugging Face's forward included, read the same values."""
+    if len(modules) == 1:
+        return
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        view = weight[start : start + rows]
+        m.weight = torch.nn.Parameter(view, requires_grad=False) if isinstance(m.weight, torch.nn.Parameter) else view
+        start += rows
 
 
 # Row counts (batch x tokens) up to which a packed product runs: one oneDNN state per input

@@ -171,19 +171,22 @@ class _HFView(Cache):
 
 def draft_runner(model, device: str, lean: bool, eager: bool = False) -> ModelRunner:
     """The draft's runner wherever the draft runs (SD proposer, in-process or worker drafter):
-    always fused (a draft's weights are small, so a concatenated copy costs little off CPU too)."""
+    always fused (off CPU in place: fast_forward._Linear)."""
     if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_draft)
         return model
     return ModelRunner(model, torch.device(device), lean, fused=True, eager=eager)
 
 
 def target_runner(model, device: str, lean: bool, pack: bool, eager: bool = False) -> ModelRunner:
-    """The target's runner. With pack=True it fuses and prepacks its projections only where
-    oneDNN can pack them (CPU): elsewhere fusing would copy the target's weights for nothing."""
+    """The target's runner. With pack=True it fuses its projections (q, k, v; gate, up): on CPU
+    prepacked for oneDNN where it can pack them (elsewhere on CPU unfused, bit-identical to
+    Hugging Face); off CPU in place, the modules' weights becoming views of the fused ones (no
+    copy): fewer, wider products per layer, as vLLM's fused QKV and gate-up layers run."""
     if isinstance(model, TensorParallelRunner):  # loaded as its ranks already (loader.load_split)
         return model
     weight = next(model.parameters())
-    return ModelRunner(model, torch.device(device), lean, fused=pack and can_pack(weight), eager=eager)
+    fused = pack and (can_pack(weight) or weight.device.type != "cpu")
+    return ModelRunner(model, torch.device(device), lean, fused=fused, eager=eager)
 
 
 def pad_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
