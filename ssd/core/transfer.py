@@ -6,6 +6,10 @@ work it has queued. A round that prepares its next device steps while earlier on
 drafter's glue, fork and tree depths) copies through pinned memory instead: the copy is queued
 behind that work and the host goes on. The pinned block is torch's (its caching host allocator
 reuses it only once the copy has run), so the source may change right after the call.
+
+The other way, `to_host_async` queues a copy to the host, which the reader may use once an event
+recorded after it has completed: the SSD drafter reads its tree's tokens and grid this way, so
+answering an outcome never waits for a depth still queued.
 """
 
 from __future__ import annotations
@@ -20,3 +24,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device)
     # contiguous: pinning keeps strides, and an expanded view's pinned copy would overlap itself.
     return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a CUDA tensor t, queued behind the work before it (into pinned memory,
+    without a wait): read it only after an event recorded after this call has completed (then
+    the copy has too). t itself where it is not on a CUDA device."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

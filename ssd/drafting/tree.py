@@ -26,8 +26,8 @@ class SpeculationTree:
 
     seq_ids: list[int]
     spec_tokens: list[list[int]]  # s_T per row (real tokens only)
-    grid: Fork  # the whole grid's candidates and outcomes (every shard's), what the outcome is looked up in
-    tokens: torch.Tensor  # [b, N_own, depth]: this shard's branches, branch n at n // num_shards
+    grid: Fork  # the whole grid's candidates and outcomes (every shard's), what the outcome is looked up in (host)
+    tokens: torch.Tensor  # [b, N_own, depth], host: this shard's branches, branch n at n // num_shards
     probs: BranchProbs  # [b, N_own, depth, V], kept sparse per row where it can be (BranchProbs.add)
     fanout: list[int] = field(default_factory=list)
     build_seconds: float = 0.0  # the whole build's duration (projected to depth K when cut short)
@@ -38,8 +38,9 @@ class SpeculationTree:
 
     def lookup(self, rows: list[int], accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
         """The outcomes of rows `rows` of this round (accepted, bonus [m], host) -> [3, m] long,
-        host (find_branches: covered, branch n of the whole grid, the bonus token's rank): the
-        round's one small copy before its reply."""
+        host (find_branches: covered, branch n of the whole grid, the bonus token's rank). A
+        device round's grid was copied to the host as its tree began (tree_decode.py), so this
+        reads nothing back."""
         candidates, outcome, ranked = self.grid.candidates, self.grid.outcome, self.grid.ranked
         device = candidates.device
         if rows != list(range(candidates.shape[0])):  # not every row of the round, in its order
@@ -51,7 +52,7 @@ class SpeculationTree:
 
     def branch_tokens(self, picks: list[tuple[int, int]]) -> torch.Tensor:
         """Branches of this shard, (row i, branch n // num_shards) each -> their tokens [m, depth]
-        on the host (one copy). A -1 token (a round on an accelerator drew from a distribution
+        on the host. A -1 token (a round on an accelerator drew from a distribution
         without mass) raises as the host's sampler does."""
         tokens = torch.stack([self.tokens[i, n] for i, n in picks]).cpu()
         if bool((tokens < 0).any()):
@@ -59,7 +60,8 @@ class SpeculationTree:
         return tokens
 
     def branch_probs(self, picks: list[tuple[int, int]]) -> torch.Tensor:
-        """The same branches' distributions [m, depth, V], on the host (one copy)."""
+        """The same branches' distributions [m, depth, V], on the host (one copy: on a device it
+        waits for the depth the tree had queued past its cut, if any)."""
         return torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
 
     def copy_branches(self, picks: list[tuple[int, int]], rows: list[int], greedy: list[bool], tokens, probs) -> None:

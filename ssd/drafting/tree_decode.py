@@ -13,7 +13,9 @@ it polls `halt`: what cuts the tree short and what times the build must see real
 queued work (a wait, no data read back). It queues the next depth before that wait, so the
 device runs depth d + 1 while the host waits for depth d, polls and issues: a depth costs the
 device's time, not the device's plus the host's. A cut drops the one depth queued past it (its
-columns are scratch, its uniforms drawn with the round's).
+columns are scratch, its uniforms drawn with the round's). Each depth's tokens are copied to the
+host behind it (pinned memory, no wait), so the reply to an outcome reads them, and the grid it
+looks the outcome up in (tree_drafter.py), without waiting for the depth still queued.
 
 Shapes: b sequences, N branches per sequence (this shard's), K speculation length, V the
 target's vocabulary, W the cache's width before the tree.
@@ -28,7 +30,7 @@ from functools import partial
 import torch
 
 from ssd.core.sampling import BatchSampling, sample_from, sample_on_device, sampling_tensors
-from ssd.core.transfer import to_device
+from ssd.core.transfer import to_device, to_host_async
 from ssd.drafting.saguaro import saguaro_probs
 from ssd.drafting.sd_proposer import draw_step, to_vocab
 from ssd.drafting.shaping import TreeShaping
@@ -104,8 +106,9 @@ def decode_tree(
     shaped: TreeShaping | None,
     halt: Halt,
 ) -> tuple[torch.Tensor, BranchProbs] | None:
-    """-> tokens [b, N, depth] and their distributions (BranchProbs: sparse where it can), depth <= K; None
-    when `halt` said stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
+    """-> tokens [b, N, depth] (on the host: copied depth by depth as the depths run) and their
+    distributions (BranchProbs: sparse where it can, on the draft's device), depth <= K; None when
+    `halt` said stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
     scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
     the target's vocabulary of `vocab` tokens; shaped: the branches' grammars and processing
     (shaping.py), None when no row has any."""
@@ -144,7 +147,7 @@ def decode_tree(
         if ahead and d < k - 1:
             queued = issue(d + 1, depth.drawn.clamp(min=0))  # what a -1 feeds is never read
         depth.wait()
-        tokens.append(depth.drawn)
+        tokens.append(depth.host)
         if depth.probs is not None:
             kept.add(depth.probs, narrow, counted=not on_device)
         if shaped is not None and d < k - 1:
@@ -164,16 +167,17 @@ class _Depth:
     """One depth of the tree decode, queued on the draft's device."""
 
     drawn: torch.Tensor  # [b, N] long: each branch's token at this depth (-1: a draw without mass, on a device)
+    host: torch.Tensor  # drawn's copy on the host (drawn itself there), complete once `done` is
     probs: torch.Tensor | None  # [b, N, V]: the distributions drawn from; None for argmax draws (kept nowhere)
     done: torch.cuda.Event | None  # recorded after the depth's work on a CUDA device
 
     @staticmethod
     def queued(drawn: torch.Tensor, probs: torch.Tensor | None) -> _Depth:
-        done = None
+        host, done = to_host_async(drawn), None
         if drawn.device.type == "cuda":
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(drawn.device))
-        return _Depth(drawn, probs, done)
+        return _Depth(drawn, host, probs, done)
 
     def wait(self) -> None:
         """Until the depth has run: what cuts the tree short and what times the build must see

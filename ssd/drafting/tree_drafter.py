@@ -51,7 +51,7 @@ from ssd.core.protocol import (
 )
 from ssd.core.sampling import BatchSampling
 from ssd.core.speculation import Speculation
-from ssd.core.transfer import to_device
+from ssd.core.transfer import to_device, to_host_async
 from ssd.drafting.draft_grammars import DraftGrammars
 from ssd.drafting.neural_backup import NeuralBackup, SeqState
 from ssd.drafting.saguaro import row_fanout
@@ -196,6 +196,8 @@ class TreeDrafter:
         row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, torch.tensor([len(s) for s in spec]), row_fan)
         cand, outcome = grid.candidates[:, to_device(shard, grid.candidates.device)], grid.outcome[:, shard]
+        # The outcome is looked up on the host, in a copy made before the tree's first depth runs.
+        lookup = dataclasses.replace(grid, candidates=to_host_async(grid.candidates), ranked=to_host_async(grid.ranked))
         sampling = self._sampling(seq_ids)
         shaped = shaping.tree(cand, outcome, sampling)
         tree = self._tree_decode(
@@ -207,7 +209,7 @@ class TreeDrafter:
         depth = tokens.shape[-1]
         now = time.perf_counter()
         self.round = SpeculationTree(
-            seq_ids, spec, grid, tokens, probs, list(msg.fanout),
+            seq_ids, spec, lookup, tokens, probs, list(msg.fanout),
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.columns) if stale is not None else None,
         )  # fmt: skip
