@@ -94,6 +94,28 @@ def test_writes_in_place_and_grows_keeping_every_column(tiny_pair):
     torch.testing.assert_close(out[0, -1], _fresh_logits(runner, history), atol=1e-4, rtol=0)
 
 
+def test_growing_mid_tree_keeps_the_trees_columns(tiny_pair):
+    """A tree's later depth may need more columns than the buffers have: they grow keeping the
+    earlier depths' scratch columns past every row's length, which the later depth attends to
+    (they were dropped, so the depth attended to zeroed keys: exact still, but fewer hits)."""
+    runner = _runner(tiny_pair[0])
+    gen = torch.Generator().manual_seed(4)
+    cache = runner.new_cache()
+    runner.forward(cache, torch.randint(0, 256, (1, 5), generator=gen))
+    top = cache.capacity[1]  # the tree's first depth writes the buffers' last two columns
+    first = (top - 2 + torch.arange(2)).view(1, 2)
+    mask = torch.zeros(1, 1, 2, top, dtype=runner.attention_dtype)
+    runner.forward(cache, torch.randint(0, 256, (1, 2), generator=gen), positions=torch.tensor([[5, 5]]),
+                   attn_mask=mask, columns=first)  # fmt: skip
+    written = _buffer(cache)[:, :, top - 2 : top].clone()
+    mask = torch.zeros(1, 1, 2, top + 2, dtype=runner.attention_dtype)
+    runner.forward(cache, torch.randint(0, 256, (1, 2), generator=gen), positions=torch.tensor([[6, 6]]),
+                   attn_mask=mask, columns=first + 2)  # fmt: skip
+    assert cache.capacity[1] > top, "the second depth grew the buffers"
+    assert torch.equal(_buffer(cache)[:, :, top - 2 : top], written)
+    assert cache.lengths().tolist() == [5]
+
+
 def test_scratch_forward_commits_nothing(tiny_pair):
     """A tree's forward writes past every row's length at explicit columns and keeps nothing:
     the next forward is that of a cache that never saw it."""

@@ -191,8 +191,8 @@ class EngineArgs(BaseModel):
         description="With the lean forward: run the target's projections that read one input (q, k, v; gate, up) "
         "as fused products. On CPU on weights prepacked for oneDNN (about 2x faster verification of a few tokens; "
         "one extra copy of the projection weights); off CPU in place (the weights become views of the fused ones: "
-        "no copy). Logits differ from Hugging Face's in the last bits, as with any optimized kernel. False = "
-        "Hugging Face's products, bit-identical to Hugging Face.",
+        "no copy; a tensor-parallel target's ranks fuse on CPU only). Logits differ from Hugging Face's in the "
+        "last bits, as with any optimized kernel. False = Hugging Face's products, bit-identical to Hugging Face.",
     )
     enforce_eager: bool = Field(
         False,

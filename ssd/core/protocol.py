@@ -160,7 +160,7 @@ class DrafterCounters:
     confirmed: int = 0  # of which the announcement matched
     taken_back: int = 0  # of which the announcement differed: cache and generators restored
     rejected: int = 0  # messages refused as duplicated, reordered or stale (never acted on)
-    drafted_early: int = 0  # rows whose first speculation was drafted at admission and served (early_draft.py)
+    drafted_early: int = 0  # rows whose first speculation was drafted at admission and served (neural_backup.py)
     # Where the builds' time went (every tree built, but those of predicted rounds that went stale
     # while building): trees, their depths, and host microseconds preparing them (glue forward,
     # fork, shaping) and decoding them. On a device the glue's kernels are queued, not waited

@@ -23,6 +23,7 @@ target's vocabulary, W the cache's width before the tree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -105,10 +106,12 @@ def decode_tree(
     on_device: bool,
     shaped: TreeShaping | None,
     halt: Halt,
-) -> tuple[torch.Tensor, BranchProbs] | None:
-    """-> tokens [b, N, depth] (on the host: copied depth by depth as the depths run) and their
-    distributions (BranchProbs: sparse where it can, on the draft's device), depth <= K; None when
-    `halt` said stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
+) -> tuple[torch.Tensor, BranchProbs, float] | None:
+    """-> tokens [b, N, depth] (on the host: copied depth by depth as the depths run), their
+    distributions (BranchProbs: sparse where it can, on the draft's device), depth <= K, and when
+    the tree began (time.perf_counter(): on a device, when the glue and fork queued before it had
+    run, so that a build's preparation and its depths are timed apart); None when `halt` said
+    stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
     scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
     the target's vocabulary of `vocab` tokens; shaped: the branches' grammars and processing
     (shaping.py), None when no row has any."""
@@ -141,7 +144,11 @@ def decode_tree(
     # A device round queues depth d + 1 before it waits for depth d, so that the device never idles
     # while the host issues a depth (module doc); a cut then drops the depth queued past it.
     ahead = on_device
+    prepared, started = _recorded(rnd.candidates.device), time.perf_counter()
     queued = issue(0, rnd.candidates)
+    if prepared is not None:  # depth 0 is queued behind the preparation: the device stays busy
+        prepared.synchronize()
+        started = time.perf_counter()
     for d in range(k):
         depth = queued
         if ahead and d < k - 1:
@@ -159,7 +166,16 @@ def decode_tree(
             break
         if not ahead and d < k - 1:
             queued = issue(d + 1, depth.drawn)
-    return torch.stack(tokens, -1), kept
+    return torch.stack(tokens, -1), kept, started
+
+
+def _recorded(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on a CUDA device's current stream (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclass(frozen=True)
@@ -173,11 +189,8 @@ class _Depth:
 
     @staticmethod
     def queued(drawn: torch.Tensor, probs: torch.Tensor | None) -> _Depth:
-        host, done = to_host_async(drawn), None
-        if drawn.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(drawn.device))
-        return _Depth(drawn, host, probs, done)
+        host = to_host_async(drawn)
+        return _Depth(drawn, host, probs, _recorded(drawn.device))
 
     def wait(self) -> None:
         """Until the depth has run: what cuts the tree short and what times the build must see

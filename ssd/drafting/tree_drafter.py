@@ -261,13 +261,11 @@ class TreeDrafter:
                 return "stale"
             return "cut" if interrupted is not None and interrupted() else None
 
-        tree_started = time.perf_counter()
         probs_of, vocab = self.jit.draft_probs, self.jit.target_vocab
         tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, shaped, halt)
         if tree is None:
             self._take_back(seq_ids, undo, glue.columns)
-            return None
-        return *tree, tree_started
+        return tree
 
     def _take_back(self, seq_ids: list[int], states: list[torch.Tensor], columns: torch.Tensor) -> None:
         """Undo a predicted round: drop the `columns` [b] its glue added and rewind the

@@ -127,7 +127,10 @@ class _Linear:
 def _share(modules, weight: torch.Tensor) -> None:
     """Point each module's weight at its rows of `weight`, the concatenation of theirs: the
     concatenated copy becomes the only one (the modules' own weights are freed where nothing
-    else holds them). Their products, Hugging Face's forward included, read the same values."""
+    else holds them). Their products, Hugging Face's forward included, read the same values. A
+    runner that recorded CUDA graphs on the old weights (an unfused one on the same model) would
+    replay freed memory: the engine builds one runner per target model, and its draft runners all
+    fuse (each holds its own fused weight, so a second one costs a copy, never correctness)."""
     if len(modules) == 1:
         return
     start = 0

@@ -62,9 +62,8 @@ class _Storage:
         new_columns = self.columns
         if columns > self.columns:
             new_columns = max(_round_up(columns, COLUMN_MULTIPLE), 2 * self.columns)
-        used = int(self.lengths.max()) if self.rows else 0
         for index, pair in self.layers.items():
-            self.layers[index] = tuple(_moved(t, new_rows, new_columns, used) for t in pair)
+            self.layers[index] = tuple(_moved(t, new_rows, new_columns) for t in pair)
         self.captured.clear()
         lengths = torch.zeros(new_rows, dtype=torch.long)
         lengths[: self.rows] = self.lengths
@@ -222,7 +221,7 @@ class StaticKVCache:
     def attention_mask(self, new_valid: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive mask [b, 1, n, width] of a default forward (after begin_forward): token i of
         row r sees the row's committed columns and its own real new tokens up to i."""
-        return default_mask(self.lengths().to(device), new_valid.to(device), self._width, dtype)
+        return default_mask(to_device(self.lengths(), device), to_device(new_valid, device), self._width, dtype)
 
 
 def default_mask(lengths: torch.Tensor, new_valid: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -250,8 +249,10 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _moved(buffer: torch.Tensor, rows: int, columns: int, used: int) -> torch.Tensor:
-    """A larger buffer holding `buffer`'s rows and first `used` columns."""
+def _moved(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A larger buffer holding all of `buffer`: every column, not only those up to the longest
+    row's length, since a tree that grows the buffers mid-way attends to its earlier depths'
+    scratch columns past every length."""
     grown = buffer.new_zeros(rows, buffer.shape[1], columns, buffer.shape[3])
-    grown[: buffer.shape[0], :, :used] = buffer[:, :, :used]
+    grown[: buffer.shape[0], :, : buffer.shape[2]] = buffer
     return grown

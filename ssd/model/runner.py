@@ -8,6 +8,7 @@ import logging
 import torch
 from transformers import Cache
 
+from ssd.core.transfer import to_device
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
 from ssd.model.kv_cache import StaticKVCache
@@ -123,8 +124,8 @@ class ModelRunner:
             mask = cache.attention_mask(new_valid, self.attention_dtype, self.device)
         else:
             assert attn_mask.shape == (b, 1, n, width) and attn_mask.dtype == self.attention_dtype
-            mask = attn_mask.to(self.device)
-        tokens, position_ids = tokens.to(self.device), positions.to(self.device)
+            mask = to_device(attn_mask, self.device)
+        tokens, position_ids = to_device(tokens, self.device), to_device(positions, self.device)
         if self.lean is not None:
             self.lean.reserve_positions(int(positions.max()) + 1, self.device)  # from the host copy
             logits = self.lean(tokens, mask, position_ids, cache, head=with_logits)

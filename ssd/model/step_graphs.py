@@ -102,7 +102,7 @@ class StepGraphs:
             if t is None:
                 continue
             if t.device.type == "cpu" and self.capture:
-                t = t.pin_memory()  # a copy from pageable memory would wait for every queued kernel
+                t = t.contiguous().pin_memory()  # from pageable memory a copy waits for every queued kernel
             buffer[: t.shape[0]].copy_(t, non_blocking=True)
 
     def _captured(self, name: str, fn: Callable[..., tuple], inputs: tuple, rows: int) -> _Step | None:
