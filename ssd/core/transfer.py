@@ -14,7 +14,12 @@ answering an outcome never waits for a depth still queued.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -35,3 +40,16 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def read_after(done: torch.cuda.Event | None, device: torch.device, read: Callable[[], T]) -> T:
+    """read(), which copies device tensors to the host, on a side stream of `device` that waits
+    for the event `done` alone: not for work queued on the current stream after it. read() as it
+    is where done is None (the host, or nothing queued). Its tensors must have been made before
+    `done` was recorded; what it allocates is the side stream's, freed once read() has synced."""
+    if done is None:
+        return read()
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        side.wait_event(done)
+        return read()

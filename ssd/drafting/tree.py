@@ -16,7 +16,7 @@ import torch
 
 from ssd.core.protocol import RANK_DEPTH
 from ssd.core.sampling import no_mass
-from ssd.core.transfer import to_device
+from ssd.core.transfer import read_after, to_device
 from ssd.model.kv_cache import additive_mask
 
 
@@ -60,9 +60,13 @@ class SpeculationTree:
         return tokens
 
     def branch_probs(self, picks: list[tuple[int, int]]) -> torch.Tensor:
-        """The same branches' distributions [m, depth, V], on the host (one copy: on a device it
-        waits for the depth the tree had queued past its cut, if any)."""
-        return torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
+        """The same branches' distributions [m, depth, V], on the host (one copy, which on a device
+        waits for the depths kept, not for the one the tree queued past its cut)."""
+
+        def gathered() -> torch.Tensor:
+            return torch.stack([self.probs.branch(i, n) for i, n in picks]).cpu()
+
+        return read_after(self.probs.done, self.probs.device, gathered)
 
     def copy_branches(self, picks: list[tuple[int, int]], rows: list[int], greedy: list[bool], tokens, probs) -> None:
         """Branches of this shard (picks, as in branch_tokens) into reply rows `rows` (one each, in
@@ -92,6 +96,10 @@ class BranchProbs:
     # depth copied everything kept so far: about 60 ms a tree at N = 16, V = 128k on the
     # development CPU)
     _dense: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # On a device: recorded after the last depth kept, so that a read waits for nothing queued after
+    # it (the depth the tree queued past its cut: tree_decode.py).
+    done: torch.cuda.Event | None = None
+    device: torch.device | None = None  # where the kept distributions are, with `done`
 
     def add(self, probs: torch.Tensor, narrow: list[bool], counted: bool = True) -> None:
         """Append one depth: probs [b, N_own, V]; narrow [b]: the sampled rows that may be kept

@@ -157,6 +157,7 @@ def decode_tree(
         tokens.append(depth.host)
         if depth.probs is not None:
             kept.add(depth.probs, narrow, counted=not on_device)
+            kept.done, kept.device = depth.done, depth.probs.device
         if shaped is not None and d < k - 1:
             shaped.advance(depth.drawn)
         said = halt(d)
