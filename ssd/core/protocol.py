@@ -163,9 +163,9 @@ class DrafterCounters:
     drafted_early: int = 0  # rows whose first speculation was drafted at admission and served (neural_backup.py)
     # Where the builds' time went (every tree built, but those of predicted rounds that went stale
     # while building): trees, their depths, and host microseconds preparing them (glue forward,
-    # fork, shaping) and decoding them. On a device the glue's kernels are queued, not waited
-    # for, so some of their time shows in the first depth's. Against a verification's time these
-    # say whether a tree can reach depth K before the outcome comes.
+    # fork, shaping) and decoding them. On a device the preparation counts until its queued
+    # kernels have run (tree_decode.decode_tree). Against a verification's time these say whether
+    # a tree can reach depth K before the outcome comes.
     built: int = 0
     depths: int = 0
     prepare_us: int = 0

@@ -3,9 +3,10 @@
 torch synchronizes the stream after a copy from pageable host memory to a CUDA device
 (non_blocking=False), so every `.to("cuda")` of a host tensor makes the host wait for all the
 work it has queued. A round that prepares its next device steps while earlier ones run (the SSD
-drafter's glue, fork and tree depths) copies through pinned memory instead: the copy is queued
-behind that work and the host goes on. The pinned block is torch's (its caching host allocator
-reuses it only once the copy has run), so the source may change right after the call.
+drafter's fork inputs and its tree's mask, uniforms and fan-out) copies through pinned memory
+instead: the copy is queued behind that work and the host goes on. The pinned block is torch's
+(its caching host allocator reuses it only once the copy has run), so the source may change
+right after the call.
 
 The other way, `to_host_async` queues a copy to the host, which the reader may use once an event
 recorded after it has completed: the SSD drafter reads its tree's tokens and grid this way, so
