@@ -230,20 +230,21 @@ def test_packed_products_keep_memory_flat_over_many_row_counts():
     assert _rss_mb() - before < 60, (before, _rss_mb())
 
 
-def test_packed_products_pad_rows_to_a_power_of_two():
-    """Row counts are padded to 1, 2, 4, ..., 64, so a server meets 7 packed shapes per module
-    early instead of 64 one by one (each a step up in memory: the soak run saw draft workers
-    step up by ~10 MiB late in a run). Each row's result is the same in any count: a row of a
-    3-row product equals that row of the 4-row one."""
-    from ssd.model.fast_forward import _Linear, can_pack
+def test_packed_products_pad_rows_to_a_bounded_set_of_counts():
+    """Row counts are padded to the next of PACKED_ROWS, so a server meets 14 packed shapes per
+    module early instead of 64 one by one (each a step up in memory: the soak run saw draft
+    workers step up by ~10 MiB late in a run). Each row's result is the same in any count: a
+    row of a 9-row product equals that row of the 12-row one."""
+    from ssd.model.fast_forward import PACKED_ROWS, _Linear, can_pack
 
     q = torch.nn.Linear(256, 384)
     if not can_pack(q.weight):
         pytest.skip("no oneDNN packing on this CPU")
+    assert PACKED_ROWS[:8] == tuple(range(1, 9)) and len(PACKED_ROWS) == 14  # batch 1's rounds run unpadded
     fused = _Linear([q])
-    x = torch.randn(1, 4, 256)
-    assert torch.equal(fused(x[:, :3]), fused(x)[:, :3])
-    for rows in (1, 2, 4, 8, 16, 32, 64):  # every bucket once
+    x = torch.randn(1, 12, 256)
+    assert torch.equal(fused(x[:, :9]), fused(x)[:, :9])
+    for rows in PACKED_ROWS:  # every bucket once
         fused(torch.randn(1, rows, 256))
     before = _rss_mb()
     for rows in range(1, 65):  # every row count: no new shape
