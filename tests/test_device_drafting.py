@@ -24,7 +24,7 @@ from ssd import LLM, SamplingParams
 from ssd.core.protocol import RANK_DEPTH, AdmitMsg, BeginRoundMsg, ResolveMsg
 from ssd.core.sampling import SequenceSampling, process_logits_on_device, sample_on_device
 from ssd.drafting.saguaro import saguaro_probs
-from ssd.drafting.tree import find_branches, fork, rank_candidates
+from ssd.drafting.tree import BranchProbs, SpeculationTree, find_branches, fork, rank_candidates
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.runner import draft_runner
 
@@ -65,6 +65,10 @@ def test_the_fork_and_the_lookup_equal_their_loop_statements(seed):
             grid.candidates[torch.arange(b), pick] if trial % 2 == 0 else torch.randint(0, vocab, (b,), generator=gen)
         )
         covered, branch, rank = find_branches(grid.candidates, grid.outcome, grid.ranked, acc, bonus).tolist()
+        on_host = SpeculationTree([], [], grid, torch.zeros(b, 0, 0, dtype=torch.long), BranchProbs(vocab, [True] * b))
+        assert on_host.lookup([2, 0, 1], acc[[2, 0, 1]].tolist(), bonus[[2, 0, 1]].tolist()) == tuple(
+            [x[2], x[0], x[1]] for x in (covered, branch, rank)
+        )  # the engine's lookup, on host lists, of rows in any order
         for r in range(b):
             n = index[r].get((int(acc[r]), int(bonus[r])))
             assert (covered[r], branch[r]) == (int(n is not None), n if n is not None else 0)

@@ -36,19 +36,23 @@ class SpeculationTree:
     # glue added per row) if the target's announcement turns out different.
     undo: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
-    def lookup(self, rows: list[int], accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-        """The outcomes of rows `rows` of this round (accepted, bonus [m], host) -> [3, m] long,
-        host (find_branches: covered, branch n of the whole grid, the bonus token's rank). A
-        device round's grid was copied to the host as its tree began (tree_decode.py), so this
-        reads nothing back."""
-        candidates, outcome, ranked = self.grid.candidates, self.grid.outcome, self.grid.ranked
-        device = candidates.device
-        if rows != list(range(candidates.shape[0])):  # not every row of the round, in its order
-            index = torch.tensor(rows, dtype=torch.long)
-            on = index.to(device)
-            candidates, outcome, ranked = candidates[on], outcome[index], ranked[on]
-        found = find_branches(candidates, outcome.to(device), ranked, accepted.to(device), bonus.to(device))
-        return found.cpu()
+    def lookup(self, rows: list[int], accepted: list[int], bonus: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """The outcomes (accepted, bonus) of rows `rows` of this round -> per row whether the grid
+        holds the branch (1 or 0), its number n in the whole grid (0 where not), and the bonus
+        token's rank among its outcome's candidates (RANK_DEPTH where not among the first R):
+        what find_branches gives, on host lists. The grid is on the host (a device round's was
+        copied there as its tree began: tree_decode.py), and this sits between the target's
+        outcome and its next verification, where a dozen tensor operations on a few numbers cost
+        about 0.1 ms a round (find_branches is the device step it is checked against)."""
+        found, branch, rank = [], [], []
+        for i, a, t in zip(rows, accepted, bonus):
+            pairs = zip(self.grid.outcome[i].tolist(), self.grid.candidates[i].tolist())
+            n = next((n for n, pair in enumerate(pairs) if pair == (a, t)), None)
+            order = self.grid.ranked[i, a].tolist()
+            found.append(int(n is not None))
+            branch.append(n or 0)
+            rank.append(order.index(t) if t in order else RANK_DEPTH)
+        return found, branch, rank
 
     def branch_tokens(self, picks: list[tuple[int, int]]) -> torch.Tensor:
         """Branches of this shard, (row i, branch n // num_shards) each -> their tokens [m, depth]

@@ -350,11 +350,8 @@ class TreeDrafter:
             return hit, covered, rank
         index = [position[msg.seq_ids[r]] for r in known]
         self._commit_outcomes(rnd, msg, known, index)
-        accepted, bonus = msg.num_accepted, msg.bonus_tokens
-        if len(known) < b:
-            rows = torch.tensor(known, dtype=torch.long)
-            accepted, bonus = accepted[rows], bonus[rows]
-        found, branch, ranks = rnd.lookup(index, accepted, bonus).tolist()
+        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
+        found, branch, ranks = rnd.lookup(index, [accepted[r] for r in known], [bonus[r] for r in known])
         picks = []  # (row in the round, branch of this shard) per hit row, in batch order
         for r, i, f, n, place in zip(known, index, found, branch, ranks):
             covered[r], rank[r] = bool(f), place
