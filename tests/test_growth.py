@@ -16,7 +16,6 @@ from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import Sequence
 from ssd.drafting.ngram import NgramIndex
 from ssd.drafting.ssd_proposer import SSDProposer
-from ssd.engine.llm_engine import LLMEngine
 from ssd.engine.stopping import StopChecker
 from ssd.model.demo_models import EOS_ID, VOCAB_SIZE, build_tokenizer
 
@@ -165,20 +164,19 @@ def _text_cost(history: int) -> float:
     """Stop strings checked at every token, and the engine's streaming output, per token."""
     rng = random.Random(history)
     stopper = StopChecker(build_tokenizer(), EOS_ID, max_model_len=10**6)
-    engine = SimpleNamespace(stopper=stopper)  # all LLMEngine._output uses
     params = SamplingParams(ignore_eos=True, max_tokens=10**6, stop=["QQQ", "Z\n"])  # never generated
     states = []
     for i in range(BATCH):
         seq = _seq(i, [1], params)
         seq.output_ids.extend(_text_tokens(rng, history))
         stopper.append(seq, _text_tokens(rng, 8))  # catches up with the history (once)
-        LLMEngine._output(engine, seq)
+        stopper.output(seq)
         states.append((seq, iter(_text_tokens(rng, STEPS * REPEATS))))
 
     def step(state) -> None:
         seq, upcoming = state
         assert stopper.append(seq, [next(upcoming)]) == 1 and not seq.finished
-        LLMEngine._output(engine, seq)
+        stopper.output(seq)
 
     return _min_per_token_seconds(states, step)
 

@@ -4,14 +4,12 @@ incremental output text against the former path that decoded the whole output at
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ssd import LLM, SamplingParams
 from ssd.core.sequence import Sequence
-from ssd.engine.llm_engine import LLMEngine
 from ssd.engine.stopping import StopChecker
 from ssd.model.demo_models import EOS_ID, PAD_ID, build_tokenizer
 
@@ -180,7 +178,7 @@ def _old_output(checker: RefStopChecker, seq: Sequence) -> tuple:
 
 
 def _new_output(checker: StopChecker, seq: Sequence) -> tuple:
-    out = LLMEngine._output(SimpleNamespace(stopper=checker), seq)
+    out = checker.output(seq)
     return out.text, out.delta_text, seq.finish_reason, out.token_ids
 
 

@@ -14,7 +14,7 @@ import torch
 from refimpl import chi_square_p
 
 from ssd.core.sampling import sample_from
-from ssd.engine.verify import verify, verify_on_device, verify_reference
+from ssd.engine.verify import verify, verify_greedy, verify_on_device, verify_reference
 
 P_MIN = 1e-3  # chi-square p-value threshold (seeds are fixed, so a pass is reproducible)
 ONE_MINUS = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # largest float32 < 1
@@ -241,6 +241,11 @@ def test_a_greedy_target_reads_no_draft_probability(seed):
             assert torch.equal(left_out.bonus_tokens, with_probs.bonus_tokens)
     ref = verify_reference(draft_tokens, None, *rest)
     assert torch.equal(ref.num_accepted, left_out.num_accepted) and torch.equal(ref.bonus_tokens, left_out.bonus_tokens)
+    # The engine's shortcut for such a batch reads the logits alone (their argmaxes: the one-hot rows')
+    fast = verify_greedy(draft_tokens, target_probs + torch.rand(b, K + 1, vocab, generator=gen) * 0.5, rest[1])
+    assert torch.equal(fast.num_accepted, left_out.num_accepted) and torch.equal(
+        fast.bonus_tokens, left_out.bonus_tokens
+    )
 
 
 def test_k_zero_samples_bonus_from_first_target_distribution():

@@ -29,13 +29,13 @@ from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Speculation
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
-from ssd.engine.logprob_recorder import LogprobRecorder, output_logprobs
+from ssd.engine.logprob_recorder import LogprobRecorder
 from ssd.engine.metrics import EngineMetrics, graph_metrics
 from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers, round_threads
 from ssd.engine.request_checks import check_fits, prompt_ids
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
-from ssd.engine.verify import verify, verify_step
+from ssd.engine.verify import verify, verify_greedy, verify_step
 from ssd.model.runner import pad_rows, target_runner
 from ssd.model.step_graphs import run_step
 from ssd.model.tensor_parallel import TensorParallelRunner
@@ -184,7 +184,7 @@ class LLMEngine:
             new = [s for s in new if not s.finished]
         assert new == going, "a prefill finishes only the rows that asked for no tokens"
         self.running.extend(going)
-        return [self._output(s) for s in scored]
+        return [self.stopper.output(s) for s in scored]
 
     def _keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long)
@@ -289,12 +289,21 @@ class LLMEngine:
             outcome, logprobs = self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
         else:
             logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]
-            target_probs = process_logits(logits, sampling)
-            result = verify(spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1])
+            if self._plain(sampling) and bool(sampling.greedy.all()):  # argmaxes, read as nothing else
+                result, target_probs = verify_greedy(spec.tokens, logits, spec.num_draft), None
+            else:
+                target_probs = process_logits(logits, sampling)
+                result = verify(
+                    spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1]
+                )
             outcome = RoundOutcome(result.num_accepted, result.bonus_tokens, before)
             logprobs = self._round_logprobs(logits, target_probs, spec, outcome)
         self.adjustments.carry(seqs, sampling.adjust, outcome.num_accepted, outcome.bonus_tokens)
         return outcome, logprobs
+
+    def _plain(self, sampling: BatchSampling) -> bool:
+        """Whether the round's verification reads only the target's logits: no row has processing or logprobs."""
+        return sampling.adjust is None and all(s.params.logprobs is None for s in self.running)
 
     def _round_logprobs(self, logits, target_probs, spec: Speculation, outcome: RoundOutcome) -> dict | None:
         accepted, bonus = outcome.num_accepted, outcome.bonus_tokens
@@ -306,7 +315,7 @@ class LLMEngine:
         logprobs, the steps after the forward are one step (verify_step) that replays a CUDA graph."""
         device = self.target.device
         logits = self.target.forward(self.cache, tokens, valid, on_host=False)  # [b, K+1, V], on device
-        plain = sampling.adjust is None and not any(s.params.logprobs is not None for s in self.running)
+        plain = self._plain(sampling)
         drafts = (spec.tokens, spec.num_draft, uniforms, spec.probs)
         target_probs = None
         if plain:
@@ -347,7 +356,7 @@ class LLMEngine:
             if logprobs is not None and r in logprobs:
                 self.logprobs.commit(seq, logprobs[r], new_tokens[:count])
             appended += count
-            outputs.append(self._output(seq))
+            outputs.append(self.stopper.output(seq))
         self.metrics.generated_tokens += appended
         self.metrics.spec.add(round_metrics)
         return outputs, appended
@@ -378,28 +387,6 @@ class LLMEngine:
         if self.chooser is not None:
             out["auto"] = self.chooser.stats(max(1, len(self.running)), self.greedy)
         return out
-
-    def _output(self, seq: Sequence) -> CompletionOutput:
-        text = self.stopper.text(seq)  # incremental: no full decode per round
-        sendable_end = self.stopper.streamable_end(seq, text)
-        delta_text = text[seq.sent_text : sendable_end] if sendable_end > seq.sent_text else ""
-        delta_tokens = seq.output_ids[seq.sent_tokens :]
-        logprobs, delta_logprobs = output_logprobs(seq, seq.sent_tokens)
-        seq.sent_text = max(seq.sent_text, sendable_end)
-        seq.sent_tokens = len(seq.output_ids)
-        return CompletionOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_ids,
-            token_ids=list(seq.output_ids),
-            text=text,
-            finish_reason=seq.finish_reason.value if seq.finished else None,
-            metrics=seq.metrics.as_dict(),
-            delta_token_ids=delta_tokens,
-            delta_text=delta_text,
-            logprobs=logprobs,
-            delta_logprobs=delta_logprobs,
-            prompt_logprobs=seq.prompt_logprobs,
-        )
 
     def broken(self) -> str | None:
         """Why this engine cannot run another round (its split target or split draft lost a

@@ -1,10 +1,11 @@
 """Appending a round's tokens to a sequence under its stop rules, and streaming text safely
-(the text is decoded incrementally: ssd/core/detokenizer.py)."""
+(the text is decoded incrementally: ssd/core/detokenizer.py): a round's output per sequence."""
 
 from __future__ import annotations
 
 from ssd.core.detokenizer import IncrementalDetokenizer
-from ssd.core.sequence import FinishReason, Sequence
+from ssd.core.sequence import CompletionOutput, FinishReason, Sequence
+from ssd.engine.logprob_recorder import output_logprobs
 
 
 class StopChecker:
@@ -94,3 +95,27 @@ class StopChecker:
                     end -= n
                     break
         return end
+
+    def output(self, seq: Sequence) -> CompletionOutput:
+        """What a round sends for a sequence that progressed: its text and tokens so far, and what is
+        new since the last output (text held back as streamable_end says)."""
+        text = self.text(seq)  # incremental: no full decode per round
+        sendable_end = self.streamable_end(seq, text)
+        delta_text = text[seq.sent_text : sendable_end] if sendable_end > seq.sent_text else ""
+        delta_tokens = seq.output_ids[seq.sent_tokens :]
+        logprobs, delta_logprobs = output_logprobs(seq, seq.sent_tokens)
+        seq.sent_text = max(seq.sent_text, sendable_end)
+        seq.sent_tokens = len(seq.output_ids)
+        return CompletionOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=text,
+            finish_reason=seq.finish_reason.value if seq.finished else None,
+            metrics=seq.metrics.as_dict(),
+            delta_token_ids=delta_tokens,
+            delta_text=delta_text,
+            logprobs=logprobs,
+            delta_logprobs=delta_logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
+        )
