@@ -278,9 +278,6 @@ class PoolClient:
     def resolve(self, msg: ResolveMsg) -> None:
         rnd = self.round
         assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
-        for r, s in enumerate(msg.seq_ids):  # the committed tokens, as every drafter records them
-            acc = int(msg.num_accepted[r])
-            self.seqs[s].tokens.extend(rnd.spec_tokens[r, :acc].tolist() + [int(msg.bonus_tokens[r])])
         self.outcome = msg
         backup = self._backup_shard()
 
@@ -294,6 +291,11 @@ class PoolClient:
             link.resolve(part)
 
         self._each(send)
+        # The committed tokens, as every drafter records them (a replacement is admitted with them,
+        # at the next round's start): after the sends, which the target's reply waits for.
+        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
+        for r, s in enumerate(msg.seq_ids):
+            self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
 
     def reply(self, deadline_s: float) -> SpeculationReply:
         """Every live shard's answer to the outcome resolve() sent, made one (rows.py)."""
