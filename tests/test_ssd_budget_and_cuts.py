@@ -171,9 +171,10 @@ def _snapshot(drafter: TreeDrafter) -> tuple:
 
 @pytest.mark.parametrize("when", ["after the glue", "mid-tree", "after the build"])
 def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
-    """The draft worker begins the next round on a prediction (after an all-hit reply) before
-    the target announces it. When the announcement differs, the round is taken back: cache and
-    generator as before, so the real round draws and caches exactly what it would have."""
+    """The draft worker begins the next round on a prediction (after a reply that carried every
+    row's speculation) before the target announces it. When the announcement differs, the round
+    is taken back: cache and generator as before, so the real round draws and caches exactly
+    what it would have."""
     from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ResolveMsg
     from ssd.core.sampling import SequenceSampling
 
@@ -210,7 +211,10 @@ def test_a_predicted_round_is_taken_back_whole(tiny_pair, when):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
-def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
+def test_prediction_needs_every_rows_speculation_and_the_next_fanout(tiny_pair):
+    """A worker predicts the next round when its reply carried every row's next speculation: a
+    hit's branch or a miss's just-in-time draft (the target verifies either), not when a row was
+    left to another shard or to the target's fast backup (num_draft 0)."""
     from ssd.core.protocol import AdmitMsg, BeginRoundMsg, ResolveMsg, SpeculationReply
     from ssd.core.sampling import SequenceSampling
 
@@ -225,6 +229,9 @@ def test_prediction_needs_every_row_to_hit_and_the_next_fanout(tiny_pair):
     assert guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1], [3, 2]))
     assert not guess.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 2]), [1, 1, 1, 1, 1], [3, 3]))
     assert drafter.predict_round(resolve, miss) is None
+    drafted = SpeculationReply(3, [1, 2], torch.tensor([True, False]), tokens, probs, torch.tensor([4, 4]))
+    after_miss = drafter.predict_round(resolve, drafted)  # row 2's miss drafted just in time
+    assert after_miss.same_round(BeginRoundMsg(4, [1, 2], tokens, torch.tensor([4, 4]), [1, 1, 1, 1, 1], [3, 2]))
     assert drafter.predict_round(ResolveMsg(3, [1, 2], torch.tensor([1, 2]), torch.tensor([7, 7]), False), hit) is None
 
 

@@ -91,10 +91,11 @@ class BeginRoundMsg:
     committed: list[int] = field(default_factory=list)
 
     @classmethod
-    def after_all_hit(cls, outcome: ResolveMsg, reply: SpeculationReply, committed: list[int]) -> BeginRoundMsg:
-        """The round a target announces after `outcome` when every row hit: it verifies the
-        branches `reply` carried, with the fan-out the outcome message named. What a worker
-        predicts (PREDICT), and what the pool tells the workers that did not hold the hits."""
+    def after_reply(cls, outcome: ResolveMsg, reply: SpeculationReply, committed: list[int]) -> BeginRoundMsg:
+        """The round a target announces after `outcome` when `reply` carried every row's next
+        speculation (a hit's branch or a just-in-time draft): it verifies those, with the fan-out
+        the outcome message named. What a worker predicts (PREDICT), and what the pool tells the
+        workers that did not hold the hits."""
         return cls(
             outcome.round_id + 1,
             list(outcome.seq_ids),

@@ -286,13 +286,14 @@ class TreeDrafter:
 
     def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply) -> BeginRoundMsg | None:
         """The round the target will most likely announce next, so that its build can start
-        before the announcement arrives: after a round in which every row hit (here), the
-        target verifies the branches it was just sent. None when that cannot be known (a miss:
-        the target's backup decides that row's speculation)."""
-        if not resolve.next_fanout or not bool(reply.hit.all()):
+        before the announcement arrives: after a reply that carried every row's next
+        speculation (here), whether a hit's branch or a miss's just-in-time draft, the target
+        verifies those. None when that cannot be known (a row this reply left out: another shard
+        holds its branch, or the target's fast backup speculates for it)."""
+        if not resolve.next_fanout or not bool((reply.num_draft > 0).all()):
             return None
         committed = [len(self.states[s].tokens) for s in reply.seq_ids]  # resolve() has added the round's tokens
-        return BeginRoundMsg.after_all_hit(resolve, reply, committed)
+        return BeginRoundMsg.after_reply(resolve, reply, committed)
 
     # ---- answers --------------------------------------------------------------------------------
 

@@ -327,7 +327,7 @@ class PoolClient:
         next (a shard that held every hit predicts it itself), so all begin building at once."""
         if self.round is None or not msg.next_fanout or not bool(merged.hit.all()):
             return
-        nxt = BeginRoundMsg.after_all_hit(msg, merged, [len(self.seqs[s].tokens) for s in msg.seq_ids])
+        nxt = BeginRoundMsg.after_reply(msg, merged, [len(self.seqs[s].tokens) for s in msg.seq_ids])
 
         def send(w: int, link: WorkerLink) -> None:
             if w in replies and not bool(replies[w].hit.all()):

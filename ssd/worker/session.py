@@ -192,11 +192,12 @@ class WorkerSession:
             )
 
     def _build_predicted(self, predicted: BeginRoundMsg):
-        """Build the round predicted after an all-hit reply while the target is still finishing
-        its step (bookkeeping, the next proposal, the announcement). The announcement confirms
-        it, or the round is taken back (cache and generators as before, so outputs do not
-        depend on the prediction) and the message that came instead is handled as usual.
-        -> a message to handle first, or None."""
+        """Build the round predicted after a reply that carried every row's next speculation
+        (TreeDrafter.predict_round) while the target is still finishing its step (bookkeeping,
+        the next proposal, the announcement). The announcement confirms it, or the round is
+        taken back (cache and generators as before, so outputs do not depend on the prediction)
+        and the message that came instead is handled as usual. -> a message to handle first, or
+        None."""
         counters = self.drafter.counters
         counters.predicted += 1
         watch = _NextRound(self.channel, predicted)
