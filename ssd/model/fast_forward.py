@@ -30,8 +30,6 @@ the sequence length). Anything else runs through the Hugging Face forward.
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 import torch.nn.functional as F
 
@@ -116,7 +114,7 @@ class _Linear:
             # the first minutes of serving, instead of up to 64 met one by one over hours (each
             # one's state a step up in memory). Each row's result does not depend on the others.
             flat = x.reshape(rows, x.shape[-1])
-            bucket = PACKED_ROWS[bisect.bisect_left(PACKED_ROWS, rows)]
+            bucket = _PADDED_ROWS[rows]
             if bucket != rows:
                 flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
@@ -151,6 +149,9 @@ def _share(modules, weight: torch.Tensor) -> None:
 # depth of up to 16 branches (12 or 16). A round of 8 rows at K = 6 verifies 56 tokens.
 PACKED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 PACKED_MAX_ROWS = PACKED_ROWS[-1]
+# Row count -> its bucket, a tuple lookup: a captured or traced forward reads it without a
+# graph break (bisect is a C function the tracer cannot follow).
+_PADDED_ROWS = tuple(next(n for n in PACKED_ROWS if n >= rows) for rows in range(PACKED_MAX_ROWS + 1))
 
 
 class _Layer:
