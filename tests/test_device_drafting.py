@@ -24,7 +24,7 @@ from ssd import LLM, SamplingParams
 from ssd.core.protocol import RANK_DEPTH, AdmitMsg, BeginRoundMsg, ResolveMsg
 from ssd.core.sampling import SequenceSampling, process_logits_on_device, sample_on_device
 from ssd.drafting.saguaro import saguaro_probs
-from ssd.drafting.tree import BranchProbs, SpeculationTree, find_branches, fork, rank_candidates
+from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, rank_candidates
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.runner import draft_runner
 
@@ -64,11 +64,10 @@ def test_the_fork_and_the_lookup_equal_their_loop_statements(seed):
         bonus = (
             grid.candidates[torch.arange(b), pick] if trial % 2 == 0 else torch.randint(0, vocab, (b,), generator=gen)
         )
-        covered, branch, rank = find_branches(grid.candidates, grid.outcome, grid.ranked, acc, bonus).tolist()
         on_host = SpeculationTree([], [], grid, torch.zeros(b, 0, 0, dtype=torch.long), BranchProbs(vocab, [True] * b))
-        assert on_host.lookup([2, 0, 1], acc[[2, 0, 1]].tolist(), bonus[[2, 0, 1]].tolist()) == tuple(
-            [x[2], x[0], x[1]] for x in (covered, branch, rank)
-        )  # the engine's lookup, on host lists, of rows in any order
+        rows = [2, 0, 1]  # the rows of the round in any order
+        found = on_host.lookup(rows, acc[rows].tolist(), bonus[rows].tolist())
+        covered, branch, rank = ([x[rows.index(r)] for r in range(b)] for x in found)
         for r in range(b):
             n = index[r].get((int(acc[r]), int(bonus[r])))
             assert (covered[r], branch[r]) == (int(n is not None), n if n is not None else 0)
@@ -83,9 +82,6 @@ def test_the_drafters_device_steps_trace_without_a_graph_break():
     spec, real = torch.randint(0, vocab, (b, k), generator=gen), torch.ones(b, k, dtype=torch.bool)
     flat = torch.randint(0, (k + 1) * 8, (b, n), generator=gen)
     _traces(lambda *a: rank_candidates(*a, 8), glue, spec, real, flat)
-    candidates, ranked = rank_candidates(glue, spec, real, flat, 8)
-    outcome = torch.randint(0, k + 1, (b, n), generator=gen)
-    _traces(find_branches, candidates, outcome, ranked, outcome[:, 0], candidates[:, 0])
     sampling = _sampling(gen, b, vocab)
 
     def depth(step_logits, fan, uniforms):  # one tree depth's (or one proposal position's) draw

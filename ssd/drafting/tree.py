@@ -40,10 +40,10 @@ class SpeculationTree:
         """The outcomes (accepted, bonus) of rows `rows` of this round -> per row whether the grid
         holds the branch (1 or 0), its number n in the whole grid (0 where not), and the bonus
         token's rank among its outcome's candidates (RANK_DEPTH where not among the first R):
-        what find_branches gives, on host lists. The grid is on the host (a device round's was
-        copied there as its tree began: tree_decode.py), and this sits between the target's
-        outcome and its next verification, where a dozen tensor operations on a few numbers cost
-        about 0.1 ms a round (find_branches is the device step it is checked against)."""
+        on host lists. The grid is on the host (a device round's was copied there as its tree
+        began: tree_decode.py, so the lookup reads nothing back), and this sits between the
+        target's outcome and its next verification, where the dozen tensor operations it took
+        on a few numbers cost about 0.1 ms a round."""
         found, branch, rank = [], [], []
         for i, a, t in zip(rows, accepted, bonus):
             pairs = zip(self.grid.outcome[i].tolist(), self.grid.candidates[i].tolist())
@@ -225,22 +225,6 @@ def _layout(row_fan: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     outcome = [[j for j, f in enumerate(fan) for _ in range(f)] for fan in row_fan]
     rank = [[i for f in fan for i in range(f)] for fan in row_fan]
     return torch.tensor(outcome, dtype=torch.long), torch.tensor(rank, dtype=torch.long)
-
-
-def find_branches(
-    candidates: torch.Tensor, outcome: torch.Tensor, ranked: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor
-) -> torch.Tensor:
-    """The speculation-cache lookup, on whatever device the grid is: candidates, outcome [b, N],
-    ranked [b, K+1, R], accepted and bonus [b] (the outcome of each row) -> [3, b] long: whether
-    the grid holds the branch (k, bonus), its number n (0 where not), and the bonus token's rank
-    among outcome k's candidates (RANK_DEPTH where not among the first R)."""
-    match = (outcome == accepted.unsqueeze(1)) & (candidates == bonus.unsqueeze(1))  # [b, N]: at most one per row
-    covered = match.any(1)
-    branch = match.long().argmax(1)
-    at_k = ranked.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, ranked.shape[-1])).squeeze(1)  # [b, R]
-    place = at_k == bonus.unsqueeze(1)
-    rank = torch.where(place.any(1), place.long().argmax(1), RANK_DEPTH)
-    return torch.stack([covered.long(), branch, rank])
 
 
 def tree_mask(
