@@ -316,19 +316,17 @@ def test_draft_equal_to_target_accepts_and_hits_nearly_always(tiny_pair, prompts
 
 # ---- 3. statistical exactness --------------------------------------------------------------------
 
-# Seeds are fixed, so a pass is reproducible. About 17 p-values are checked in all; the injected
-# bugs this file was tried against (verifier given the wrong draft distribution on cache hits,
+# Seeds are fixed, so a pass is reproducible. A few p-values are checked per case (one per source
+# of round); the injected bugs this file was tried against (verifier given the wrong draft distribution on cache hits,
 # on neural-backup rounds, or on fast-backup rounds) gave p < 1e-14.
 P_MIN = 1e-4
 
 
 STAT_CASES = {
     # name: (sampling params, engine options, subsets that must be well represented)
+    # Top-p and Saguaro's C are checked on the default transport (test_ssd_process_sampling.py):
+    # the sampling rules are the same code whatever carries the tree.
     "temperature1": (SamplingParams(temperature=1.0), dict(ssd_backup="neural"), ["cache_later"]),
-    # At temperature 1 the peaked target's nucleus of 0.8 is mostly a single token: 1.5 flattens
-    # it so that the nucleus holds several tokens at most positions.
-    "top_p0.8": (SamplingParams(temperature=1.5, top_p=0.8), dict(ssd_backup="neural"), ["cache_later"]),
-    "saguaro_c0.3": (SamplingParams(temperature=1.0), dict(ssd_backup="neural", saguaro_c=0.3), ["cache_later"]),
     # A budget of 2 (1) leaves most outcomes uncached: many later rounds go to the backup.
     "backup_neural": (
         SamplingParams(temperature=1.0),

@@ -42,8 +42,6 @@ CASES = {
     # reach depth K, some are cut.
     # 500 samples: ~800 rounds, of which 160-200 predictions confirmed and as many taken back.
     "predicted_rounds": (SamplingParams(temperature=1.0), dict(max_num_seqs=2, ssd_backup="neural"), 500),
-    # A pool of two workers sharing the branch grid: each row's hit comes from either share.
-    "two_workers": (SamplingParams(temperature=1.0), {**BIG_BATCH, "draft_workers": 2}, N_SAMPLES),
     # Two workers, two rows: after an all-hit round the worker that did not hold every hit is
     # told the next round (PREDICT) and builds it before the announcement, as the shard that held every hit does.
     # Split by sequence: each worker drafts half of the rows with whole trees.
@@ -52,8 +50,10 @@ CASES = {
         {**BIG_BATCH, "draft_workers": 2, "draft_split": "sequences"},
         N_SAMPLES,
     ),
-    # Penalties, bias and min_p: each branch drafts with its own history (draft_processing.py)
-    # and the target verifies each position with its own; the check's distributions apply them.
+    # A pool of two workers sharing the branch grid (each row's hit comes from either share),
+    # with penalties, bias and min_p: each branch drafts with its own history
+    # (draft_processing.py) and the target verifies each position with its own; the check's
+    # distributions apply them. (The pool without processing is the same path: no case of its own.)
     "two_workers_penalties": (
         SamplingParams(
             temperature=1.0,
