@@ -33,7 +33,10 @@ def test_processing_share_times_the_engines_processing(demo_pair, tmp_path):
     out = tmp_path / "processing_share.json"
     processing_share.main(["--batch", "2", "--k", "3", "--repeats", "1", "--out", str(out)])
     (row,) = json.loads(out.read_text())
-    assert row["batch"] == 2 and row["k"] == 3 and 0 < row["share"] < 1, row
+    assert row["batch"] == 2 and row["k"] == 3 and row["vocab"] == 258 and 0 < row["share"] < 1, row
+    processing_share.main(["--batch", "1", "--k", "2", "--repeats", "1", "--vocab", "4096", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["vocab"] == 4096 and 0 < row["share"] < 1, row
 
 
 def test_pack_time_prints_each_form_and_a_rounds_messages(capsys):

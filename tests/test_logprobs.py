@@ -68,6 +68,19 @@ def test_greedy_logprobs_are_the_targets(tiny_pair, hf_target, mode):
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_raw_logprobs_stay_the_models_under_penalties_and_bias(tiny_pair, hf_target, mode):
+    """Processing writes into the logits it is given where nothing reads them after
+    (Adjustments.apply's in_place): a round whose rows ask for raw logprobs keeps them as the
+    model gave them."""
+    bias = {int(t): 4.0 for t in range(97, 123)}  # lowercase letters: the bias changes the greedy path
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3, repetition_penalty=1.5, logit_bias=bias)
+    with LLM(*tiny_pair, **ENGINES[mode]) as llm:
+        outs = llm.generate(PROMPTS[:2], params)
+    for out in outs:
+        check_against_hf(hf_target, out.prompt_token_ids, out.logprobs, out.token_ids, 3, len(out.prompt_token_ids) - 1)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_sampled_logprobs_raw_and_processed(tiny_pair, hf_target, mode):
     """T=1 with top-p: raw = the model's log_softmax at each drawn token; processed = the log of
     the distribution it was drawn from (checked against the independent numpy reference)."""

@@ -275,6 +275,28 @@ def test_extending_the_first_position_equals_building_with_the_speculation(seed)
         assert torch.equal(first.speculated(drafted, m).apply(logits), build(rows, drafted, vocab, m).apply(logits))
 
 
+def test_applied_in_place_the_adjustments_write_into_the_logits_given_and_only_then():
+    """in_place=True (the caller gives its logits up: a draft forward's, a verification whose rows
+    read no raw logprobs) adjusts them where they are, to what the default's copy holds; the
+    default leaves them as they were, as raw logprobs need. A bf16 input is converted either way."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 20, 3
+    rows = _random_rows(gen, vocab)
+    drafted = torch.randint(vocab, (len(rows), k), generator=gen)
+    logits = torch.randn(len(rows), k + 1, vocab, generator=gen) * 3
+    masks = torch.rand(len(rows), k + 1, vocab, generator=gen) > 0.2
+    for adjust in (build(rows, drafted, vocab), build(rows, drafted, vocab, masks)):
+        given = logits.clone()
+        copied = adjust.apply(given)
+        assert torch.equal(given, logits) and not torch.equal(copied, logits)
+        adjusted = adjust.apply(given, in_place=True)
+        assert adjusted.data_ptr() == given.data_ptr() and torch.equal(adjusted, copied)
+        half = logits.bfloat16()
+        assert torch.equal(adjust.apply(half, in_place=True), adjust.apply(half.clone())) and torch.equal(
+            half, logits.bfloat16()
+        )
+
+
 def test_a_kept_history_equals_reading_the_whole_history_every_round():
     """The engine keeps each sequence's tracked tokens between rounds (TrackedHistory) and folds
     in only the output's new tokens: round after round, the adjustments equal a build that reads

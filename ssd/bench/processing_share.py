@@ -1,9 +1,12 @@
 """What share of a real round the penalties' and bias' processing takes, in the engine.
 
-    python -m ssd.bench.processing_share [--batch 1 8] [--k 4 6] [--out bench_results/processing_share.json]
+    python -m ssd.bench.processing_share [--batch 1 8] [--k 4 6] [--vocab 128256] [--out FILE.json]
+    (default FILE: bench_results/processing_share.json)
 
-The demo pair (or --target/--draft) in sd, T=0, a batch of short code prompts, 96 tokens each,
-frequency and presence penalty 0.5 and repetition penalty 1.1. The processing's entry points
+The demo pair (or --target/--draft; or with --vocab V, a random tiny Llama pair of that
+vocabulary, as ssd.bench.payload builds it, whose round is mostly its [b, n, V] passes) in sd,
+T=0, a batch of short code prompts, 96 tokens each, frequency and presence penalty 0.5 and
+repetition penalty 1.1. The processing's entry points
 (the engine's builds and Adjustments' apply, advanced, speculated, committed, branched and
 min_p_filtered) are wrapped with timers for the run (outermost calls only, so nothing counts
 twice) and the share is their time over the generate call's wall time; median of --repeats runs
@@ -16,8 +19,11 @@ import argparse
 import contextlib
 import logging
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
+from ssd.bench.payload import build_pair
 from ssd.bench.report import add_pair_arguments, write_json
 from ssd.core import logits_processing
 from ssd.core.sampling_params import SamplingParams
@@ -86,17 +92,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, nargs="+", default=[4, 6])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, help="A random tiny Llama pair of this vocabulary instead of a pair.")
     parser.add_argument("--out", default="bench_results/processing_share.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
-    for k in args.k:
-        with LLM(args.target, args.draft, mode="sd", k=k) as llm:
-            rows += [measure(llm, b, k, args.repeats) for b in args.batch]
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = build_pair(Path(tmp), args.vocab) if args.vocab else (args.target, args.draft)
+        for k in args.k:
+            with LLM(*pair, mode="sd", k=k) as llm:
+                rows += [{**measure(llm, b, k, args.repeats), "vocab": llm.engine.vocab_size} for b in args.batch]
     for row in rows:
         logger.info(
-            "batch %d, K=%d: processing %.1f%% of %.2f s", row["batch"], row["k"], 100 * row["share"], row["wall_s"]
-        )
+            "V=%d, batch %d, K=%d: processing %.1f%% of %.2f s",
+            row["vocab"], row["batch"], row["k"], 100 * row["share"], row["wall_s"],
+        )  # fmt: skip
     write_json(args.out, rows)
 
 

@@ -210,11 +210,16 @@ class Adjustments:
     def to(self, device: torch.device) -> "Adjustments":
         return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """logits [b, n, V] -> adjusted logits [b, n, V] (float32), steps 1-5 of the module doc.
         A round calls this K + 1 times at batch 1, where each tensor operation costs ~1-3 us of
         dispatch: hence no comparison with a Python number (a scalar tensor each) and no view
-        of the per-row scalars (stored [b, 1, 1])."""
+        of the per-row scalars (stored [b, 1, 1]).
+
+        in_place: the caller gives the logits up (nothing reads them after), so float32 logits
+        are adjusted where they are. Otherwise they stay as they were and the result is one copy
+        of them: at V = 128k that [b, n, V] copy was most of what processing cost a round."""
+        owned = in_place or logits.dtype != torch.float32  # float() of any other dtype is a copy
         logits = logits.float()
         b, n, _ = logits.shape
         ids = self.ids.unsqueeze(1)  # [b, 1, m]
@@ -232,11 +237,12 @@ class Adjustments:
             produced = self.output_len.view(b, 1) + torch.arange(n, device=logits.device)  # [b, n]
             early = produced < self.min_tokens.view(b, 1)  # [b, n]
             picked = picked.masked_fill(early.unsqueeze(-1) & banned.bool(), float("-inf"))
-        logits = logits.scatter(-1, ids, picked)
+        logits = logits.scatter_(-1, ids, picked) if owned else logits.scatter(-1, ids, picked)
+        # This call's own logits from here: the masks write into them.
         if self.allowed is not None:
-            logits = logits.masked_fill(~self.allowed.unsqueeze(1), float("-inf"))
+            logits.masked_fill_(~self.allowed.unsqueeze(1), float("-inf"))
         if self.masks is not None:
-            logits = logits.masked_fill(~self.masks, float("-inf"))
+            logits.masked_fill_(~self.masks, float("-inf"))
         return logits
 
     def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:

@@ -83,9 +83,11 @@ def sampling_tensors(sampling: BatchSampling) -> tuple[torch.Tensor, torch.Tenso
     return sampling.temperature, sampling.top_k, sampling.top_p
 
 
-def process_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
-    """logits [b, n, V] -> probs [b, n, V] (float32), rows processed with their own settings."""
-    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits)
+def process_logits(logits: torch.Tensor, sampling: BatchSampling, in_place: bool = False) -> torch.Tensor:
+    """logits [b, n, V] -> probs [b, n, V] (float32), rows processed with their own settings.
+    in_place: the caller gives the logits up, and the adjustments write into them
+    (Adjustments.apply); otherwise they are left as they were."""
+    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits, in_place)
     b, n, vocab = logits.shape
     greedy = sampling.greedy
     if bool(greedy.all()):  # the common greedy batch: skip the softmax whose rows would be replaced
@@ -179,10 +181,10 @@ def no_mass(role: str, option: str) -> RuntimeError:
 # CPU the host versions are faster (a vocabulary sort per call is what they skip).
 
 
-def process_logits_on_device(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+def process_logits_on_device(logits: torch.Tensor, sampling: BatchSampling, in_place: bool = False) -> torch.Tensor:
     """process_logits without host reads: logits [b, n, V] -> probs [b, n, V] (float32).
-    `sampling`'s tensors must be on the logits' device."""
-    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits)
+    `sampling`'s tensors must be on the logits' device; in_place as in process_logits."""
+    logits = logits.float() if sampling.adjust is None else sampling.adjust.apply(logits, in_place)
     b, n, vocab = logits.shape
     greedy = sampling.greedy.view(b, 1, 1)
     temperature = torch.where(sampling.temperature > 0, sampling.temperature, 1.0).view(b, 1, 1)

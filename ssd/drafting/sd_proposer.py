@@ -82,9 +82,18 @@ class SDProposer:
     def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling, on_device: bool = False) -> torch.Tensor:
         """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab:
         padded with -inf logits, so the request's adjustments see the target's vocabulary).
-        on_device: with no host read (sampling's tensors on the logits' device)."""
+        on_device: with no host read (sampling's tensors on the logits' device). The logits are
+        consumed: the request's adjustments write into them (every caller passes a draft
+        forward's own logits, read nowhere else), which spares a [b, n, V] copy per draft step."""
         process = process_logits_on_device if on_device else process_logits
-        return process(to_vocab(logits, self.target_vocab), sampling)
+        return process(to_vocab(logits, self.target_vocab), sampling, in_place=True)
+
+    def draft_argmax(self, logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+        """A greedy batch's draws from draft logits [b, n, V_draft]: -> [b, n], the argmax of the
+        adjusted logits, which is what sampling draft_probs' one-hot rows gives, without building
+        them (at V = 128k, three passes over [b, n, V] per draft step). Consumes the logits too."""
+        logits = to_vocab(logits, self.target_vocab)
+        return (logits if sampling.adjust is None else sampling.adjust.apply(logits, in_place=True)).argmax(-1)
 
     def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation:
         b, on_device = len(seqs), self.device_round
@@ -103,6 +112,8 @@ class SDProposer:
         for i in range(k):
             if on_device and sampling.adjust is None:
                 tok, p = self._draw(step_logits, uniforms[:, i], sampling, greedy)
+            elif one_hot:  # a greedy batch on the host: no distribution is read (see `stacked`)
+                tok, p = self.draft_argmax(step_logits, sampling)[:, 0], None
             else:
                 p = self.draft_probs(step_logits, sampling, on_device)[:, 0]  # [b, V]
                 tok = sample_on_device(p, uniforms[:, i]) if on_device else sample_from(p, uniforms[:, i], one_hot)

@@ -289,10 +289,12 @@ class LLMEngine:
             outcome, logprobs = self._verify_on_device(tokens, valid, spec, sampling, uniforms, before)
         else:
             logits = self.target.forward(self.cache, tokens, valid)  # [b, K+1, V]
-            if self._plain(sampling) and bool(sampling.greedy.all()):  # argmaxes, read as nothing else
-                result, target_probs = verify_greedy(spec.tokens, logits, spec.num_draft), None
+            raw_read = any(s.params.logprobs is not None for s in seqs)  # after this, only logprobs read them
+            if not raw_read and bool(sampling.greedy.all()):  # the adjusted logits' argmaxes, read as nothing else
+                adjusted = logits if sampling.adjust is None else sampling.adjust.apply(logits, in_place=True)
+                result, target_probs = verify_greedy(spec.tokens, adjusted, spec.num_draft), None
             else:
-                target_probs = process_logits(logits, sampling)
+                target_probs = process_logits(logits, sampling, in_place=not raw_read)
                 result = verify(
                     spec.tokens, spec.probs, target_probs, spec.num_draft, uniforms[:, :-1], uniforms[:, -1]
                 )
@@ -300,10 +302,6 @@ class LLMEngine:
             logprobs = self._round_logprobs(logits, target_probs, spec, outcome)
         self.adjustments.carry(seqs, sampling.adjust, outcome.num_accepted, outcome.bonus_tokens)
         return outcome, logprobs
-
-    def _plain(self, sampling: BatchSampling) -> bool:
-        """Whether the round's verification reads only the target's logits: no row has processing or logprobs."""
-        return sampling.adjust is None and all(s.params.logprobs is None for s in self.running)
 
     def _round_logprobs(self, logits, target_probs, spec: Speculation, outcome: RoundOutcome) -> dict | None:
         accepted, bonus = outcome.num_accepted, outcome.bonus_tokens
@@ -315,7 +313,8 @@ class LLMEngine:
         logprobs, the steps after the forward are one step (verify_step) that replays a CUDA graph."""
         device = self.target.device
         logits = self.target.forward(self.cache, tokens, valid, on_host=False)  # [b, K+1, V], on device
-        plain = self._plain(sampling)
+        # Plain: the verification reads only the target's logits (no row has processing or logprobs).
+        plain = sampling.adjust is None and all(s.params.logprobs is None for s in self.running)
         drafts = (spec.tokens, spec.num_draft, uniforms, spec.probs)
         target_probs = None
         if plain:
