@@ -21,7 +21,9 @@ Per vocabulary V and batch b (1, 8), what an SD round's processing costs the eng
   cost with no processors, for scale);
 - `tree_ms`: an SSD drafter's (ssd/drafting/draft_processing.py, on the draft side): the fork's
   processing of the [b, K+1, V] glue logits and the branches' (12 a row) over K depths.
-Random logits: the cost does not depend on the values.
+Random logits: the cost does not depend on the values. Each apply adjusts in place where the
+engine's does (in_place: draft steps, tree depths, a verification without raw logprobs), so the
+logits drift from repeat to repeat; the glue's apply copies, as the drafter's does.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
 
     def sd_draft(step: Adjustments) -> None:
         for i in range(K):
-            step.apply(logits[:, i : i + 1])
+            step.apply(logits[:, i : i + 1], in_place=True)
             if i < K - 1:
                 step = step.advanced(drafted[:, i])
 
@@ -99,7 +101,7 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
         rnd.glue(logits, None)
         branches = rnd.tree(cand, outcome, plain)
         for _ in range(K):
-            branches.adjust.apply(branch_logits)
+            branches.adjust.apply(branch_logits, in_place=True)
             branches.advance(cand)
 
     out = {
@@ -109,7 +111,7 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
         "build_ms": _ms(built, repeats),
         "sd_draft_ms": _ms(lambda: sd_draft(start), repeats),
         "verify_extend_ms": _ms(lambda: start.speculated(drafted), repeats),
-        "verify_apply_ms": _ms(lambda: every.apply(logits), repeats),
+        "verify_apply_ms": _ms(lambda: every.apply(logits, in_place=True), repeats),
     }
     out["round_ms"] = out["carry_ms"] + out["sd_draft_ms"] + out["verify_extend_ms"] + out["verify_apply_ms"]
     out["sampling_ms"] = _ms(lambda: process_logits(logits, plain), repeats)
