@@ -109,10 +109,14 @@ class Adjustments:
     repetition: torch.Tensor  # [b, 1, 1] float, 1 = off
     frequency: torch.Tensor  # [b, 1, 1] float
     presence: torch.Tensor  # [b, 1, 1] float
-    output_len: torch.Tensor  # [b] long, committed output tokens
-    min_tokens: torch.Tensor | None  # [b] long; None: no row has one
+    # [b] long, the output tokens a row must still produce before EOS and its stop ids are
+    # allowed (min_tokens less the committed output; <= 0: none); None: no row has min_tokens
+    short_by: torch.Tensor | None
     min_p: torch.Tensor | None  # [b, 1, 1] float, 0 = off (after temperature: `min_p_filtered`); None: no row has one
     drafted: torch.Tensor  # [b, n - 1] long, the speculation before each position
+    # [4] float, (1, 1, 0, 0): what one occurrence adds to a column (COUNT and SEEN). Built once
+    # per table, not per step: a tensor made from a Python list costs four operations.
+    occurrence: torch.Tensor
     # [b, n, V] bool, the tokens each position allows under the row's grammar and bad words
     # (token_masks.py; all True for a row with neither); None: no row has any.
     masks: torch.Tensor | None = None
@@ -129,20 +133,20 @@ class Adjustments:
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
         tokens = tokens.view(-1, 1)  # [b, 1]
         hit = self.ids == tokens  # [b, m]
-        new = ~hit.any(1, keepdim=True)  # [b, 1]
+        tracked = hit.any(1, keepdim=True)  # [b, 1]
         if where is not None:
             rows = where.view(-1, 1)
-            hit, new = hit & rows, new & rows
+            hit, tracked = hit & rows, tracked | ~rows
         appended = 1 if where is None else where.long()
-        return self._counted(hit.float(), tokens, new, appended, masks=masks)
+        return self._counted(hit, tokens, tracked, appended, masks=masks)
 
     def branched(self, rows: torch.Tensor, prefix: torch.Tensor, valid: torch.Tensor) -> "Adjustments":
         """One row per branch of a speculation tree, at the branch's first drafted position:
         rows [r] the row each branch grows from; prefix [r, L] the tokens it appends to that
         row's history first (the accepted drafts its outcome assumes, then its candidate), where
         valid [r, L]. -> adjustments for r rows at one position (no masks: the caller's)."""
-        per_row = ("ids", "columns", "repetition", "frequency", "presence", "output_len")
-        optional = ("allowed", "min_tokens", "min_p")  # None where no row has one
+        per_row = ("ids", "columns", "repetition", "frequency", "presence")
+        optional = ("allowed", "short_by", "min_p")  # None where no row has one
         out = replace(
             self,
             **{f: getattr(self, f)[rows] for f in per_row},
@@ -185,25 +189,27 @@ class Adjustments:
         appended = torch.cat([bonus, self.drafted], 1)  # [b, 1 + K]: counting does not depend on the order
         taken = torch.arange(k + 1, device=accepted.device) <= accepted.view(-1, 1)  # the bonus, drafts[:accepted]
         hits = (appended.unsqueeze(-1) == self.ids.unsqueeze(1)) & taken.unsqueeze(-1)  # [b, 1 + K, m]
-        new = ~hits[:, 0].any(1, keepdim=True)  # [b, 1]: the bonus is untracked (the drafts have columns)
+        tracked = hits[:, 0].any(1, keepdim=True)  # [b, 1]: whether the bonus is (the drafts have columns)
         times = hits.sum(1, dtype=torch.float32)  # [b, m]
-        return self._counted(times, bonus, new, accepted + 1, drafted=self.drafted[:, :0], masks=None)
+        return self._counted(times, bonus, tracked, accepted + 1, drafted=self.drafted[:, :0], masks=None)
 
     def _counted(
-        self, times: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor, appended, **changes
+        self, times: torch.Tensor, tokens: torch.Tensor, tracked: torch.Tensor, appended, **changes
     ) -> "Adjustments":
         """After the rows' output gained `appended` ([b] long, or an int for all) tokens: each
-        column's token occurred times [b, m] (float) more often, and tokens [b, 1] get a column
-        of their own where new [b, 1] (seen once, no bias, not banned: bias keys and stop ids are
-        tracked from the start); elsewhere the new column repeats the row's first. changes: other
-        fields replaced along."""
-        once = self.columns.new_tensor([1.0, 1.0, 0.0, 0.0])  # COUNT, SEEN, BIAS, BANNED: one occurrence
+        column's token occurred times [b, m] (float, or bool for once) more often, and tokens
+        [b, 1] get a column of their own where tracked [b, 1] is False (seen once, no bias, not
+        banned: bias keys and stop ids are tracked from the start); elsewhere the new column
+        repeats the row's first. changes: other fields replaced along. (Each operation here runs
+        once per draft step: ~3 us apiece in a round at batch 1, so none is spent on a dtype or
+        a negation.)"""
+        once = self.occurrence
         columns = torch.addcmul(self.columns, times.unsqueeze(-1), once)  # [b, m, 4]: exact (small integers)
         return replace(
             self,
-            ids=torch.cat([self.ids, torch.where(new, tokens, self.ids[:, :1])], 1),
-            columns=torch.cat([columns, torch.where(new.unsqueeze(-1), once, columns[:, :1])], 1),
-            output_len=self.output_len + appended,
+            ids=torch.cat([self.ids, torch.where(tracked, self.ids[:, :1], tokens)], 1),
+            columns=torch.cat([columns, torch.where(tracked.unsqueeze(-1), columns[:, :1], once)], 1),
+            short_by=None if self.short_by is None else self.short_by - appended,
             **changes,
         )
 
@@ -220,7 +226,8 @@ class Adjustments:
         are adjusted where they are. Otherwise they stay as they were and the result is one copy
         of them: at V = 128k that [b, n, V] copy was most of what processing cost a round."""
         owned = in_place or logits.dtype != torch.float32  # float() of any other dtype is a copy
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # (float() of float32 logits is no copy, but is an operation)
+            logits = logits.float()
         b, n, _ = logits.shape
         ids = self.ids.unsqueeze(1)  # [b, 1, m]
         counts, seen, bias, banned = self.columns.unsqueeze(1).unbind(-1)  # [b, 1, m] each
@@ -233,9 +240,8 @@ class Adjustments:
         penalized = torch.where(picked.signbit(), picked * self.repetition, picked / self.repetition)
         picked = torch.where(seen.bool(), penalized, picked)
         picked = picked + (bias - self.frequency * counts - self.presence * counts.clamp(max=1))
-        if self.min_tokens is not None:
-            produced = self.output_len.view(b, 1) + torch.arange(n, device=logits.device)  # [b, n]
-            early = produced < self.min_tokens.view(b, 1)  # [b, n]
+        if self.short_by is not None:  # position j follows j more tokens of output
+            early = torch.arange(n, device=logits.device) < self.short_by.view(b, 1)  # [b, n]
             picked = picked.masked_fill(early.unsqueeze(-1) & banned.bool(), float("-inf"))
         logits = logits.scatter_(-1, ids, picked) if owned else logits.scatter(-1, ids, picked)
         # This call's own logits from here: the masks write into them.
@@ -280,9 +286,9 @@ def build(
          for (p, _, _), a in zip(rows, on)],
         dtype=torch.float32,
     ).view(b, 4, 1, 1)  # fmt: skip
-    lengths = torch.tensor(
-        [[len(out), p.min_tokens if a else 0] for (p, _, out), a in zip(rows, on)], dtype=torch.long
-    ).view(b, 2)
+    short_by = None  # no pass over the positions where no row has min_tokens
+    if any(p.min_tokens for (p, _, _), a in zip(rows, on) if a):
+        short_by = torch.tensor([p.min_tokens - len(out) if a else 0 for (p, _, out), a in zip(rows, on)])
     allowed = None  # no [b, n, V] pass for a mask that keeps everything
     if any(p.allowed_token_ids is not None for p, _, _ in rows):
         allowed = torch.ones(b, vocab, dtype=torch.bool)
@@ -296,9 +302,9 @@ def build(
         scalars[:, 0].contiguous(),
         scalars[:, 1].contiguous(),
         scalars[:, 2].contiguous(),
-        lengths[:, 0].contiguous(),
-        lengths[:, 1].contiguous() if any(p.min_tokens for (p, _, _), a in zip(rows, on) if a) else None,
+        short_by,
         scalars[:, 3].contiguous() if any(p.min_p for (p, _, _), a in zip(rows, on) if a) else None,
         drafted,
+        torch.tensor([1.0, 1.0, 0.0, 0.0]),
         masks,
     )
