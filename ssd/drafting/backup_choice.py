@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from ssd.core.speculation import Source
-from ssd.drafting.saguaro import backup_threshold, prefer_fast_backup
+from ssd.drafting.saguaro import backup_speedups, backup_threshold
 
 PRIOR_COUNT = 4  # the observations a prior is worth
 
@@ -64,12 +64,23 @@ PROBE_EVERY = 32
 PROBE_WEIGHT = 0.5
 FIRST_MEASURES = 3
 
+# The backups' relative yields average over 1 / YIELD_WEIGHT = 50 of their rounds. A round yields
+# 1 to K + 1 tokens, so over 20 (weight 0.05) the neural backup's estimate wandered ~8% from its
+# mean; and while one backup serves, the other's yield is not measured, so a low draw of it lasts
+# until that backup serves again. The choice then moves to the other backup only when its model
+# is ahead by SWITCH_MARGIN, about what the remaining noise moves it. In a simulation of the demo
+# pair's T=1 figures at batch 1 (the neural backup's model 8% ahead; ten seeds), weight 0.05 and
+# no margin sent 4-71% of the misses to the fast backup, this weight 1-14%, with the margin 0.5-4%.
+YIELD_WEIGHT = 0.02
+SWITCH_MARGIN = 0.03
+
 
 class Yields:
     """p_hit, e_hit and the backups' relative yields of one class of rows (greedy or sampled)."""
 
     def __init__(self) -> None:
-        self.p_hit, self.e_hit, self.r_neural, self.r_fast = Ema(0.7), Ema(3.0), Ema(0.9), Ema(0.3)
+        self.p_hit, self.e_hit = Ema(0.7), Ema(3.0)
+        self.r_neural, self.r_fast = Ema(0.9, YIELD_WEIGHT), Ema(0.3, YIELD_WEIGHT)
 
 
 class BackupChoice:
@@ -85,13 +96,18 @@ class BackupChoice:
         self.build_ratio = Ema(None, weight=0.1)
         self._greedy: list[bool] = [False]  # the rows of the latest round (what stats describe)
         self._fast_served = 0  # rounds whose misses the fast backup served since neural last did
+        self._fast_ahead = False  # whether the model put the fast backup ahead (by the margin, to change)
         self._probing = False  # the neural backup serves misses until its cost is measured again
 
     def choose(self, greedy: list[bool], fixed_build_share: float | None) -> str:
-        """The backup for the misses of a round of these rows (also kept as `last`)."""
+        """The backup for the misses of a round of these rows (also kept as `last`): the one the
+        model puts ahead, changed only by SWITCH_MARGIN, or the neural one while it is probed."""
         self._greedy = list(greedy)
         if self.mode == "auto":
-            fast = prefer_fast_backup(len(greedy), *self.live(greedy, fixed_build_share))
+            neural, fast_speedup = backup_speedups(len(greedy), *self.live(greedy, fixed_build_share))
+            other, current = (neural, fast_speedup) if self._fast_ahead else (fast_speedup, neural)
+            self._fast_ahead ^= other > current * (1 + SWITCH_MARGIN)
+            fast = self._fast_ahead
             due = self._fast_served >= PROBE_EVERY or self.t_neural.count < FIRST_MEASURES
             self._probing = fast and (self._probing or due)
             self.last = "fast" if fast and not self._probing else "neural"

@@ -282,7 +282,14 @@ def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_b
     return (p_hit * e_hit + (1 - p_hit) * e_miss) / (p_hit * max(1.0, t_primary) + (1 - p_hit) * (1 + t_backup))
 
 
-def prefer_fast_backup(
+def prefer_fast_backup(batch: int, *live: float) -> bool:
+    """Theorem 17: pick the backup whose speedup model is larger at this batch size (live:
+    backup_speedups' figures, p_hit to t_primary)."""
+    neural, fast = backup_speedups(batch, *live)
+    return fast > neural
+
+
+def backup_speedups(
     batch: int,
     p_hit: float,
     e_hit: float,
@@ -291,13 +298,14 @@ def prefer_fast_backup(
     e_fast: float,
     t_fast: float,
     t_primary: float,
-) -> bool:
-    """Theorem 17: a round skips drafting only if all `batch` sequences hit (p_hit^batch); pick
-    the backup whose speedup model is larger at this batch size."""
+) -> tuple[float, float]:
+    """Theorem 17's speedup models (neural, fast) at this batch size: a round skips drafting
+    only if all `batch` sequences hit (p_hit^batch)."""
     p_all = p_hit**batch
-    neural = ssd_speedup(p_all, e_hit, e_neural, t_primary, t_neural)
-    fast = ssd_speedup(p_all, e_hit, e_fast, t_primary, t_fast)
-    return fast > neural
+    return (
+        ssd_speedup(p_all, e_hit, e_neural, t_primary, t_neural),
+        ssd_speedup(p_all, e_hit, e_fast, t_primary, t_fast),
+    )
 
 
 def backup_threshold(
