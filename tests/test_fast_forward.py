@@ -232,9 +232,11 @@ def test_packed_products_keep_memory_flat_over_many_row_counts():
 
 def test_packed_products_pad_rows_to_a_bounded_set_of_counts():
     """Row counts are padded to the next of PACKED_ROWS, so a server meets 14 packed shapes per
-    module early instead of 64 one by one (each a step up in memory: the soak run saw draft
-    workers step up by ~10 MiB late in a run). Each row's result is the same in any count: a
-    row of a 9-row product equals that row of the 12-row one."""
+    module instead of 64 (each a step up in memory: the soak run saw draft workers step up by
+    ~10 MiB late in a run), and packing runs each of the 14 once, so none is met later (a
+    reliability test saw a target replica step up by 60 MiB after its warm-up: 12 MiB more for
+    this module without the packing's run, 2.7 with it). Each row's result is the same in any
+    count: a row of a 9-row product equals that row of the 12-row one."""
     from ssd.model.fast_forward import PACKED_ROWS, _Linear, can_pack
 
     q = torch.nn.Linear(256, 384)
@@ -244,10 +246,9 @@ def test_packed_products_pad_rows_to_a_bounded_set_of_counts():
     fused = _Linear([q])
     x = torch.randn(1, 12, 256)
     assert torch.equal(fused(x[:, :9]), fused(x)[:, :9])
-    for rows in PACKED_ROWS:  # every bucket once
-        fused(torch.randn(1, rows, 256))
+    wide = _Linear([torch.nn.Linear(1024, 3072)])
     before = _rss_mb()
     for rows in range(1, 65):  # every row count: no new shape
-        for _ in range(3):
-            fused(torch.randn(1, rows, 256))
-    assert _rss_mb() - before < 2, (before, _rss_mb())
+        for _ in range(2):
+            wide(torch.randn(1, rows, 1024))
+    assert _rss_mb() - before < 6, (before, _rss_mb())
