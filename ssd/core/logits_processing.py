@@ -225,9 +225,9 @@ class Adjustments:
         in_place: the caller gives the logits up (nothing reads them after), so float32 logits
         are adjusted where they are. Otherwise they stay as they were and the result is one copy
         of them: at V = 128k that [b, n, V] copy was most of what processing cost a round."""
-        owned = in_place or logits.dtype != torch.float32  # float() of any other dtype is a copy
-        if logits.dtype != torch.float32:  # (float() of float32 logits is no copy, but is an operation)
-            logits = logits.float()
+        owned = in_place
+        if logits.dtype != torch.float32:  # float() of float32 logits would be an operation for nothing
+            logits, owned = logits.float(), True  # of any other dtype, a copy of our own
         b, n, _ = logits.shape
         ids = self.ids.unsqueeze(1)  # [b, 1, m]
         counts, seen, bias, banned = self.columns.unsqueeze(1).unbind(-1)  # [b, 1, m] each
