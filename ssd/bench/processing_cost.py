@@ -11,7 +11,8 @@ Per vocabulary V and batch b (1, 8), what an SD round's processing costs the eng
 - `build_ms`: logits_processing.build for the first position instead, each row's tracked tokens
   kept between rounds (TrackedHistory: the round folds in its 3 new tokens): what a round does
   when the batch gained a row or the carried table grew too wide;
-- `sd_draft_ms`: the SD draft's K positions (apply on [b, 1, V], then advanced);
+- `sd_draft_ms`: the SD draft's K positions in the draft's form (DraftAdjustments.of once, then
+  apply on [b, 1, V] and advanced per position);
 - `verify_extend_ms`: Adjustments.speculated, the first position's adjustments extended with
   the K drafts for verification;
 - `verify_apply_ms`: Adjustments.apply to the [b, K+1, V] verification logits;
@@ -35,6 +36,7 @@ import time
 import torch
 
 from ssd.bench.report import write_json
+from ssd.core.draft_adjustments import DraftAdjustments
 from ssd.core.logits_processing import Adjustments, Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits
 from ssd.core.tracked import TrackedHistory
@@ -83,7 +85,8 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
             output.extend(torch.randint(vocab, (3,), generator=gen).tolist())
         return build(table, none, vocab, histories=histories)
 
-    def sd_draft(step: Adjustments) -> None:
+    def sd_draft(first: Adjustments) -> None:  # as SDProposer.propose: in the draft's form
+        step = DraftAdjustments.of(first)
         for i in range(K):
             step.apply(logits[:, i : i + 1], in_place=True)
             if i < K - 1:

@@ -6,17 +6,18 @@
 The demo pair (or --target/--draft; or with --vocab V, a random tiny Llama pair of that
 vocabulary, as ssd.bench.payload builds it, whose round is mostly its [b, n, V] passes) in sd,
 T=0, a batch of short code prompts, 96 tokens each, frequency and presence penalty 0.5 and
-repetition penalty 1.1. The processing's entry points
-(the engine's builds and Adjustments' apply, advanced, speculated, committed, branched and
-min_p_filtered) are wrapped with timers for the run (outermost calls only, so nothing counts
-twice) and the share is their time over the generate call's wall time; median of --repeats runs
-after a warm-up. The timers add ~1 us a call. Prints one line per row and writes them as JSON.
+repetition penalty 1.1. The processing's entry points (the engine's builds, Adjustments'
+apply, advanced, speculated, committed, branched and min_p_filtered, and DraftAdjustments' of,
+apply, advanced and min_p_filtered) are wrapped with timers for the run (outermost calls only,
+so nothing counts twice) and the share is their time over the generate call's wall time;
+median of --repeats runs after a warm-up. The timers add ~1 us a call. Prints one line per row and writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import logging
 import statistics
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ssd.bench.payload import build_pair
 from ssd.bench.report import add_pair_arguments, write_json
-from ssd.core import logits_processing
+from ssd.core import draft_adjustments, logits_processing
 from ssd.core.sampling_params import SamplingParams
 from ssd.engine import round_adjustments
 from ssd.llm import LLM
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 PROMPTS = ("def fib(n):", "import numpy as np\n", "class Stack:", "# Sort a list", "for i in range(10):", "x = [",
            "def main():\n", "The quick brown")  # fmt: skip
 METHODS = ("apply", "advanced", "speculated", "committed", "branched", "min_p_filtered")
+DRAFT_METHODS = ("of", "apply", "advanced", "min_p_filtered")  # DraftAdjustments'
 
 
 class _Timers:
@@ -57,10 +59,13 @@ class _Timers:
 
 @contextlib.contextmanager
 def _timed_processing(timers: _Timers):
-    originals = [(logits_processing.Adjustments, m, getattr(logits_processing.Adjustments, m)) for m in METHODS]
-    originals.append((round_adjustments, "build", round_adjustments.build))
-    for owner, name, fn in originals:
-        setattr(owner, name, timers.wrap(fn))
+    entries = [(logits_processing.Adjustments, m) for m in METHODS]
+    entries += [(draft_adjustments.DraftAdjustments, m) for m in DRAFT_METHODS]
+    entries.append((round_adjustments, "build"))
+    # As stored (a classmethod stays one when restored), and wrapped as looked up (bound to its class).
+    originals = [(owner, name, inspect.getattr_static(owner, name)) for owner, name in entries]
+    for owner, name in entries:
+        setattr(owner, name, timers.wrap(getattr(owner, name)))
     try:
         yield
     finally:

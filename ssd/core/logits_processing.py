@@ -255,9 +255,14 @@ class Adjustments:
         """scaled [b, n, V]: logits over temperature with each row's max at 0, so a token's
         probability over the largest is exp(scaled) -> the same with -inf where that is below
         min_p."""
-        if self.min_p is None:
-            return scaled
-        return scaled.masked_fill(scaled < self.min_p.log(), float("-inf"))  # log 0 = -inf: nothing dropped
+        return min_p_filtered(self.min_p, scaled)
+
+
+def min_p_filtered(min_p: torch.Tensor | None, scaled: torch.Tensor) -> torch.Tensor:
+    """scaled [b, n, V] as Adjustments.min_p_filtered reads it, min_p [b, 1, 1] or None."""
+    if min_p is None:
+        return scaled
+    return scaled.masked_fill(scaled < min_p.log(), float("-inf"))  # log 0 = -inf: nothing dropped
 
 
 def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

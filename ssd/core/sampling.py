@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ssd.core.draft_adjustments import DraftAdjustments
 from ssd.core.logits_processing import Adjustments, Processing
 from ssd.core.transfer import to_device
 
@@ -52,9 +53,10 @@ class BatchSampling:
     temperature: torch.Tensor  # [b] float, 0 = greedy
     top_k: torch.Tensor  # [b] long, 0 = disabled
     top_p: torch.Tensor  # [b] float, 1 = disabled
-    # Penalties, bias, masks and min_p of the round's verification (logits_processing.py); None
-    # when no row has any (the common case costs nothing).
-    adjust: Adjustments | None = None
+    # Penalties, bias, masks and min_p of the round's verification (logits_processing.py), or of
+    # a draft's position (draft_adjustments.py); None when no row has any (the common case costs
+    # nothing).
+    adjust: Adjustments | DraftAdjustments | None = None
 
     @classmethod
     def of(cls, rows: list[SequenceSampling]) -> "BatchSampling":
@@ -68,7 +70,7 @@ class BatchSampling:
         adjust = self.adjust.to(device) if self.adjust is not None else None
         return BatchSampling(*(to_device(t, device) for t in (self.temperature, self.top_k, self.top_p)), adjust)
 
-    def adjusted(self, adjust: Adjustments | None) -> "BatchSampling":
+    def adjusted(self, adjust: Adjustments | DraftAdjustments | None) -> "BatchSampling":
         return replace(self, adjust=adjust)
 
     @property

@@ -6,6 +6,7 @@ from functools import partial
 
 import torch
 
+from ssd.core.draft_adjustments import DraftAdjustments
 from ssd.core.sampling import (
     BatchSampling,
     process_logits,
@@ -100,6 +101,8 @@ class SDProposer:
         device = self.runner.device if on_device else torch.device("cpu")
         uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs]).to(device)  # [b, K]
         greedy = bool(sampling.greedy.all())  # read on the host, before sampling moves to the device
+        if sampling.adjust is not None:  # the form a draft applies and advances in fewer operations
+            sampling = sampling.adjusted(DraftAdjustments.of(sampling.adjust))
         sampling = sampling.to(device)
         synced = self.cache.lengths().tolist()
         pending = [s.tokens_from(synced[r]) for r, s in enumerate(seqs)]

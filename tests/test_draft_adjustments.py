@@ -1,0 +1,58 @@
+"""A draft's form of the adjustments (ssd/core/draft_adjustments.py): applied and advanced token
+by token, it processes each position as a table built from scratch with that position's whole
+history does, up to a rounding, for every kind of row (penalties, bias and min_tokens crossing
+its minimum, allowed tokens, token masks, a row without processing among them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_penalties import _random_rows
+
+from ssd.core.draft_adjustments import DraftAdjustments
+from ssd.core.logits_processing import build
+
+VOCAB, STEPS = 20, 7
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to a float32 rounding, -inf exactly where the reference has it."""
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("masked", [False, True])
+def test_stepping_the_draft_form_equals_building_with_the_history(seed, masked):
+    gen = torch.Generator().manual_seed(seed)
+    rows = _random_rows(gen, VOCAB)
+    b, none = len(rows), torch.zeros(len(rows), 0, dtype=torch.long)
+    # Row 0 (min_tokens 9) holds EOS and its stop id back for 4 more tokens: its minimum falls
+    # inside the steps.
+    rows[0] = (rows[0][0], rows[0][1], [5, 6, 5, 12, 1])
+    masks = (torch.rand(b, STEPS + 1, VOCAB, generator=gen) > 0.2) if masked else None
+    form = DraftAdjustments.of(build(rows, none, VOCAB, None if masks is None else masks[:, :1]))
+    for j in range(STEPS):
+        logits = torch.randn(b, 1, VOCAB, generator=gen) * 3
+        at = None if masks is None else masks[:, j : j + 1]
+        expected = build(rows, none, VOCAB, at).apply(logits)
+        close(form.apply(logits), expected)
+        close(form.apply(logits.bfloat16()), build(rows, none, VOCAB, at).apply(logits.bfloat16()))
+        given = logits.clone()
+        assert form.apply(given, in_place=True).data_ptr() == given.data_ptr()
+        close(given, expected)
+        # Tokens the rows track already (their history's, a bias key, a stop id) and new ones.
+        tokens = torch.randint(VOCAB, (b,), generator=gen)
+        if j % 2:
+            tokens = torch.tensor([out[-1] if out else prompt[0] for _, prompt, out in rows])
+        for (_, _, out), t in zip(rows, tokens.tolist()):
+            out.append(t)
+        form = form.advanced(tokens, None if masks is None else masks[:, j + 1 : j + 2])
+
+
+def test_the_draft_form_moves_with_its_fields():
+    gen = torch.Generator().manual_seed(0)
+    rows = _random_rows(gen, VOCAB)
+    form = DraftAdjustments.of(build(rows, torch.zeros(len(rows), 0, dtype=torch.long), VOCAB))
+    moved = form.to(torch.device("cpu"))
+    logits = torch.randn(len(rows), 1, VOCAB, generator=gen)
+    assert torch.equal(moved.apply(logits), form.apply(logits))
