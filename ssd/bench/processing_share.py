@@ -10,7 +10,8 @@ repetition penalty 1.1. The processing's entry points (the engine's builds, Adju
 apply, advanced, speculated, committed, branched and min_p_filtered, and DraftAdjustments' of,
 apply, advanced and min_p_filtered) are wrapped with timers for the run (outermost calls only,
 so nothing counts twice) and the share is their time over the generate call's wall time;
-median of --repeats runs after a warm-up. The timers add ~1 us a call. Prints one line per row and writes them as JSON.
+median of --repeats runs after a warm-up. The timers add ~1 us a call. Prints one line per row
+and writes them as JSON.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ssd.core.logits_processing import Adjustments, min_p_filtered
+from ssd.core.logits_processing import Adjustments, min_p_filtered, moved
 
 POS, NEG, SHIFT, OUT, BANNED = range(5)  # the values of a column (DraftAdjustments.columns)
 
@@ -111,8 +111,7 @@ class DraftAdjustments:
         )
 
     def to(self, device: torch.device) -> "DraftAdjustments":
-        fields = (getattr(self, f) for f in self.__dataclass_fields__)
-        return DraftAdjustments(*(None if v is None else v.to(device) for v in fields))
+        return DraftAdjustments(*(moved(getattr(self, f), device) for f in self.__dataclass_fields__))
 
     def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:
         """As Adjustments.min_p_filtered."""

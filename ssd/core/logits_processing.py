@@ -214,7 +214,7 @@ class Adjustments:
         )
 
     def to(self, device: torch.device) -> "Adjustments":
-        return Adjustments(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
+        return Adjustments(*(moved(getattr(self, f), device) for f in self.__dataclass_fields__))
 
     def apply(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """logits [b, n, V] -> adjusted logits [b, n, V] (float32), steps 1-5 of the module doc.
@@ -265,7 +265,8 @@ def min_p_filtered(min_p: torch.Tensor | None, scaled: torch.Tensor) -> torch.Te
     return scaled.masked_fill(scaled < min_p.log(), float("-inf"))  # log 0 = -inf: nothing dropped
 
 
-def _to(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+def moved(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """An optional field of a table on `device`."""
     return None if value is None else value.to(device)
 
 
