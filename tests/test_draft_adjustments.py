@@ -1,7 +1,8 @@
-"""A draft's form of the adjustments (ssd/core/draft_adjustments.py): applied and advanced token
-by token, it processes each position as a table built from scratch with that position's whole
-history does, up to a rounding, for every kind of row (penalties, bias and min_tokens crossing
-its minimum, allowed tokens, token masks, a row without processing among them)."""
+"""A draft's forms of the adjustments (ssd/core/draft_adjustments.py's tensor operations and
+host_draft_adjustments.py's compiled loops): applied and advanced token by token, each processes
+each position as a table built from scratch with that position's whole history does, up to a
+rounding, for every kind of row (penalties, bias and min_tokens crossing its minimum, allowed
+tokens, token masks, a row without processing among them)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 from test_penalties import _random_rows
 
 from ssd.core.draft_adjustments import DraftAdjustments
+from ssd.core.draft_forms import draft_form
+from ssd.core.host_draft_adjustments import HostDraftAdjustments
 from ssd.core.logits_processing import build
 
 VOCAB, STEPS = 20, 7
+FORMS = pytest.mark.parametrize("form_of", [DraftAdjustments.of, HostDraftAdjustments.of], ids=["tensor", "host"])
 
 
 def close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -20,9 +24,10 @@ def close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@FORMS
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("masked", [False, True])
-def test_stepping_the_draft_form_equals_building_with_the_history(seed, masked):
+def test_stepping_the_draft_form_equals_building_with_the_history(form_of, seed, masked):
     gen = torch.Generator().manual_seed(seed)
     rows = _random_rows(gen, VOCAB)
     b, none = len(rows), torch.zeros(len(rows), 0, dtype=torch.long)
@@ -30,7 +35,7 @@ def test_stepping_the_draft_form_equals_building_with_the_history(seed, masked):
     # inside the steps.
     rows[0] = (rows[0][0], rows[0][1], [5, 6, 5, 12, 1])
     masks = (torch.rand(b, STEPS + 1, VOCAB, generator=gen) > 0.2) if masked else None
-    form = DraftAdjustments.of(build(rows, none, VOCAB, None if masks is None else masks[:, :1]))
+    form = form_of(build(rows, none, VOCAB, None if masks is None else masks[:, :1]))
     for j in range(STEPS):
         logits = torch.randn(b, 1, VOCAB, generator=gen) * 3
         at = None if masks is None else masks[:, j : j + 1]
@@ -49,10 +54,18 @@ def test_stepping_the_draft_form_equals_building_with_the_history(seed, masked):
         form = form.advanced(tokens, None if masks is None else masks[:, j + 1 : j + 2])
 
 
-def test_the_draft_form_moves_with_its_fields():
+@FORMS
+def test_the_draft_form_moves_with_its_fields(form_of):
     gen = torch.Generator().manual_seed(0)
     rows = _random_rows(gen, VOCAB)
-    form = DraftAdjustments.of(build(rows, torch.zeros(len(rows), 0, dtype=torch.long), VOCAB))
+    form = form_of(build(rows, torch.zeros(len(rows), 0, dtype=torch.long), VOCAB))
     moved = form.to(torch.device("cpu"))
     logits = torch.randn(len(rows), 1, VOCAB, generator=gen)
     assert torch.equal(moved.apply(logits), form.apply(logits))
+
+
+def test_a_draft_on_the_host_gets_the_host_form():
+    rows = _random_rows(torch.Generator().manual_seed(0), VOCAB)
+    first = build(rows, torch.zeros(len(rows), 0, dtype=torch.long), VOCAB)
+    assert isinstance(draft_form(first, torch.device("cpu")), HostDraftAdjustments)
+    assert isinstance(draft_form(first, torch.device("meta")), DraftAdjustments)

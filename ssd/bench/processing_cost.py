@@ -11,7 +11,7 @@ Per vocabulary V and batch b (1, 8), what an SD round's processing costs the eng
 - `build_ms`: logits_processing.build for the first position instead, each row's tracked tokens
   kept between rounds (TrackedHistory: the round folds in its 3 new tokens): what a round does
   when the batch gained a row or the carried table grew too wide;
-- `sd_draft_ms`: the SD draft's K positions in the draft's form (DraftAdjustments.of once, then
+- `sd_draft_ms`: the SD draft's K positions in the draft's form on the host (draft_form once, then
   apply on [b, 1, V] and advanced per position);
 - `verify_extend_ms`: Adjustments.speculated, the first position's adjustments extended with
   the K drafts for verification;
@@ -36,7 +36,7 @@ import time
 import torch
 
 from ssd.bench.report import write_json
-from ssd.core.draft_adjustments import DraftAdjustments
+from ssd.core.draft_forms import draft_form
 from ssd.core.logits_processing import Adjustments, Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits
 from ssd.core.tracked import TrackedHistory
@@ -86,7 +86,7 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
         return build(table, none, vocab, histories=histories)
 
     def sd_draft(first: Adjustments) -> None:  # as SDProposer.propose: in the draft's form
-        step = DraftAdjustments.of(first)
+        step = draft_form(first, torch.device("cpu"))
         for i in range(K):
             step.apply(logits[:, i : i + 1], in_place=True)
             if i < K - 1:

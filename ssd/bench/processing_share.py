@@ -7,11 +7,11 @@ The demo pair (or --target/--draft; or with --vocab V, a random tiny Llama pair 
 vocabulary, as ssd.bench.payload builds it, whose round is mostly its [b, n, V] passes) in sd,
 T=0, a batch of short code prompts, 96 tokens each, frequency and presence penalty 0.5 and
 repetition penalty 1.1. The processing's entry points (the engine's builds, Adjustments'
-apply, advanced, speculated, committed, branched and min_p_filtered, and DraftAdjustments' of,
-apply, advanced and min_p_filtered) are wrapped with timers for the run (outermost calls only,
-so nothing counts twice) and the share is their time over the generate call's wall time;
-median of --repeats runs after a warm-up. The timers add ~1 us a call. Prints one line per row
-and writes them as JSON.
+apply, advanced, speculated, committed, branched and min_p_filtered, and the draft forms'
+(DraftAdjustments' and HostDraftAdjustments') of, apply, advanced and min_p_filtered) are
+wrapped with timers for the run (outermost calls only, so nothing counts twice) and the share is
+their time over the generate call's wall time; median of --repeats runs after a warm-up. The
+timers add ~1 us a call. Prints one line per row and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ssd.bench.payload import build_pair
 from ssd.bench.report import add_pair_arguments, write_json
-from ssd.core import draft_adjustments, logits_processing
+from ssd.core import draft_adjustments, host_draft_adjustments, logits_processing
 from ssd.core.sampling_params import SamplingParams
 from ssd.engine import round_adjustments
 from ssd.llm import LLM
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 PROMPTS = ("def fib(n):", "import numpy as np\n", "class Stack:", "# Sort a list", "for i in range(10):", "x = [",
            "def main():\n", "The quick brown")  # fmt: skip
 METHODS = ("apply", "advanced", "speculated", "committed", "branched", "min_p_filtered")
-DRAFT_METHODS = ("of", "apply", "advanced", "min_p_filtered")  # DraftAdjustments'
+DRAFT_METHODS = ("of", "apply", "advanced", "min_p_filtered")  # the draft forms'
 
 
 class _Timers:
@@ -61,7 +61,8 @@ class _Timers:
 @contextlib.contextmanager
 def _timed_processing(timers: _Timers):
     entries = [(logits_processing.Adjustments, m) for m in METHODS]
-    entries += [(draft_adjustments.DraftAdjustments, m) for m in DRAFT_METHODS]
+    forms = (draft_adjustments.DraftAdjustments, host_draft_adjustments.HostDraftAdjustments)
+    entries += [(form, m) for form in forms for m in DRAFT_METHODS]
     entries.append((round_adjustments, "build"))
     # As stored (a classmethod stays one when restored), and wrapped as looked up (bound to its class).
     originals = [(owner, name, inspect.getattr_static(owner, name)) for owner, name in entries]

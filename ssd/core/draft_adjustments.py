@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ssd.core.logits_processing import Adjustments, min_p_filtered, moved
+from ssd.core.logits_processing import Adjustments, masked_in_place, min_p_filtered, moved
 
 POS, NEG, SHIFT, OUT, BANNED = range(5)  # the values of a column (DraftAdjustments.columns)
 
@@ -87,11 +87,7 @@ class DraftAdjustments:
             early = (self.short_by > 0).view(-1, 1, 1)
             picked = picked.masked_fill(early & banned.bool(), float("-inf"))
         logits = logits.scatter_(-1, self.ids, picked) if owned else logits.scatter(-1, self.ids, picked)
-        if self.allowed is not None:
-            logits.masked_fill_(~self.allowed.unsqueeze(1), float("-inf"))
-        if self.masks is not None:
-            logits.masked_fill_(~self.masks, float("-inf"))
-        return logits
+        return masked_in_place(logits, self.allowed, self.masks)
 
     def advanced(self, tokens: torch.Tensor, masks: torch.Tensor | None = None) -> "DraftAdjustments":
         """After each row appends tokens [b] to its history: the next position's adjustments.

@@ -245,11 +245,7 @@ class Adjustments:
             picked = picked.masked_fill(early.unsqueeze(-1) & banned.bool(), float("-inf"))
         logits = logits.scatter_(-1, ids, picked) if owned else logits.scatter(-1, ids, picked)
         # This call's own logits from here: the masks write into them.
-        if self.allowed is not None:
-            logits.masked_fill_(~self.allowed.unsqueeze(1), float("-inf"))
-        if self.masks is not None:
-            logits.masked_fill_(~self.masks, float("-inf"))
-        return logits
+        return masked_in_place(logits, self.allowed, self.masks)
 
     def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:
         """scaled [b, n, V]: logits over temperature with each row's max at 0, so a token's
@@ -263,6 +259,16 @@ def min_p_filtered(min_p: torch.Tensor | None, scaled: torch.Tensor) -> torch.Te
     if min_p is None:
         return scaled
     return scaled.masked_fill(scaled < min_p.log(), float("-inf"))  # log 0 = -inf: nothing dropped
+
+
+def masked_in_place(logits: torch.Tensor, allowed: torch.Tensor | None, masks: torch.Tensor | None) -> torch.Tensor:
+    """logits [b, n, V] (the caller's own) with -inf written where allowed [b, V] or masks [b, n, V]
+    refuse a token (either may be None: no row has one)."""
+    if allowed is not None:
+        logits.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+    if masks is not None:
+        logits.masked_fill_(~masks, float("-inf"))
+    return logits
 
 
 def moved(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

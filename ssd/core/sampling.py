@@ -13,12 +13,16 @@ Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from ssd.core.draft_adjustments import DraftAdjustments
 from ssd.core.logits_processing import Adjustments, Processing
 from ssd.core.transfer import to_device
+
+if TYPE_CHECKING:
+    from ssd.core.host_draft_adjustments import HostDraftAdjustments
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,9 @@ class BatchSampling:
     top_k: torch.Tensor  # [b] long, 0 = disabled
     top_p: torch.Tensor  # [b] float, 1 = disabled
     # Penalties, bias, masks and min_p of the round's verification (logits_processing.py), or of
-    # a draft's position (draft_adjustments.py); None when no row has any (the common case costs
-    # nothing).
-    adjust: Adjustments | DraftAdjustments | None = None
+    # a draft's position (draft_adjustments.py; host_draft_adjustments.py on the host); None when
+    # no row has any (the common case costs nothing).
+    adjust: Adjustments | DraftAdjustments | HostDraftAdjustments | None = None
 
     @classmethod
     def of(cls, rows: list[SequenceSampling]) -> "BatchSampling":
@@ -70,7 +74,7 @@ class BatchSampling:
         adjust = self.adjust.to(device) if self.adjust is not None else None
         return BatchSampling(*(to_device(t, device) for t in (self.temperature, self.top_k, self.top_p)), adjust)
 
-    def adjusted(self, adjust: Adjustments | DraftAdjustments | None) -> "BatchSampling":
+    def adjusted(self, adjust: Adjustments | DraftAdjustments | HostDraftAdjustments | None) -> "BatchSampling":
         return replace(self, adjust=adjust)
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ssd.core.bad_words import refused
-from ssd.core.draft_adjustments import DraftAdjustments
+from ssd.core.draft_forms import draft_form
 from ssd.core.logits_processing import build
 from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.token_masks import joined, token_masks
@@ -94,7 +94,8 @@ class TreeProcessing:
         places = torch.arange(k + 1)
         j = outcome.reshape(-1, 1)
         prefix = torch.where(places < j, spec, cand.reshape(-1, 1))
-        self.adjust = DraftAdjustments.of(rnd.adjust.branched(rows, prefix, places <= j))
+        # Shaping runs on the host (shaping.py): the host form.
+        self.adjust = draft_form(rnd.adjust.branched(rows, prefix, places <= j), torch.device("cpu"))
         self.sampling = BatchSampling(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
         # Bad words look at a history's last tokens only: each branch keeps that tail.
         self.words = [rnd.words[r] for r in rows.tolist()]

@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from ssd.core.draft_adjustments import DraftAdjustments
+from ssd.core.draft_forms import draft_form
 from ssd.core.sampling import (
     BatchSampling,
     process_logits,
@@ -102,7 +102,7 @@ class SDProposer:
         uniforms = torch.stack([torch.rand(k, generator=s.generator) for s in seqs]).to(device)  # [b, K]
         greedy = bool(sampling.greedy.all())  # read on the host, before sampling moves to the device
         if sampling.adjust is not None:  # the form a draft applies and advances in fewer operations
-            sampling = sampling.adjusted(DraftAdjustments.of(sampling.adjust))
+            sampling = sampling.adjusted(draft_form(sampling.adjust, device))
         sampling = sampling.to(device)
         synced = self.cache.lengths().tolist()
         pending = [s.tokens_from(synced[r]) for r, s in enumerate(seqs)]
