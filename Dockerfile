@@ -49,14 +49,12 @@ RUN echo "ray==${RAY_VERSION}" > /tmp/ray-pin.txt \
 
 ENV VIRTUAL_ENV=/app/.venv \
     PATH=/app/.venv/bin:${PATH} \
-    NUMBA_CACHE_DIR=/app/.numba-cache
+    NUMBA_CACHE_DIR=/app/.numba-cache \
+    NUMBA_CPU_NAME=generic
 # The draft's processing on the host runs numba-compiled loops (ssd/core/host_draft_adjustments.py):
-# compiled here, once, into a cache the runtime user reads (and adds to, on a CPU unlike the
-# builder's), instead of in every pod's first drafting process.
-RUN python -c "import torch; from ssd.core.logits_processing import Processing, build; \
-from ssd.core.draft_forms import draft_form; \
-first = build([(Processing(repetition_penalty=1.1), [1], [2])], torch.zeros(1, 0, dtype=torch.long), 8); \
-draft_form(first, torch.device('cpu')).advanced(torch.tensor([3])).apply(torch.randn(1, 1, 8))" \
+# compiled here, once, for a generic x86-64 CPU (so the cache fits every node, not only the
+# builder's), into a cache the runtime user reads, instead of in every pod's first drafting process.
+RUN python -c "from ssd.core.host_draft_adjustments import compile_loops; compile_loops()" \
     && chmod -R a+rwX /app/.numba-cache
 # KubeRay starts Ray with `/bin/bash -lc`: a login shell, whose /etc/profile resets PATH on
 # Debian. This puts the venv back in front for those shells too.

@@ -21,6 +21,13 @@ def draft_form(first: Adjustments, device: torch.device) -> DraftAdjustments | H
         return DraftAdjustments.of(first).to(device)
     # Imported here: numba takes ~0.4 s to import, which only a process drafting with adjusted
     # rows on the host pays.
-    from ssd.core.host_draft_adjustments import HostDraftAdjustments
-
+    try:
+        from ssd.core.host_draft_adjustments import HostDraftAdjustments
+    except RuntimeError as e:  # numba's, where it finds no writable place for its cache
+        if "cannot cache" not in str(e):
+            raise
+        raise RuntimeError(
+            f"{e}. The draft's compiled loops need a writable cache: set NUMBA_CACHE_DIR to a "
+            "writable directory (numba tries __pycache__ beside the module, then ~/.cache/numba)"
+        ) from e
     return HostDraftAdjustments.of(first)

@@ -7,11 +7,12 @@ operations, and inside the engine each one cost 7-15 us, not its 2-4 us in a war
 draft's forward between two steps evicts the code and data of every distinct operation's
 dispatch. A compiled loop is one call with a small footprint (in the engine, an apply 24-26 us
 and an advance 28-33 us, against 44-96 and 68-124 in tensor operations; docs/benchmarks.md, "The
-host form"). Device rows keep the tensor form, whose operations a CUDA graph can replay.
-tests/test_draft_adjustments.py holds both forms to the same reference.
+host form"). Device rows keep the tensor form: their tensors stay on the device, with no host
+read. tests/test_draft_adjustments.py holds both forms to the same reference.
 
 The arrays are numpy views of the host's tensors (no copy); the kernels compile on a process's
-first call and numba caches them on disk (`cache=True`), so later processes load them.
+first call and numba caches them on disk (`cache=True`: in NUMBA_CACHE_DIR where it is set, else
+in __pycache__ beside this file, else in ~/.cache/numba), so later processes load them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ import numba
 import numpy as np
 import torch
 
-from ssd.core.draft_adjustments import BANNED, NEG, OUT, POS, SHIFT
-from ssd.core.logits_processing import BANNED as HELD_BACK  # Adjustments' column of it
-from ssd.core.logits_processing import BIAS, COUNT, SEEN, Adjustments, masked_in_place, min_p_filtered
+from ssd.core.logits_processing import Adjustments, Processing, build, masked_in_place, min_p_filtered
+
+# The columns' places, spelled here and not imported: numba compiles them into the cached loops
+# and checks only this file for changes, so a cache would outlive a change made elsewhere.
+# tests/test_draft_adjustments.py holds them to draft_adjustments' and logits_processing's.
+POS, NEG, SHIFT, OUT, BANNED = range(5)  # DraftAdjustments.columns'
+COUNT, SEEN, BIAS, HELD_BACK = range(4)  # Adjustments.columns' (HELD_BACK: its BANNED)
 
 
 @numba.njit(cache=True)
@@ -144,12 +149,15 @@ class HostDraftAdjustments:
             logits = logits.float()  # a copy of our own
         elif not in_place:
             logits = logits.clone()
+        # numba checks no bounds: the rows must be this form's (the token ids, _adjust checks).
+        assert logits.shape[0] == self.ids.shape[0] and logits.shape[1] == 1, "one position of this form's rows"
         _adjust(logits.numpy(), self.ids, self.columns, self.presence, self.short_by)
         return masked_in_place(logits, self.allowed, self.masks)
 
     def advanced(self, tokens: torch.Tensor, masks: torch.Tensor | None = None) -> "HostDraftAdjustments":
         """As DraftAdjustments.advanced: tokens [b] (host) appended to each row's history."""
         assert (masks is None) == (self.masks is None), "the next position's token masks are the caller's"
+        assert tokens.shape == self.short_by.shape, "a token per row"  # numba checks no bounds
         ids, columns, short_by = _advance(self.ids, self.columns, tokens.numpy(), self.occurred, self.short_by)
         return HostDraftAdjustments(
             ids, columns, self.occurred, self.presence, short_by, self.min_p, self.allowed, masks
@@ -162,3 +170,15 @@ class HostDraftAdjustments:
     def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:
         """As Adjustments.min_p_filtered."""
         return min_p_filtered(self.min_p, scaled)
+
+
+def compile_loops() -> None:
+    """Compiles the loops (or loads them from numba's cache) for the inputs a draft passes:
+    logits contiguous or strided (a draft vocabulary wider than the target's is cut), rows with
+    and without min_tokens. The Dockerfile runs this at build time."""
+    rows = [(Processing(repetition_penalty=1.1, min_tokens=2, stop_token_ids=(0,)), [1], [2]), (Processing(), [3], [])]
+    for kept in (rows, rows[1:]):
+        form = HostDraftAdjustments.of(build(kept, torch.zeros(len(kept), 0, dtype=torch.long), 8))
+        form = form.advanced(torch.arange(len(kept)))
+        form.apply(torch.randn(len(kept), 1, 8))
+        form.apply(torch.randn(len(kept), 1, 16)[..., :8], in_place=True)
