@@ -54,10 +54,11 @@ commands() {
 
 # Runs one part's commands in order, stopping at the first that fails; returns its status.
 run_part() {
-    local part=$1 out=$2 line status=0
+    local part=$1 out=$2 line status=0 dir
     mkdir -p "$out/$part"
+    dir=$(printf '%q' "$out/$part") # quoted: the commands are run by `bash -c`
     while IFS= read -r line; do
-        line=${line//\{out\}/$out/$part}
+        line=${line//\{out\}/$dir}
         echo "+ $line"
         if [[ -n ${COMMAND_TIMEOUT:-} ]]; then
             timeout --kill-after=10 "$COMMAND_TIMEOUT" bash -c "$line" || status=$?
