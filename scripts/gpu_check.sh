@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every check and measurement of docs/gpu.md in one command, part by part:
 #
-#   bash scripts/gpu_check.sh OUT_DIR [PART ...]   (PART: env, tests, demo, demo-mps, shapes, dsweep;
-#                                                   default: all, in that order)
+#   bash scripts/gpu_check.sh OUT_DIR [PART ...]   (PART: env, tests, demo, demo-mps, shapes,
+#                                                   contention, dsweep; default: all, in that order)
 #   bash scripts/gpu_check.sh --list               (print each part's commands, run nothing)
 #
 # A part's output goes to OUT_DIR/<part>.log and its figures (JSON, PNG) under OUT_DIR/<part>/.
@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-parts=(env tests demo demo-mps shapes dsweep)
+parts=(env tests demo demo-mps shapes contention dsweep)
 
 # The commands of a part, one per line, with {out} standing for the part's folder.
 commands() {
@@ -39,6 +39,11 @@ commands() {
     shapes)
         # Random-weight Llama-3.1-8B / Llama-3.2-1B shapes in bfloat16: speed against the bandwidth bound.
         echo "$PYTHON -m ssd.bench.real_shapes --modes ar,sd,ssd --out {out}/real_shapes.json"
+        ;;
+    contention)
+        # What SSD's draft worker on the same GPU costs the target: its verification with the worker
+        # idle, drafting a tree, or spinning, in alternating blocks.
+        echo "$PYTHON -m ssd.bench --device cuda --contention --contention-cycles 30 --no-progress --out-dir {out}"
         ;;
     dsweep)
         # The draft pool on the machine's cores: D = 1, 2, 4, 8 workers, a core each, then the miss law.

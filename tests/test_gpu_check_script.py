@@ -42,6 +42,7 @@ def test_the_script_parses_and_lists_every_part():
         "[demo]",
         "[demo-mps]",
         "[shapes]",
+        "[contention]",
         "[dsweep]",
     ]
 
