@@ -32,7 +32,7 @@ from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.core.config import EngineArgs
 from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.proposers import WorkerProviderFactory
+from ssd.engine.proposers import WorkerProviderFactory, warm_fork_server
 from ssd.model.loader import load_pair
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ def build_engines(
     base = (in_engine or with_draft or list(configs.values()))[0]
     if base.num_threads is not None:
         torch.set_num_threads(base.num_threads)
+    # The fork server of the workers and ranks this replica forks imports while the models load.
+    for config in configs.values():
+        warm_fork_server(config, worker_provider, rank_launcher)
     pair = load_pair(base, rank_launcher)
     engines = {}
     try:

@@ -11,7 +11,7 @@ from ssd.core.config import EngineArgs
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.proposers import WorkerProviderFactory, worker_starter
+from ssd.engine.proposers import WorkerProviderFactory, warm_fork_server
 from ssd.model.loader import load_pair
 
 Prompt = str | list[int]
@@ -38,20 +38,15 @@ class LLM:
         config = self.args.to_config()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        # SSD's worker processes import torch and the drafter while the models load here.
-        starter = worker_starter(config, worker_provider)
+        # The fork server of SSD's workers (and of split models' ranks) imports while the models load.
+        warm_fork_server(config, worker_provider, rank_launcher)
+        pair = load_pair(config, rank_launcher)
         try:
-            pair = load_pair(config, rank_launcher)
-            try:
-                self.engine = LLMEngine(
-                    config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider, starter
-                )
-            except BaseException:
-                pair.close()
-                raise
+            self.engine = LLMEngine(
+                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
+            )
         except BaseException:
-            if starter is not None:
-                starter.close()
+            pair.close()
             raise
 
     @property

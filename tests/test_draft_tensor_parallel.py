@@ -22,15 +22,20 @@ from ssd.model.runner import draft_runner
 from ssd.model.tensor_parallel import TensorParallelFailed, TensorParallelRunner
 
 MAX_TOKENS = 32
-RANK_MODULE = "ssd.model.tp_launch"
+RANK_NAME = "ssd-tp-rank"  # what a forked rank calls itself (ssd/model/tp_launch.py)
 
 
 def _parent(pid: int) -> int:
     return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _name(pid: int) -> str:
+    text = (Path("/proc") / str(pid) / "stat").read_text()
+    return text[text.index("(") + 1 : text.rindex(")")]
+
+
 def _descendants() -> dict[int, str]:
-    """pid -> command line of every process below this one."""
+    """pid -> name of every process below this one."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -44,7 +49,7 @@ def _descendants() -> dict[int, str]:
         for child, parent in parents.items():
             if parent == pid and child not in found:
                 try:
-                    found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    found[child] = _name(child)
                 except OSError:
                     continue
                 frontier.append(child)
@@ -52,7 +57,7 @@ def _descendants() -> dict[int, str]:
 
 
 def _ranks_below() -> set[int]:
-    return {pid for pid, cmd in _descendants().items() if RANK_MODULE in cmd}
+    return {pid for pid, cmd in _descendants().items() if cmd == RANK_NAME}
 
 
 @torch.inference_mode()
@@ -124,15 +129,15 @@ def test_sd_over_a_split_target_and_a_split_draft_matches_hf_generate(demo_pair)
 
 
 def test_ssd_with_a_workers_split_draft_matches_hf_generate(demo_pair):
-    """The worker process loads its draft over two ranks, its own child processes; the engine,
-    which runs no draft itself in ssd mode with workers, starts none."""
+    """The worker process loads its draft over two ranks, forked by its own fork server; the
+    engine, which runs no draft itself in ssd mode with workers, starts none."""
     prompts = ["The quick brown fox", "x", "Once upon a time there was"]
     expected = hf_greedy(demo_pair[0], prompts, MAX_TOKENS)
     with LLM(*demo_pair, mode="ssd", k=4, max_num_seqs=3, draft_tensor_parallel_size=2) as llm:
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         metrics = llm.metrics()
         (rank,) = _ranks_below()
-        assert "ssd.worker" in _descendants()[_parent(rank)]  # the worker's child, not the engine's
+        assert _name(_parent(_parent(rank))) == "ssd-draft-worke"  # the worker's server's child, not the engine's
     assert [o.token_ids for o in out] == expected
     assert metrics["cache_hits"] > 0, metrics
     assert not _ranks_below()

@@ -116,14 +116,3 @@ def test_from_a_ray_actor(script, expected):
     assert result["tokens"] == expected
     assert result["live"] == 1 and result["hit_rate"] > 0, result
     assert result["left"] == 0, result
-
-
-def test_worker_env_points_at_the_directory_that_holds_the_package():
-    """Regression: after ssd/ was grouped into subpackages the worker's PYTHONPATH pointed at
-    ssd/ itself (one level too deep), so an uninstalled checkout's worker could not import ssd."""
-    from pathlib import Path
-
-    from ssd.transport.spawn import worker_env
-
-    root = Path(worker_env()["PYTHONPATH"].split(os.pathsep)[0])
-    assert (root / "ssd" / "__init__.py").is_file(), root

@@ -16,7 +16,6 @@ import torch
 from ssd.core.protocol import MsgType, ResolveMsg, SpeculationReply
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
 from ssd.transport.shm_channel import Mailbox, ShmChannel
-from ssd.transport.spawn import worker_env
 
 FP = 7
 LONG = datetime.timedelta(seconds=60)
@@ -56,7 +55,7 @@ def test_messages_cross_processes_intact_in_chunks():
     to_child, to_parent = Mailbox.create(capacity=4096), Mailbox.create(capacity=4096)
     spec = json.dumps({"inbox": asdict(to_child.handle), "outbox": asdict(to_parent.handle)})
     child = subprocess.Popen(
-        [sys.executable, "-c", ECHO, spec], env=worker_env(), pass_fds=to_child.handle.fds() + to_parent.handle.fds()
+        [sys.executable, "-c", ECHO, spec], pass_fds=to_child.handle.fds() + to_parent.handle.fds()
     )
     try:
         end = ShmChannel(to_parent, to_child, FP, lambda: child.poll() is None)

@@ -1,22 +1,21 @@
-"""Draft worker processes started before their spec is known (ssd/transport/spawn.py): the
-process a starter prestarted is the one acquire() takes, paired (shm) or listening (grpc); one
-nobody took is killed when the starter closes; one that died while it waited is reported with its
-exit code; a worker told to shut down exits with code 0 (it skips the interpreter's
-finalization, and must not skip its exit code with it)."""
+"""Draft worker processes forked from the fork server (ssd/transport/spawn.py): the worker acquire()
+forks is ready, paired (shm) or listening (grpc), and exits with code 0 when told to shut down
+(it skips the interpreter's finalization, and must not skip its exit code with it); one that
+fails to load its draft is reported with its error and leaves nothing running; an engine starts
+the fork server only where it will fork."""
 
 from __future__ import annotations
 
-import os
-import signal
+from pathlib import Path
 
 import pytest
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
 from ssd.core.config import EngineArgs
+from ssd.core.forked import ForkedProcess
 from ssd.core.protocol import DrafterUnavailable
-from ssd.engine.proposers import WORKER_MODULE, worker_starter
-from ssd.transport.spawn import SpawnedWorkers, WorkerStarter
+from ssd.engine.proposers import resolve_provider, warm_fork_server
 
 
 def config(pair, **kw):
@@ -24,61 +23,44 @@ def config(pair, **kw):
 
 
 @pytest.mark.parametrize("transport", ["shm", "grpc"])  # paired, and listening (gloo pairs as shm does)
-def test_the_prestarted_process_is_the_one_acquired(tiny_pair, transport):
+def test_an_acquired_worker_is_forked_ready_and_exits_cleanly(tiny_pair, transport):
     cfg = config(tiny_pair, draft_transport=transport, draft_launcher="process")
-    starter = WorkerStarter(cfg, WORKER_MODULE).prestart(1)
-    (waiting,) = [started.process.pid for started in starter._waiting]
-    provider = SpawnedWorkers(cfg, 512, WORKER_MODULE, starter)
+    provider = resolve_provider(cfg, None)(cfg, 512)
     try:
         link = provider.acquire()
-        assert link.process.pid == waiting and link.is_alive()
+        assert isinstance(link.process, ForkedProcess) and link.is_alive()
+        assert live_draft_workers() == [link.process.pid]
         provider.discard(link, failed=False)
         if transport != "grpc":  # a listening worker serves target after target: it is stopped, not shut down
             assert link.process.returncode == 0  # SHUTDOWN: a clean exit, its code kept
-        if transport == "shm":
-            second = provider.acquire()  # none left waiting: started now
-            assert second.process.pid != waiting
-            provider.discard(second, failed=False)
     finally:
         provider.close()
     assert live_draft_workers() == []
 
 
-def test_a_prestarted_process_nobody_takes_is_killed_on_close(tiny_pair):
-    starter = WorkerStarter(config(tiny_pair), WORKER_MODULE).prestart(2)
-    processes = [started.process for started in starter._waiting]
-    assert len(processes) == 2
-    starter.close()
-    assert starter._waiting == [] and all(p.poll() is not None for p in processes)
+def test_a_worker_whose_draft_fails_to_load_is_reported_and_gone(tiny_pair, tmp_path):
+    broken = tmp_path / "draft"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_text((Path(tiny_pair[1]) / name).read_text())
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    cfg = config((tiny_pair[0], str(broken)))
+    provider = resolve_provider(cfg, None)(cfg, 512)
+    with pytest.raises(DrafterUnavailable, match="failed to start"):
+        provider.acquire()
+    assert live_draft_workers() == []
 
 
-def test_a_prestarted_process_that_died_while_waiting_is_reported(tiny_pair):
-    cfg = config(tiny_pair)
-    starter = WorkerStarter(cfg, WORKER_MODULE).prestart(1)
-    process = starter._waiting[0].process
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait(10)
-    provider = SpawnedWorkers(cfg, 512, WORKER_MODULE, starter)
-    try:
-        with pytest.raises(DrafterUnavailable, match="exited with code -9 before it got its spec"):
-            provider.acquire()
-    finally:
-        provider.close()
-
-
-def test_an_engine_prestarts_only_the_workers_it_will_spawn(tiny_pair):
-    assert worker_starter(config(tiny_pair, mode="sd"), None) is None
-    assert worker_starter(config(tiny_pair, draft_transport="inprocess"), None) is None
+def test_an_engine_starts_the_fork_server_only_where_it_forks(tiny_pair):
+    assert not warm_fork_server(config(tiny_pair, mode="sd"), None)
+    assert not warm_fork_server(config(tiny_pair, draft_transport="inprocess"), None)
     leased = lambda cfg, vocab: None  # noqa: E731 - a provider of another kind
-    assert worker_starter(config(tiny_pair, draft_transport="grpc"), leased) is None
-    starter = worker_starter(config(tiny_pair, draft_workers=2), None)
-    try:
-        assert len(starter._waiting) == 2
-    finally:
-        starter.close()
+    assert not warm_fork_server(config(tiny_pair, draft_transport="grpc"), leased)
+    assert warm_fork_server(config(tiny_pair, draft_workers=2), None)
+    assert warm_fork_server(config(tiny_pair, mode="ar", tensor_parallel_size=2), None)
 
 
-def test_an_llm_whose_engine_fails_leaves_no_prestarted_process(tiny_pair):
+def test_an_llm_whose_engine_fails_leaves_no_worker(tiny_pair):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(*tiny_pair, mode="ssd", k=3, max_model_len=10**9)
     assert live_draft_workers() == []

@@ -9,18 +9,19 @@ rounds confirmed and taken back. These runs depend on timing (where a tree is cu
 not reproducible sample for sample; P_MIN is set for about 30 p-values per run of the file.
 
 Power: the same check on a drafter that pairs each cached token with the draft probabilities of
-the neighbouring branch (injected into the worker process through sitecustomize) must fail.
+the neighbouring branch (tests/forked_targets.py, the entry point the engine forks its workers
+with in that test) must fail.
 """
 
 from __future__ import annotations
 
-import textwrap
-
+import forked_targets
 import pytest
 from ssd_stats import N_SAMPLES, STAT_K, STAT_PROMPT, check_conditionals, sample_with_sources
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
+from ssd.engine import proposers
 
 P_MIN = 1e-5
 BIG_BATCH = dict(max_num_seqs=4096)  # every sample in one batch: the drafter's trees are the slow side
@@ -118,30 +119,9 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
         assert ssd["drafter_predicted_taken_back"] > 20, ssd
 
 
-NEIGHBOUR_BRANCH = textwrap.dedent('''
-    """Injected into the draft worker by the power test: on a hit, the cached tokens travel with
-    the draft probabilities of the neighbouring branch (a plausible indexing bug)."""
-    import ssd.drafting.tree_drafter
-
-    _resolve = ssd.drafting.tree_drafter.TreeDrafter.resolve
-
-    def resolve(self, msg):
-        if self.round is not None:  # branch n gets n-1's (rows kept dense or sparse alike)
-            probs = self.round.probs
-            probs.values = [v.roll(1, dims=0) for v in probs.values]
-            probs.indices = [i if i is None else i.roll(1, dims=0) for i in probs.indices]
-            probs._dense = {r: [d.roll(1, dims=0) for d in depths] for r, depths in probs._dense.items()}
-        return _resolve(self, msg)
-
-    ssd.drafting.tree_drafter.TreeDrafter.resolve = resolve
-''')
-
-
-def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(
-    peaked_pair, peaked_target, tmp_path, monkeypatch
-):
-    (tmp_path / "sitecustomize.py").write_text(NEIGHBOUR_BRANCH)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(peaked_pair, peaked_target, monkeypatch):
+    # The engine forks its workers running this entry point instead of the worker's own.
+    monkeypatch.setattr(proposers, "run_forked", forked_targets.neighbour_branch_worker)
     params, options, n = CASES["temperature1"]
     prompt_ids, samples, m = run_case(
         peaked_pair, params, {**options, "ssd_budget": 8, "ssd_autobudget": False}, n, 123

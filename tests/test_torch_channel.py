@@ -357,10 +357,10 @@ def test_nccl_between_two_processes_on_one_gpu_is_refused_before_any_starts():
     from dataclasses import replace
 
     from ssd.core.config import EngineArgs
-    from ssd.engine.proposers import resolve_provider, worker_starter
+    from ssd.engine.proposers import resolve_provider, warm_fork_server
 
     config = EngineArgs(mode="ssd", draft_transport="torch", device="cuda").to_config()
-    for start in (worker_starter, resolve_provider):
+    for start in (warm_fork_server, resolve_provider):
         with pytest.raises(ValueError, match="refuses two processes on one GPU .cuda:0.*draft_device"):
             start(config, None)
     for other in ({"draft_device": "cuda:1"}, {"draft_transport": "grpc"}, {"device": "cpu", "draft_device": "cpu"}):
@@ -377,13 +377,12 @@ def test_draft_workers_sharing_the_targets_gpu_without_mps_are_warned_of(tmp_pat
     from ssd.engine import proposers
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    monkeypatch.setattr(proposers.WorkerStarter, "prestart", lambda self, n: self)
     config = EngineArgs(mode="ssd", device="cuda").to_config()
 
     def warned(config) -> bool:
         caplog.clear()
         with caplog.at_level("WARNING", logger="ssd.engine.proposers"):
-            proposers.worker_starter(config, None)
+            proposers.resolve_provider(config, None)
         return any("nvidia-cuda-mps-control -d" in r.getMessage() for r in caplog.records)
 
     assert warned(config) and not proposers.mps_running()

@@ -1,4 +1,5 @@
-"""Finding draft worker processes from tests (they are plain subprocesses, not multiprocessing children)."""
+"""Finding draft worker processes from tests: the fork server's children (ssd/core/forked.py), so
+this process's grandchildren."""
 
 from __future__ import annotations
 
@@ -10,23 +11,38 @@ import sys
 import threading
 from pathlib import Path
 
-from ssd.worker.main import PROCESS_NAME
+from ssd.transport.spawn import WORKER_NAME
 
 
-def live_draft_workers(parent: int | None = None) -> list[int]:
-    """Pids of running (not zombie) draft workers whose parent is `parent` (default: this process)."""
-    parent = os.getpid() if parent is None else parent
-    found = []
+def processes() -> dict[int, tuple[str, str, int]]:
+    """pid -> (name, state, parent pid) of every process."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:  # the process ended while we looked
             continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
         state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-        if name == PROCESS_NAME[:15] and int(ppid) == parent and state != "Z":
-            found.append(int(stat.parent.name))
+        found[int(stat.parent.name)] = (text[text.index("(") + 1 : text.rindex(")")], state, int(ppid))
     return found
+
+
+def live_draft_workers(ancestor: int | None = None) -> list[int]:
+    """Pids of running (not zombie) draft workers that descend from `ancestor` (default: this
+    process; its workers are children of its fork server)."""
+    ancestor = os.getpid() if ancestor is None else ancestor
+    table = processes()
+
+    def descends(pid: int) -> bool:
+        while pid in table and pid > 1:
+            pid = table[pid][2]
+            if pid == ancestor:
+                return True
+        return False
+
+    return [
+        pid for pid, (name, state, _) in table.items() if name == WORKER_NAME[:15] and state != "Z" and descends(pid)
+    ]
 
 
 class Proc:

@@ -33,10 +33,9 @@ class _Rig:
         import torch
 
         from ssd.core.config import EngineArgs
-        from ssd.engine.proposers import WORKER_MODULE
+        from ssd.engine.proposers import resolve_provider
         from ssd.model.loader import load_model, load_tokenizer
         from ssd.model.runner import target_runner
-        from ssd.transport.spawn import SpawnedWorkers
 
         self.k = spec["k"]
         config = EngineArgs(
@@ -57,7 +56,7 @@ class _Rig:
         self.gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             self.runner.forward(self.cache, torch.tensor([self.context[:-1]]))
-        self.workers = SpawnedWorkers(config, self.vocab, WORKER_MODULE)
+        self.workers = resolve_provider(config, None)(config, self.vocab)  # forked worker processes
         self.link = self.workers.acquire()
         self.round_id = 0
 

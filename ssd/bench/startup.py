@@ -1,12 +1,20 @@
-"""How long an engine takes to start and to close: `LLM(...)` and `close()`, each in a fresh
+"""How long an engine takes to start, to give its first tokens and to close, and for SSD how
+long a draft worker takes to be ready and to be replaced after a kill; each run in a fresh
 interpreter (so every run pays the imports and the model loads a user's first call pays).
 
     python -m ssd.bench.startup [--modes ar sd ssd] [--draft-workers 1 2] [--repeats 3] \
         [--out bench_results/startup.json]
 
 The demo pair (or --target/--draft). A row per mode and, for ssd, per D (draft_workers): the
-median seconds of --repeats runs and their range. The interpreter's own start and `import ssd`
-are left out (they are the same in every mode). Prints one line per row and writes them as JSON.
+median seconds of --repeats runs and their range, of
+- start_s: `LLM(...)` until it returns;
+- first_tokens_s: `LLM(...)` and the generation of its first 8 tokens (greedy, one prompt);
+- worker_ready_s (ssd): a worker asked of the engine's provider until it is READY;
+- replace_s (ssd): a worker killed (SIGKILL) mid-generation until its replacement is attached to
+  the pool (replacements join at a round boundary; the engine generates meanwhile);
+- close_s: `close()`.
+The interpreter's own start and `from ssd import LLM` are left out (they are the same in every
+mode). Prints one line per row and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -22,17 +30,35 @@ from ssd.bench.report import add_pair_arguments, write_json
 
 logger = logging.getLogger(__name__)
 
-# Run in a fresh interpreter: the seconds of LLM(...) and of close(), as one JSON line.
+# Run in a fresh interpreter: the seconds of each step, as one JSON line.
 _ONE_RUN = """
-import json, sys, time
-from ssd import LLM
+import json, os, signal, sys, time
+from ssd import LLM, SamplingParams
 options = json.loads(sys.argv[1])
+greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 start = time.perf_counter()
 llm = LLM(**options)
-built = time.perf_counter()
+row = {"start_s": time.perf_counter() - start}
+llm.generate("def f(x):", greedy(8))
+row["first_tokens_s"] = time.perf_counter() - start
+pool = getattr(llm.engine.proposers.get("ssd"), "client", None)
+if pool is not None and hasattr(pool, "provider"):
+    asked = time.perf_counter()
+    link = pool.provider.acquire()
+    row["worker_ready_s"] = time.perf_counter() - asked
+    pool.provider.discard(link, failed=False)
+    replaced = pool.replacements
+    os.kill(pool.shards[0].link.process.pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    while pool.replacements == replaced and time.perf_counter() - killed < 120:
+        llm.generate("def f(x):", greedy(4))
+    row["replace_s"] = time.perf_counter() - killed
+closing = time.perf_counter()
 llm.close()
-print(json.dumps({"start_s": built - start, "close_s": time.perf_counter() - built}))
+row["close_s"] = time.perf_counter() - closing
+print(json.dumps(row))
 """
+FIELDS = ("start_s", "first_tokens_s", "worker_ready_s", "replace_s", "close_s")
 
 
 def one_run(options: dict) -> dict:
@@ -47,9 +73,10 @@ def one_run(options: dict) -> dict:
 def measure(options: dict, repeats: int) -> dict:
     runs = [one_run(options) for _ in range(repeats)]
     row = {"mode": options["mode"], "draft_workers": options.get("draft_workers", 0), "repeats": repeats}
-    for field in ("start_s", "close_s"):
-        values = [r[field] for r in runs]
-        row[field], row[f"{field}_range"] = statistics.median(values), [min(values), max(values)]
+    for field in FIELDS:
+        values = [r[field] for r in runs if field in r]
+        if values:
+            row[field], row[f"{field}_range"] = statistics.median(values), [min(values), max(values)]
     return row
 
 
@@ -69,11 +96,12 @@ def main(argv: list[str] | None = None) -> None:
             options = {"target": args.target, "draft": args.draft, "mode": mode, **({"draft_workers": d} if d else {})}
             row = measure(options, args.repeats)
             rows.append(row)
-            logger.info(
-                "%s%s: start %.2f s (%.2f-%.2f), close %.2f s (%.2f-%.2f)",
-                mode, f" D={d}" if d else "", row["start_s"], *row["start_s_range"],
-                row["close_s"], *row["close_s_range"],
-            )  # fmt: skip
+            figures = ", ".join(
+                "{} {:.2f} s ({:.2f}-{:.2f})".format(field.removesuffix("_s"), row[field], *row[f"{field}_range"])
+                for field in FIELDS
+                if field in row
+            )
+            logger.info("%s%s: %s", mode, f" D={d}" if d else "", figures)
     write_json(args.out, rows)
 
 

@@ -31,7 +31,7 @@ from ssd.core.speculation import Proposer, RoundOutcome, Source, SpecMetrics, Sp
 from ssd.engine.autopilot import AUTO_MODES, ModeChooser
 from ssd.engine.logprob_recorder import LogprobRecorder
 from ssd.engine.metrics import EngineMetrics, graph_metrics
-from ssd.engine.proposers import WorkerProviderFactory, WorkerStarter, build_proposers, round_threads
+from ssd.engine.proposers import WorkerProviderFactory, build_proposers, round_threads
 from ssd.engine.request_checks import check_fits, prompt_ids
 from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.stopping import StopChecker
@@ -45,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     """One engine over a loaded model pair: requests in (add_request), a round per step(), outputs
-    out. worker_provider: where SSD's draft pool gets its workers (ssd/engine/proposers.py);
-    starter: its worker processes, prestarted by the caller (proposers.worker_starter)."""
+    out. worker_provider: where SSD's draft pool gets its workers (ssd/engine/proposers.py)."""
 
     def __init__(
         self,
@@ -56,7 +55,6 @@ class LLMEngine:
         tokenizer,
         max_model_len: int,
         worker_provider: WorkerProviderFactory | None = None,
-        starter: WorkerStarter | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -71,9 +69,7 @@ class LLMEngine:
         # Where the target's probabilities are processed and verified: on its device, without host
         # reads, wherever that is not the CPU (there the host versions are faster); tests set it.
         self.device_round = self.target.device.type != "cpu"
-        self.proposers: dict[str, Proposer] = build_proposers(
-            config, draft_model, self.vocab_size, worker_provider, starter
-        )
+        self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
         # Mode auto chooses each round's mode; any other mode is every round's.
         self.chooser = None
         if config.mode == "auto":

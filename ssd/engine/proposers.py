@@ -3,9 +3,9 @@ drafter is in this thread (draft_transport="inprocess") or a pool of workers fro
 
 The provider is injected: `worker_provider(config, vocab) -> WorkerProvider` is what the caller
 passes (LLM(worker_provider=...); the serving package passes its Ray one). Without one, the
-engine starts worker processes of its own (ssd/transport/spawn.py) running `python -m
-ssd.worker`; its caller may have them prestarted (`worker_starter`), so that they import while
-the models load.
+engine forks worker processes of its own (ssd/transport/spawn.py) running the worker package's
+entry point, from a fork server that has imported what they import; its caller starts that
+server before loading the models (`warm_fork_server`), so that it imports while they load.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, available_cpus
+from ssd.core.forked import warm
 from ssd.core.speculation import Proposer
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
@@ -24,26 +25,39 @@ from ssd.model.loader import load_tokenizer
 from ssd.model.runner import draft_runner
 from ssd.transport.link import WorkerProvider
 from ssd.transport.pool_client import PoolClient
-from ssd.transport.spawn import SpawnedWorkers, WorkerStarter
+from ssd.transport.spawn import SpawnedWorkers
+from ssd.worker.main import run_forked
 
 # (engine config, the target's vocabulary size) -> where the draft pool gets its workers.
 WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
 
 logger = logging.getLogger(__name__)
 
-# The draft worker's entry point: what spawned worker processes run (`python -m WORKER_MODULE`).
-WORKER_MODULE = "ssd.worker"
+# What the fork server imports once for every process it forks: a draft worker's modules (its
+# entry point, its channel, the lean loader through the drafter), a tensor-parallel rank's, and
+# what reading a Llama-family checkpoint's configs imports (transformers' config classes pull in
+# torch.distributed.tensor: 1.5 s here, which each forked child would otherwise pay again).
+FORK_PRELOAD = (
+    "ssd.worker.main", "ssd.transport.shm_channel", "ssd.model.tp_launch",
+    "transformers.models.auto.configuration_auto", "transformers.models.llama.configuration_llama",
+    "transformers.generation.configuration_utils",
+)  # fmt: skip
 
 
-def worker_starter(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerStarter | None:
-    """config.draft_workers worker processes started now, for an engine that will spawn its draft
-    workers (see resolve_provider), or None: what a caller starts before loading the models and
-    passes to build_proposers, which gives it to the provider (whose close() closes it)."""
-    if not workers_on_this_host(config, given):
-        return None
-    _refuse_nccl_on_one_gpu(config)
-    _warn_on_a_shared_gpu_without_mps(config)
-    return WorkerStarter(config, WORKER_MODULE).prestart(config.draft_workers)
+def warm_fork_server(config: EngineConfig, given: WorkerProviderFactory | None, rank_launcher=None) -> bool:
+    """Start this process's fork server now where the engine of `config` will fork helper
+    processes (draft workers, see resolve_provider; tensor-parallel ranks without a launcher of
+    the caller's): what a caller does before loading the models, which then load while the
+    server imports. -> whether it did. Refuses a layout NCCL cannot run before anything starts."""
+    workers = workers_on_this_host(config, given)
+    if workers:
+        _refuse_nccl_on_one_gpu(config)
+    ranks = rank_launcher is None and config.tensor_parallel_size > 1
+    draft_ranks = config.draft_tensor_parallel_size > 1 and (workers or config.draft_in_engine)
+    if not (workers or ranks or draft_ranks):
+        return False
+    warm(FORK_PRELOAD)
+    return True
 
 
 def workers_on_this_host(config: EngineConfig, given: WorkerProviderFactory | None) -> bool:
@@ -70,10 +84,8 @@ def build_proposers(
     draft_model,
     vocab: int,
     worker_provider: WorkerProviderFactory | None = None,
-    starter: WorkerStarter | None = None,
 ) -> dict[str, Proposer]:
-    """The proposer of every mode the engine may run a round in (ar has none): auto runs both.
-    starter: prestarted worker processes (worker_starter), for the spawned workers' provider."""
+    """The proposer of every mode the engine may run a round in (ar has none): auto runs both."""
     modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
     assert draft_model is not None or not config.draft_in_engine, "the pair was loaded without the draft's weights"
     proposers: dict[str, Proposer] = {}
@@ -81,11 +93,11 @@ def build_proposers(
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
         proposers["sd"] = SDProposer(runner, vocab)
     if "ssd" in modes:
-        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider, starter)
+        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
     return proposers
 
 
-def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider, starter) -> SSDProposer:
+def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
     if config.draft_transport == "inprocess":
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
         tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
@@ -93,16 +105,14 @@ def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider
             runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer, early_drafts=config.ssd_backup != "fast"
         )
         return SSDProposer(drafter, config, vocab)
-    provider = resolve_provider(config, worker_provider, starter)(config, vocab)
+    provider = resolve_provider(config, worker_provider)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)
 
 
-def resolve_provider(
-    config: EngineConfig, given: WorkerProviderFactory | None, starter: WorkerStarter | None = None
-) -> WorkerProviderFactory:
+def resolve_provider(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerProviderFactory:
     """config.draft_launcher, resolved: process -> worker processes of this one; ray -> the given
     provider (required); auto -> the given provider when there is one and the transport can cross
-    hosts, else processes (taken from starter's prestarted ones first)."""
+    hosts, else processes."""
     if config.draft_launcher == "ray" and given is None:
         raise ValueError(
             "draft_launcher='ray' needs a worker provider that leases Ray actors: pass worker_provider=... "
@@ -111,9 +121,8 @@ def resolve_provider(
     if not _spawns(config, given):
         return given
     _refuse_nccl_on_one_gpu(config)
-    if starter is None:  # worker_starter has said it
-        _warn_on_a_shared_gpu_without_mps(config)
-    return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, WORKER_MODULE, starter)
+    _warn_on_a_shared_gpu_without_mps(config)
+    return lambda cfg, vocab: SpawnedWorkers(cfg, vocab, run_forked, FORK_PRELOAD)
 
 
 def _gpu(device: str) -> str | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ssd.core.config import EngineConfig
+from ssd.model.lean_model import lean_checkpoint, lean_unsupported_reason, load_lean_model, stored_dtype
 from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass
 class LoadedPair:
-    target: object  # PreTrainedModel, or a TensorParallelRunner (rank 0 of a split target)
+    target: object  # PreTrainedModel, LeanModel, or a TensorParallelRunner (rank 0 of a split target)
     draft: object | None  # the same, for the draft
     tokenizer: object  # PreTrainedTokenizerBase (the target's)
     max_model_len: int
@@ -36,7 +37,22 @@ def _source_kwargs(name: str) -> dict:
     return {"local_files_only": True} if Path(name).exists() else {}
 
 
-def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = False):
+def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = False, lean: bool = False):
+    """The causal LM `name` (a local directory or a hub id) in `dtype` (_DTYPES) on `device`.
+
+    lean: the engine runs the lean forward on it (EngineConfig.lean_forward). A Llama-architecture
+    model in a local safetensors directory then loads as a LeanModel, with none of transformers'
+    modeling code (its import is most of a draft worker's start: ssd/model/lean_model.py);
+    anything else (a hub id, .bin weights, another architecture, lean False) loads through
+    from_pretrained, a Hugging Face model with a forward of its own."""
+    if lean and lean_checkpoint(name):
+        hf_config = _hf_config(name, trust_remote_code)
+        reason = lean_unsupported_reason(hf_config)
+        if reason is None:
+            torch_dtype = _DTYPES[dtype] if dtype != "auto" else stored_dtype(name, hf_config)
+            generation = load_generation_config(name, hf_config)
+            return load_lean_model(name, hf_config, torch_dtype, torch.device(device), generation)
+        logger.info("%s loads through Hugging Face (%s)", name, reason)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -50,9 +66,25 @@ def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = Fal
 
 
 def load_config(name: str, config: EngineConfig):
+    return _hf_config(name, config.trust_remote_code)
+
+
+def _hf_config(name: str, trust_remote_code: bool):
+    # AutoConfig imports the model type's configuration module only, not its modeling code.
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(name, trust_remote_code=config.trust_remote_code, **_source_kwargs(name))
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **_source_kwargs(name))
+
+
+def load_generation_config(directory: str, hf_config):
+    """The generation config a model loaded from `directory` has: its generation_config.json,
+    else what its config implies (as from_pretrained does)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_model_config(hf_config)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -78,8 +110,6 @@ def load_split(config: EngineConfig, role: str, rank_launcher=None) -> TensorPar
     rank 0's TensorParallelRunner (with the model's `config` and `generation_config`, as a loaded
     model has them). rank_launcher: what starts the other ranks (ssd.model.tp_launch.RankLauncher;
     child processes by default). A draft's ranks run draft_num_threads threads each on CPU."""
-    from transformers import GenerationConfig
-
     from ssd.model.tp_launch import size_option, start_split
 
     target = role == "target"
@@ -100,10 +130,7 @@ def load_split(config: EngineConfig, role: str, rank_launcher=None) -> TensorPar
         rank_launcher, role,
     )  # fmt: skip
     runner.config = hf_config
-    try:
-        runner.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
-    except OSError:  # no generation_config.json: what the model's config implies, as from_pretrained does
-        runner.generation_config = GenerationConfig.from_model_config(hf_config)
+    runner.generation_config = load_generation_config(directory, hf_config)
     return runner
 
 
@@ -112,7 +139,9 @@ def load_draft(config: EngineConfig):
     the other ranks child processes of this one)."""
     if config.draft_tensor_parallel_size > 1:
         return load_split(config, "draft")
-    return load_model(config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code)
+    return load_model(
+        config.draft, config.draft_dtype, config.draft_device, config.trust_remote_code, config.lean_forward
+    )
 
 
 def context_limit(cfg) -> int:
@@ -136,7 +165,7 @@ def load_pair(config: EngineConfig, rank_launcher=None) -> LoadedPair:
     if config.tensor_parallel_size > 1:
         target = load_split(config, "target", rank_launcher)
     else:
-        target = load_model(config.target, config.dtype, config.device, config.trust_remote_code)
+        target = load_model(config.target, config.dtype, config.device, config.trust_remote_code, config.lean_forward)
     pair = LoadedPair(target, None, tokenizer, context_limit(target.config))
     try:
         if config.draft_in_engine:

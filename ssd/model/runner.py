@@ -1,4 +1,5 @@
-"""Runs a Hugging Face causal LM over a StaticKVCache: batched, padded, masked forwards."""
+"""Runs a Hugging Face causal LM (or a LeanModel of its weights) over a StaticKVCache: batched,
+padded, masked forwards."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ssd.core.transfer import to_device
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
 from ssd.model.kv_cache import StaticKVCache
+from ssd.model.lean_model import LeanModel
 from ssd.model.step_graphs import StepGraphs
 from ssd.model.tensor_parallel import TensorParallelRunner
 
@@ -38,20 +40,24 @@ class ModelRunner:
     ) -> None:
         """parallel: None, or a tensor-parallel rank's communicator, `model` being that rank's shard
         (ssd/model/shards.py: shaped like a model as the lean forward reads it, which is the only
-        forward a shard has). On a CUDA device the lean forward replays CUDA graphs
-        (ssd/model/cuda_graphs.py) unless eager is set (enforce_eager) or the model is a shard."""
+        forward a shard has, as it is a LeanModel's, whatever `lean` says). On a CUDA device the lean
+        forward replays CUDA graphs (ssd/model/cuda_graphs.py) unless eager is set (enforce_eager)
+        or the model is a shard."""
         self.model = model
         self.device = device
         self.dtype = model.model.embed_tokens.weight.dtype if parallel is not None else next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
         self.lean: FastLlamaForward | None = None
         self.attention_dtype = self.dtype  # of the attention masks, and of the cache
+        # A shard, or a model loaded for the lean forward (loader.load_model), has no other forward.
+        lean_only = parallel is not None or isinstance(model, LeanModel)
         # Hugging Face models take logits_to_keep (older or remote-code ones may not).
-        self._keeps_logits = parallel is None and "logits_to_keep" in inspect.signature(model.forward).parameters
-        lean = lean or parallel is not None  # a shard has no other forward
+        self._keeps_logits = not lean_only and "logits_to_keep" in inspect.signature(model.forward).parameters
+        lean = lean or lean_only
         reason = unsupported_reason(model) if lean else None
-        if reason is not None and parallel is not None:
-            raise ValueError(f"tensor parallelism runs the lean forward, which does not support this model: {reason}")
+        if reason is not None and lean_only:
+            what = "tensor parallelism runs" if parallel is not None else "a LeanModel runs only"
+            raise ValueError(f"{what} the lean forward, which does not support this model: {reason}")
         if reason is not None:
             logger.info("lean forward unavailable (%s): using the Hugging Face forward", reason)
         elif lean:

@@ -82,6 +82,17 @@ class ShardPlan:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """A model's rotary embedding as the lean forward reads it (model.rotary_emb): a buffer
+    computed from the config, not a weight (a type of its own, not a namespace of tensors, so
+    that what walks a shard's weights does not count it, as parameters() leaves out Hugging
+    Face's buffer)."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+
+
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SimpleNamespace:
     return SimpleNamespace(weight=weight, bias=bias)
 
@@ -93,9 +104,10 @@ def _norm(weight: torch.Tensor, eps: float) -> SimpleNamespace:
 def load_shard(directory: str | Path, config, plan: ShardPlan, dtype: torch.dtype, device: torch.device):
     """Rank plan.rank's shard -> an object shaped like a *ForCausalLM as the lean forward reads it
     (config with this rank's head counts, model.embed_tokens / layers / norm / rotary_emb, lm_head),
-    its tensors in `dtype` on `device`."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+    its tensors in `dtype` on `device`. The LM head is the embedding where the checkpoint has no
+    lm_head, or where the config ties them and the checkpoint's head equals the embedding (Hugging
+    Face's rule: a head that differs is a config that does not describe its checkpoint, and it
+    keeps the head then)."""
     ckpt = CheckpointSlices(directory)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q_rows = tuple(h * head_dim for h in plan.heads)
@@ -103,6 +115,8 @@ def load_shard(directory: str | Path, config, plan: ShardPlan, dtype: torch.dtyp
     root = plan.rank == 0
 
     def load(name: str, span=None, by_columns: bool = False) -> torch.Tensor:
+        if plan.world == 1:  # the whole model: each tensor whole, in one read (not a chunked copy of its columns)
+            span, by_columns = None, False
         t = ckpt.columns(name, span) if by_columns else ckpt.rows(name, span)
         return t.to(device=device, dtype=dtype)
 
@@ -137,15 +151,17 @@ def load_shard(directory: str | Path, config, plan: ShardPlan, dtype: torch.dtyp
             )
         )
     embed = load("model.embed_tokens.weight", plan.vocabulary)
-    head_name = "lm_head.weight" if ckpt.has("lm_head.weight") else "model.embed_tokens.weight"  # tied embeddings
-    head = embed if head_name == "model.embed_tokens.weight" else load(head_name, plan.vocabulary)
+    head = load("lm_head.weight", plan.vocabulary) if ckpt.has("lm_head.weight") else embed
+    if head is not embed and getattr(config, "tie_word_embeddings", False) and torch.equal(head, embed):
+        head = embed  # one tensor, not two copies (each rank decides on its slice: the values agree either way)
     if head.shape[0] < plan.vocabulary_share:  # the last rank's slice, padded to the common width of the gather
         head = torch.cat([head, head.new_zeros(plan.vocabulary_share - head.shape[0], head.shape[1])])
     local = copy.deepcopy(config)
     local.num_attention_heads = plan.heads[1] - plan.heads[0]
     local.num_key_value_heads = plan.kv_heads[1] - plan.kv_heads[0]
     local.head_dim = head_dim
-    rotary = LlamaRotaryEmbedding(config=config).to(device)
+    inv_freq, scaling = rotary_parameters(config)
+    rotary = Rotary(inv_freq.to(device), scaling)
     inner = SimpleNamespace(
         embed_tokens=SimpleNamespace(weight=embed),
         layers=layers,
@@ -153,6 +169,24 @@ def load_shard(directory: str | Path, config, plan: ShardPlan, dtype: torch.dtyp
         rotary_emb=rotary,
     )
     return SimpleNamespace(config=local, model=inner, lm_head=_linear(head))
+
+
+def rotary_parameters(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of the model's rotary embedding, computed as transformers'
+    LlamaRotaryEmbedding.__init__ computes them (the same values, bit for bit), without importing
+    modeling_llama: that module pulls in modeling_utils (and through it torch._dynamo), about a
+    second of a process's start (ssd/model/lean_model.py). modeling_rope_utils, for the other
+    rope types, is light."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    # LlamaRotaryEmbedding.compute_default_rope_parameters, op for op.
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
 
 
 def planned_elements(config, plan: ShardPlan) -> int:

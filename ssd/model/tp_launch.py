@@ -1,14 +1,14 @@
 """Starting a tensor-parallel model (the target, or a draft): rank 0 in this process, ranks
 1..t-1 started by a launcher.
 
-`start_split` has a `RankLauncher` start the other ranks (by default `LocalRanks`: child
-processes running `python -m ssd.model.tp_launch`, each reading its spec as one JSON line on
-stdin; a serving layer injects one that starts them where its scheduler reserved room). It loads
-rank 0's shard while they load theirs, waits until each has joined (a dead one is reported at
-once, with how it ended), and builds the groups over a TCPStore that rank 0 serves on a port the
-OS picks (none fixed) at the launcher's address. A child-process rank watches its stdin: the pipe
-closes when rank 0's process ends, however it ends, and the rank exits then, so no rank outlives
-its engine.
+`start_split` has a `RankLauncher` start the other ranks (by default `LocalRanks`: processes
+forked from this process's fork server, ssd/core/forked.py, which has imported torch already,
+each running `run_forked_rank` with its spec; a serving layer injects one that starts them where
+its scheduler reserved room). It loads rank 0's shard while they load theirs, waits until each
+has joined (a dead one is reported at once, with how it ended), and builds the groups over a
+TCPStore that rank 0 serves on a port the OS picks (none fixed) at the launcher's address. A
+forked rank holds a lifeline from rank 0's process: it closes when that process ends, however it
+ends, or when rank 0 releases it, and the rank exits then, so no rank outlives its engine.
 
 Devices: on CPU every rank uses the CPU (gloo); on GPUs the forward's collectives run over NCCL,
 and rank r uses the device `device` names plus r (device "cuda:1" with t = 2 puts ranks on cuda:1
@@ -20,19 +20,16 @@ cores divided among the ranks (t ranks of all the cores each would fight over th
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from ssd.core.forked import ForkedChild, ForkedProcess, fork
 from ssd.model.fast_forward import can_pack, unsupported_config_reason
 from ssd.model.runner import ModelRunner
 from ssd.model.shards import ShardPlan, load_shard
@@ -41,7 +38,7 @@ from ssd.model.tensor_parallel import STEP_TIMEOUT, ShardComm, TensorParallelRun
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT = datetime.timedelta(minutes=15)  # loading a large shard takes minutes
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+RANK_NAME = "ssd-tp-rank"  # what `ps -e` shows for a forked rank
 
 
 class RankGroup(Protocol):
@@ -125,7 +122,7 @@ def _await_ranks(store: dist.Store, ranks: RankGroup, world: int) -> None:
 
 
 class LocalRanks:
-    """The default launcher: ranks 1..t-1 as child processes of this one, on this host."""
+    """The default launcher: ranks 1..t-1 as processes forked on this host."""
 
     host = "127.0.0.1"
     one_device_each = False
@@ -135,20 +132,13 @@ class LocalRanks:
 
 
 class RankProcesses:
-    """Ranks 1..t-1 as child processes; each holds its stdin pipe to this process as its lifeline."""
+    """Ranks 1..t-1 as forked processes, each holding a lifeline from this one."""
 
     def __init__(self, spec: dict) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
-        self.processes: dict[int, subprocess.Popen] = {}
+        self.processes: dict[int, ForkedProcess] = {}
         try:
             for rank in range(1, spec["world"]):
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "ssd.model.tp_launch"], stdin=subprocess.PIPE, env=env, close_fds=True
-                )
-                self.processes[rank] = process
-                process.stdin.write((json.dumps({**spec, "rank": rank}) + "\n").encode())
-                process.stdin.flush()
+                self.processes[rank] = fork(run_forked_rank, ({**spec, "rank": rank},), (), RANK_NAME, (__name__,))
         except BaseException:
             self.close(kill=True)
             raise
@@ -161,15 +151,11 @@ class RankProcesses:
         return describe_ended(self.poll())
 
     def close(self, kill: bool) -> None:
-        """Stop the ranks (closing their lifelines) and wait for them; kill=True: at once."""
+        """Stop the ranks (releasing their lifelines) and wait for them; kill=True: at once."""
         for process in self.processes.values():
             if kill:
                 process.kill()
-            if process.stdin is not None and not process.stdin.closed:
-                try:
-                    process.stdin.close()
-                except OSError:  # the rank already exited: its end of the pipe is gone
-                    pass
+            process.release()
         for process in self.processes.values():
             try:
                 process.wait(10)
@@ -241,23 +227,8 @@ def run_rank(spec: dict, host: str) -> None:
         serve_steps(runner, comm)
 
 
-def _watch_lifeline() -> None:
-    sys.stdin.buffer.read()  # returns at EOF: rank 0 closed the pipe or its process ended
-    os._exit(0)
-
-
-def _rank_main() -> None:
-    spec = json.loads(sys.stdin.buffer.readline())
+def run_forked_rank(child: ForkedChild, spec: dict) -> int:
+    """A forked rank's life (ssd.core.forked runs it, and ends it when its lifeline closes)."""
     logging.basicConfig(level=spec["log_level"], format=f"%(asctime)s tp-rank{spec['rank']} %(name)s: %(message)s")
-    threading.Thread(target=_watch_lifeline, name="ssd-tp-lifeline", daemon=True).start()
     run_rank(spec, LocalRanks.host)
-
-
-if __name__ == "__main__":
-    _rank_main()
-    # Exit without finalizing the interpreter (torch's teardown takes ~0.9 s here, and rank 0's
-    # close waits for it); nothing needs finalizing beyond the logs and stdio.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0

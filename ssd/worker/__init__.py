@@ -1,3 +1,3 @@
 """The draft worker: a TreeDrafter serving targets over channels (session.py), and its process
-(main.py, `python -m ssd.worker`), started by a target (ssd/transport/spawn.py) or run in a
-thread of a Ray actor (serve_sessions)."""
+(main.py: `run_forked`, forked by a target through ssd/transport/spawn.py) or a thread of a Ray
+actor (serve_sessions)."""
