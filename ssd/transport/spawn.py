@@ -124,13 +124,10 @@ class SpawnedWorkers:
     def _paired(self, process: ForkedProcess, channel, cleanup: Callable[[], None] | None = None) -> WorkerLink:
         """A worker over a channel of its own (shm mailboxes or a gloo pair), once it is READY."""
         try:
-            await_ready(channel, f"draft worker pid {process.pid}", CONNECT_TIMEOUT)
-        except ChannelClosed as err:
-            _stop(process)
-            channel.close(peer_exited=True)
-            if cleanup is not None:
-                cleanup()
-            raise DrafterUnavailable(f"draft worker exited with code {process.poll()} before it was ready") from err
+            try:
+                await_ready(channel, f"draft worker pid {process.pid}", CONNECT_TIMEOUT)
+            except ChannelClosed as err:
+                raise DrafterUnavailable(f"draft worker exited with code {process.poll()} before it was ready") from err
         except BaseException:
             _stop(process)
             channel.close(peer_exited=True)
