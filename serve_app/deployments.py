@@ -57,13 +57,12 @@ class DraftPoolDeployment:
 
     def __init__(self, settings: ServeSettings) -> None:
         use_replica_log()
-        from transformers import AutoConfig
-
         from actors.lease_registry import get_or_create_registry
         from actors.worker_actor import PoolMember
+        from ssd.model.loader import load_config
 
         cfg = settings.engine_args("ssd").to_config()
-        vocab = AutoConfig.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code).vocab_size
+        vocab = load_config(cfg.target, cfg).vocab_size  # Llama family: without transformers config classes
         worker_id = serve.get_replica_context().replica_tag
         self.member = PoolMember(cfg, vocab, get_or_create_registry(), f"serve-{worker_id}")
         self.metrics = ServeMetrics("draft")

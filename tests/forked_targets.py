@@ -49,7 +49,14 @@ def load_the_demo_draft(child, fd: int) -> int:
     from ssd.worker.main import load_drafter
 
     load_drafter(EngineArgs(mode="ssd").to_config(), VOCAB_SIZE)
-    return report(child, fd)
+    # transformers' config classes (and torch.distributed.tensor, which they import): a
+    # Llama-family checkpoint's config is read without them (ssd/model/model_config.py).
+    classes = (
+        "torch.distributed.tensor",
+        "transformers.configuration_utils",
+        "transformers.models.auto.configuration_auto",
+    )
+    return report(child, fd, {"config_classes": [m for m in classes if m in sys.modules]})
 
 
 def neighbour_branch_worker(child, spec: dict) -> int:

@@ -35,11 +35,11 @@ logger = logging.getLogger(__name__)
 
 # What the fork server imports once for every process it forks: a draft worker's modules (its
 # entry point, its channel, the lean loader through the drafter), a tensor-parallel rank's, and
-# what reading a Llama-family checkpoint's configs imports (transformers' config classes pull in
-# torch.distributed.tensor: 1.5 s here, which each forked child would otherwise pay again).
+# the generation config a Llama-family checkpoint loads with. Its config needs none of
+# transformers' config classes (ssd/model/model_config.py reads it; they pulled in
+# torch.distributed.tensor: 1.5 s here, which the server paid once).
 FORK_PRELOAD = (
     "ssd.worker.main", "ssd.transport.shm_channel", "ssd.model.tp_launch",
-    "transformers.models.auto.configuration_auto", "transformers.models.llama.configuration_llama",
     "transformers.generation.configuration_utils",
 )  # fmt: skip
 

@@ -7,9 +7,11 @@ forward the engine then runs itself (fast_forward.FastLlamaForward reads only it
 Loading the bundled draft in a fresh interpreter took 3.5 s this way against 4.5 s through
 from_pretrained (median of 3, the 2-core development CPU; -X importtime: 2.4 s of imports
 against 3.4 s). Here the tensors are read as a tensor-parallel rank reads its slices
-(shards.load_shard), the whole model being rank 0 of a world of one; the config and generation
-config come from transformers' configuration modules (AutoConfig still imports
-transformers.activations and torch.distributed.tensor through configuration_llama: 0.7 s).
+(shards.load_shard), the whole model being rank 0 of a world of one. Its config is read without
+transformers' config classes too (ssd/model/model_config.py: AutoConfig imports
+transformers.activations and torch.distributed.tensor through configuration_llama, about 1.5 s),
+as AutoConfig would read it; its generation config comes from transformers' GenerationConfig,
+whose module is light.
 """
 
 from __future__ import annotations

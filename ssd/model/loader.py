@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import torch
 
 from ssd.core.config import EngineConfig
 from ssd.model.lean_model import lean_checkpoint, lean_unsupported_reason, load_lean_model, stored_dtype
+from ssd.model.model_config import CheckpointConfig, read_config
 from ssd.model.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,7 @@ def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = Fal
     anything else (a hub id, .bin weights, another architecture, lean False) loads through
     from_pretrained, a Hugging Face model with a forward of its own."""
     if lean and lean_checkpoint(name):
-        hf_config = _hf_config(name, trust_remote_code)
+        hf_config = _hf_config(name, trust_remote_code, lean=True)
         reason = lean_unsupported_reason(hf_config)
         if reason is None:
             torch_dtype = _DTYPES[dtype] if dtype != "auto" else stored_dtype(name, hf_config)
@@ -66,11 +69,18 @@ def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = Fal
 
 
 def load_config(name: str, config: EngineConfig):
-    return _hf_config(name, config.trust_remote_code)
+    return _hf_config(name, config.trust_remote_code, config.lean_forward)
 
 
-def _hf_config(name: str, trust_remote_code: bool):
-    # AutoConfig imports the model type's configuration module only, not its modeling code.
+def _hf_config(name: str, trust_remote_code: bool, lean: bool = False):
+    """`name`'s Hugging Face config. Where the lean path applies (lean, a local safetensors
+    checkpoint), the CheckpointConfig read_config builds (what AutoConfig gives, without importing
+    transformers' config classes: ssd/model/model_config.py) unless it leaves the file to
+    AutoConfig; AutoConfig's otherwise (it imports the configuration module, not modeling code)."""
+    if lean and lean_checkpoint(name):
+        config = read_config(name, name)
+        if config is not None:
+            return config
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **_source_kwargs(name))
@@ -84,13 +94,61 @@ def load_generation_config(directory: str, hf_config):
     try:
         return GenerationConfig.from_pretrained(directory, local_files_only=True)
     except OSError:  # no generation_config.json
-        return GenerationConfig.from_model_config(hf_config)
+        # from_model_config reads a config's to_dict() (a CheckpointConfig's equals transformers'),
+        # and takes that dict as it is.
+        source = hf_config.to_dict() if isinstance(hf_config, CheckpointConfig) else hf_config
+        return GenerationConfig.from_model_config(source)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """`name`'s tokenizer, as AutoTokenizer.from_pretrained loads it; where that provably comes down
+    to TokenizersBackend.from_pretrained (loads_tokenizers_backend), that call itself, without the
+    AutoConfig AutoTokenizer reads first (1.5 s of imports: ssd/model/model_config.py)."""
+    if loads_tokenizers_backend(name):
+        from transformers import TokenizersBackend
+
+        # What AutoTokenizer passes it for a local directory (whose revision resolves to None).
+        return TokenizersBackend.from_pretrained(name, local_files_only=True, _from_auto=True, revision=None)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **_source_kwargs(name))
+
+
+# tokenizer_config.json classes AutoTokenizer resolves to TokenizersBackend: PreTrainedTokenizerFast
+# is its alias (and, "Fast" stripped, PreTrainedTokenizer names PythonBackend, which it replaces).
+BACKEND_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def loads_tokenizers_backend(name: str) -> bool:
+    """Whether AutoTokenizer.from_pretrained(name) (transformers 5, models/auto/tokenization_auto.py)
+    ends in TokenizersBackend.from_pretrained(name): `name` is a local directory whose
+    - tokenizer_config.json has no auto_map (no tokenizer code of its own) and names its class in
+      BACKEND_TOKENIZER_CLASSES (not LlamaTokenizer: its ByteLevel rule reads tokenizer.json);
+    - config.json reads as AutoConfig reads it (read_config) with model_type llama (for which
+      transformers registers no tokenizer class) or mistral while mistral-common is not installed
+      (its registered class is then TokenizersBackend); qwen2 registers Qwen2Tokenizer, which
+      AutoTokenizer prefers to the checkpoint's class;
+    and no tokenizer class was registered with AutoTokenizer in this process."""
+    directory = Path(name)
+    try:
+        declared = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(declared, dict) or "auto_map" in declared:
+        return False
+    if declared.get("tokenizer_class") not in BACKEND_TOKENIZER_CLASSES:
+        return False
+    config = read_config(directory, name)
+    from transformers.utils import is_mistral_common_available, is_tokenizers_available
+
+    if config is None or not is_tokenizers_available():
+        return False
+    if config.model_type != "llama" and (config.model_type != "mistral" or is_mistral_common_available()):
+        return False
+    auto = sys.modules.get("transformers.models.auto.tokenization_auto")  # registrations live there
+    return auto is None or not (
+        auto.REGISTERED_TOKENIZER_CLASSES or auto.REGISTERED_FAST_ALIASES or auto.TOKENIZER_MAPPING._extra_content
+    )
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
@@ -120,7 +178,8 @@ def load_split(config: EngineConfig, role: str, rank_launcher=None) -> TensorPar
             f"{size_option(role)}={world} loads each rank's slices from a local checkpoint directory: {directory!r} "
             "is not one (download it first, e.g. with `hf download`)"
         )
-    hf_config = load_config(directory, config)  # a local directory: read offline
+    # A local directory (read offline) whose split runs the lean forward, whatever lean_forward says.
+    hf_config = _hf_config(directory, config.trust_remote_code, lean=True)
     stored = getattr(hf_config, "dtype", None)  # the checkpoint's, for dtype "auto" (float32 when it names none)
     dtype = config.dtype if target else config.draft_dtype
     dtype = (str(stored).removeprefix("torch.") if stored else "float32") if dtype == "auto" else dtype

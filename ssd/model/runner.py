@@ -3,11 +3,11 @@ padded, masked forwards."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
 import torch
-from transformers import Cache
 
 from ssd.core.transfer import to_device
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
@@ -138,7 +138,7 @@ class ModelRunner:
         else:
             keep = {"logits_to_keep": 1} if not with_logits and self._keeps_logits else {}
             logits = self.model(
-                input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=_HFView(cache),
+                input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=_hf_view(cache),
                 use_cache=True, **keep,
             ).logits  # fmt: skip
         cache.commit(new_valid)
@@ -161,19 +161,31 @@ class ModelRunner:
         return self.graphs.stats if self.graphs is not None else None
 
 
-class _HFView(Cache):
-    """A StaticKVCache as a Hugging Face forward updates it: each attention layer's update
-    writes its new columns and reads back the forward's keys and values."""
+def _hf_view(cache: StaticKVCache):
+    """`cache` as a Hugging Face forward's past_key_values (_hf_view_class)."""
+    return _hf_view_class()(cache)
 
-    def __init__(self, cache: StaticKVCache) -> None:
-        super().__init__(layers=[])
-        self.cache = cache
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return self.cache.append(layer_idx, key_states, value_states)
+@functools.cache
+def _hf_view_class() -> type:
+    """The Cache subclass that shows a StaticKVCache to a Hugging Face forward: each attention
+    layer's update writes its new columns and reads back the forward's keys and values. Made on
+    the first Hugging Face forward: transformers' Cache module imports its config classes
+    (transformers.configuration_utils), which a lean-only process does without."""
+    from transformers import Cache
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.cache.lengths().max()) if self.cache.batch_size else 0
+    class HFView(Cache):
+        def __init__(self, cache: StaticKVCache) -> None:
+            super().__init__(layers=[])
+            self.cache = cache
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return self.cache.append(layer_idx, key_states, value_states)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return int(self.cache.lengths().max()) if self.cache.batch_size else 0
+
+    return HFView
 
 
 def draft_runner(model, device: str, lean: bool, eager: bool = False) -> ModelRunner:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ssd.core.forked import ForkedChild, ForkedProcess, fork
 from ssd.model.fast_forward import can_pack, unsupported_config_reason
+from ssd.model.model_config import read_config
 from ssd.model.runner import ModelRunner
 from ssd.model.shards import ShardPlan, load_shard
 from ssd.model.tensor_parallel import STEP_TIMEOUT, ShardComm, TensorParallelRunner, serve_steps
@@ -215,13 +216,16 @@ def start_split(
 def run_rank(spec: dict, host: str) -> None:
     """Rank spec["rank"]: load its shard, join rank 0's groups, run rank 0's steps until STOP.
     host: this rank's own address (its collectives listen there)."""
-    from transformers import AutoConfig
-
     if rank_device(spec, 0).type == "cpu":
         torch.set_num_threads(spec["threads"])
     store_host, port = spec["store"]
     store = dist.TCPStore(store_host, port, spec["world"], False, JOIN_TIMEOUT)
-    config = AutoConfig.from_pretrained(spec["directory"], local_files_only=True)
+    # As rank 0 read it (ssd.model.loader.load_split): without transformers' config classes where it can.
+    config = read_config(spec["directory"])
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(spec["directory"], local_files_only=True)
     runner, comm = _runner(spec, spec["rank"], store, config, host)
     with torch.inference_mode():
         serve_steps(runner, comm)
