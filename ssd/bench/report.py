@@ -45,6 +45,10 @@ DEFINITIONS = {
     "counters": "growth of the engine's integer metrics over the run (engine modes only)",
     "cache_hit_rate": "SSD: rows served from the speculation cache / all SSD rows (first rounds of a "
     "sequence are misses)",
+    "target_exchange_ms": "SSD over a pool of draft workers: the median over the run's rounds of the target's "
+    "own time in the pool's begin_round, resolve and reply (sending the round and its outcome, waiting for "
+    "the replies it needs, merging them), its forwards excluded",
+    "replies_awaited": "SSD over a pool: worker replies the target waited for, per round (mean)",
     "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the "
     "steps in which every row "
     "hit)",
@@ -153,6 +157,8 @@ MEDIAN_FIELDS = (
     "draft_ms_per_round",
     "verify_ms_per_round",
     "cache_hit_rate",
+    "target_exchange_ms",
+    "replies_awaited",
     "upper_bound_tokens_per_s",
     "fraction_of_bound",
     "wall_s",
@@ -262,6 +268,8 @@ def format_table(records: list[dict]) -> str:
         ("draft ms/rd", lambda r: _fmt(r["draft_ms_per_round"])),
         ("verify ms/rd", lambda r: _fmt(r["verify_ms_per_round"])),
         ("hit", lambda r: _fmt(r.get("cache_hit_rate"), ".2f")),
+        ("xchg ms", lambda r: _fmt(r.get("target_exchange_ms"), ".2f")),
+        ("replies", lambda r: _fmt(r.get("replies_awaited"), ".2f")),
         ("of bound", lambda r: _fmt(r.get("fraction_of_bound"), ".0%")),
     ]
     headers = [h for h, _ in columns]

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 CLOSE_REFILL_WAIT_S = 120.0  # a worker being started when the pool closes: its model load, then READY
+EXCHANGE_WINDOW = 4096  # rounds whose exchange time the median in stats() is taken over
 
 
 def shard_seed(seed: int, shard: int, incarnation: int) -> int:
@@ -116,6 +119,12 @@ class PoolClient:
         self._latest: dict[int, DrafterCounters] = {}  # per shard, as of its latest reply
         self.shard_hits = [0] * num_workers  # rows whose hit each shard held
         self.hints = 0  # PREDICT messages sent
+        # Per round: seconds of the target's own thread in begin_round, resolve and reply (its
+        # exchange with the pool, its forwards excluded), and the replies it waited for.
+        self._exchange_s: deque[float] = deque(maxlen=EXCHANGE_WINDOW)
+        self._round_s = 0.0
+        self.rounds = 0
+        self.replies_awaited = 0
         self._on_event = on_event or (lambda _e: None)
         try:
             for w in range(num_workers):
@@ -271,11 +280,14 @@ class PoolClient:
             self.owner.pop(s, None)
 
     def begin_round(self, msg: BeginRoundMsg) -> None:
+        started = time.perf_counter()
         self._attach_ready()
         self.round, self.outcome = msg, None
         self._send_parts(msg, lambda link, part: link.begin_round(part))
+        self._round_s = time.perf_counter() - started
 
     def resolve(self, msg: ResolveMsg) -> None:
+        started = time.perf_counter()
         rnd = self.round
         assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
         self.outcome = msg
@@ -296,20 +308,31 @@ class PoolClient:
         accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
         for r, s in enumerate(msg.seq_ids):
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
+        self._round_s += time.perf_counter() - started
 
     def reply(self, deadline_s: float) -> SpeculationReply:
         """Every live shard's answer to the outcome resolve() sent, made one (rows.py)."""
+        started = time.perf_counter()
         msg = self.outcome
         assert msg is not None, "reply() without its resolve()"
         replies: dict[int, SpeculationReply] = {}
         end = time.monotonic() + deadline_s
-        for w, shard in enumerate(self.shards):
-            if shard.link is None or shard.link.owed is None:  # no part this round, or lost since
+        owing = [w for w, shard in enumerate(self.shards) if shard.link is not None and shard.link.owed is not None]
+        for w in owing:
+            link = self.shards[w].link
+            if link is None:  # lost while an earlier shard was read
                 continue
             try:
-                replies[w] = shard.link.reply(max(end - time.monotonic(), 0.0))
+                replies[w] = link.reply(max(end - time.monotonic(), 0.0))
             except DrafterUnavailable as err:
                 self._fail(w, err)
+        merged = self._merged(msg, replies)
+        self.rounds += 1
+        self.replies_awaited += len(owing)
+        self._exchange_s.append(self._round_s + time.perf_counter() - started)
+        return merged
+
+    def _merged(self, msg: ResolveMsg, replies: dict[int, SpeculationReply]) -> SpeculationReply:
         for w, rep in replies.items():
             self._latest[w] = rep.counters
             self.shards[w].answered = True
@@ -378,6 +401,10 @@ class PoolClient:
             "draft_worker_replacements": self.replacements,
             "draft_shard_hits": list(self.shard_hits),
             "draft_predict_hints": self.hints,
+            # The target's side of each round (begin_round, resolve, reply), its forwards excluded:
+            # the median over recent rounds, and the replies it waited for per round.
+            "target_exchange_ms": round(1000 * statistics.median(self._exchange_s), 4) if self._exchange_s else None,
+            "replies_awaited": round(self.replies_awaited / self.rounds, 4) if self.rounds else None,
             "rejected_replies": self.rejected_replies + sum(s.link.rejected for s in self.shards if s.link is not None),
             # Frame bytes (ssd/transport/wire.py WireCounts) to and from the workers, by message kind.
             "wire_bytes_sent": wire.sent,
