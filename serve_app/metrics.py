@@ -49,6 +49,8 @@ PROMETHEUS_NAMES = (
     "ray_ssd_mode_tokens_total",
     "ray_ssd_draft_workers_live",
     "ray_ssd_data_plane_wait_ms",
+    "ray_ssd_target_exchange_ms",
+    "ray_ssd_replies_awaited",
     "ray_ssd_target_retries_total",
     "ray_ssd_target_sequences",
     "ray_ssd_draft_sequences",
@@ -131,6 +133,14 @@ class ServeMetrics:
         self.wait_ms = metrics.Gauge(
             "ssd_data_plane_wait_ms", "Mean ms per round a target waited for its draft workers."
         )
+        self.exchange_ms = metrics.Gauge(
+            "ssd_target_exchange_ms",
+            "Median ms per round of a target's own time with its draft pool (sending the round and its "
+            "outcome, awaiting and merging the replies it needs; its forwards excluded).",
+        )
+        self.replies_awaited = metrics.Gauge(
+            "ssd_replies_awaited", "Draft worker replies a target waited for per round (mean since it started)."
+        )
         self.retries = metrics.Counter(
             "ssd_target_retries_total", "Generations sent again because their target replica was down."
         )
@@ -194,4 +204,7 @@ class ServeMetrics:
         ssd = engine_metrics.get("ssd", {})
         if "draft_workers_live" in ssd:
             self.live.set(ssd["draft_workers_live"])
+        for gauge, name in ((self.exchange_ms, "target_exchange_ms"), (self.replies_awaited, "replies_awaited")):
+            if ssd.get(name) is not None:  # None until the pool's first round
+                gauge.set(ssd[name])
         self.wait_ms.set(engine_metrics.get("draft_ms_per_round", 0.0))

@@ -14,6 +14,7 @@ from ssd.core.protocol import (
     DrafterCounters,
     DraftNowMsg,
     ErrorMsg,
+    GridMsg,
     JoinMsg,
     MsgType,
     ReleaseMsg,
@@ -59,8 +60,19 @@ def every_message() -> list[tuple[MsgType, object]]:
         (MsgType.RELEASE, ReleaseMsg([])),
         (MsgType.BEGIN_ROUND, BeginRoundMsg(17, [5, 9, 2], spec, torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3])),
         (MsgType.PREDICT, BeginRoundMsg(21, [5, 9, 2], spec, torch.tensor([4, 4, 2]), [3, 2, 2, 2, 3], [10, 20, 5])),
+        (MsgType.BEGIN_ROUND, BeginRoundMsg(23, [5], spec[:1], torch.tensor([4]), [3, 2, 2, 2, 3], [10], grid_shard=2)),
         (MsgType.RESOLVE, ResolveMsg(17, [5, 9, 2], torch.tensor([0, 4, 2]), torch.tensor([250, 1, 0]), True)),
         (MsgType.RESOLVE, ResolveMsg(18, [9], torch.tensor([3]), torch.tensor([7]), False, [2, 1, 1, 1, 3])),
+        (
+            MsgType.RESOLVE,
+            ResolveMsg(24, [5, 9], torch.tensor([1, 0]), torch.tensor([3, 8]), True, [4, 1, 1, 1, 1], [2, 0], 3),
+        ),
+        (
+            MsgType.GRID,
+            GridMsg(
+                23, [5, 9], torch.tensor([[0, 0, 1, 2], [0, 1, 1, 4]]), torch.tensor([[7, 250, 3, 0], [1, 2, 3, 9]])
+            ),
+        ),
         (MsgType.DRAFT_NOW, DraftNowMsg(19, [2, 5], [True, False])),
         (
             MsgType.REPLY,

@@ -8,6 +8,7 @@ output. The sampled exactness of D = 2 is in test_ssd_process_sampling.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -153,18 +154,9 @@ def test_a_worker_out_of_sync_is_replaced(tiny_pair, prompts, tiny_reference):
         link = llm.engine.proposer.client.shards[1].link
         begin = link.begin_round
 
-        def skewed(msg, begin=begin):
-            link.begin_round = begin  # once
-            begin(
-                type(msg)(
-                    msg.round_id,
-                    msg.seq_ids,
-                    msg.spec_tokens,
-                    msg.num_draft,
-                    msg.fanout,
-                    [c + 1 for c in msg.committed],
-                )
-            )
+        def skewed(msg, encoded=None, begin=begin):
+            link.begin_round = begin  # once; the skewed copy is encoded anew, not as the pool encoded it
+            begin(dataclasses.replace(msg, committed=[c + 1 for c in msg.committed]))
 
         llm.generate(prompts[:1], greedy(4))
         link.begin_round = skewed

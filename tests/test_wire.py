@@ -14,7 +14,7 @@ from ssd import LLM, SamplingParams
 from ssd.core.protocol import BeginRoundMsg, MsgType, ReleaseMsg, SpeculationReply
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.drafting.tree_drafter import TreeDrafter
-from ssd.transport.wire import ForeignMessage, body_size, decode, encode, frame, unframe
+from ssd.transport.wire import Encoded, ForeignMessage, body_size, decode, encode, frame, unframe
 
 FP = 99
 
@@ -27,6 +27,15 @@ def test_every_message_round_trips_through_a_frame(index):
     assert body_size(header, FP) == body.numel()
     back_kind, back = unframe(header.clone(), body.clone())
     assert back_kind == kind and same_message(msg, back), (msg, back)
+
+
+@pytest.mark.parametrize("index", range(len(every_message())))
+def test_a_message_encoded_once_frames_as_the_message_does(index):
+    """A pool encodes a round once for all its workers (wire.Encoded): each frame is the same."""
+    kind, msg = every_message()[index]
+    once = Encoded.of(kind, msg)
+    for fp in (FP, FP + 1):  # one encoding, framed for channels of any fingerprint
+        assert all(torch.equal(a, b) for a, b in zip(frame(kind, once, fp), frame(kind, msg, fp)))
 
 
 def test_every_kind_is_covered():

@@ -10,6 +10,7 @@ channel. Every message has a kind (`MsgType`), sent explicitly with it; the wire
     RELEASE      ReleaseMsg       sequences leave it
     BEGIN_ROUND  BeginRoundMsg    the target verifies these speculations: build the next cache
     PREDICT      BeginRoundMsg    the round the target will most likely announce next
+    GRID         GridMsg          a round's branch grid, from one worker of a pool to its target
     RESOLVE      ResolveMsg       the round's outcomes: answer with the next speculations
     REPLY        SpeculationReply the answer to RESOLVE
     DRAFT_NOW    DraftNowMsg      draft just in time for sequences with nothing cached
@@ -47,6 +48,7 @@ class MsgType(enum.IntEnum):
     PREDICT = 10
     JOIN = 11
     DRAFT_REPLY = 12
+    GRID = 13
 
 
 class DrafterUnavailable(RuntimeError):
@@ -89,6 +91,9 @@ class BeginRoundMsg:
     # [b] tokens committed per sequence before this round, as the target knows them: a worker
     # whose own count differs has missed a message and must not answer from a wrong prefix.
     committed: list[int] = field(default_factory=list)
+    # The shard that sends the round's branch grid (GRID) to the target as soon as it has forked,
+    # so the target can tell which shard holds each outcome (ResolveMsg.answering); -1: none.
+    grid_shard: int = -1
 
     @classmethod
     def after_reply(cls, outcome: ResolveMsg, reply: SpeculationReply, committed: list[int]) -> BeginRoundMsg:
@@ -103,6 +108,7 @@ class BeginRoundMsg:
             reply.num_draft.clone(),
             list(outcome.next_fanout),
             committed,
+            outcome.backup_shard if outcome.answering else -1,
         )
 
     def same_round(self, other: BeginRoundMsg) -> bool:
@@ -130,6 +136,38 @@ class ResolveMsg:
     # [K+1] the fan-out the next round will announce (decided now, so the drafter can begin that
     # round before the announcement); empty when not decided.
     next_fanout: list[int] = field(default_factory=list)
+    # A pool's: [b] the shard that answers each row (the one whose shard of the grid holds its
+    # outcome, else the backup shard), as the target read it off the round's GridMsg; a worker
+    # with no row sends no reply. Empty: every shard answers every row.
+    answering: list[int] = field(default_factory=list)
+    backup_shard: int = 0  # the shard that drafts the rows no shard holds, when neural_backup
+
+
+@dataclass(frozen=True)
+class GridMsg:
+    """A round's branch grid, as every shard of a pool forks it alike: branch n of row r stands
+    for the outcome (outcome[r, n] tokens accepted, bonus token candidates[r, n]) and is built by
+    shard n mod D. Sent by the round's grid_shard once it has forked, while the target verifies."""
+
+    round_id: int
+    seq_ids: list[int]
+    outcome: torch.Tensor  # [b, N] long
+    candidates: torch.Tensor  # [b, N] long
+
+    def holders(self, accepted: list[int], bonus: list[int], num_shards: int) -> list[int]:
+        """Per row, the shard that holds the branch of its outcome (accepted[r], bonus[r]), -1 where
+        the grid has none (a miss)."""
+        out = []
+        for r, (a, t) in enumerate(zip(accepted, bonus)):
+            n = branch_of(self.outcome[r].tolist(), self.candidates[r].tolist(), a, t)
+            out.append(-1 if n is None else n % num_shards)
+        return out
+
+
+def branch_of(outcome: list[int], candidates: list[int], accepted: int, bonus: int) -> int | None:
+    """The number of the branch of one row's grid (outcome [N], candidates [N]) that stands for
+    the outcome (accepted, bonus), None where there is none."""
+    return next((n for n, pair in enumerate(zip(outcome, candidates)) if pair == (accepted, bonus)), None)
 
 
 @dataclass(frozen=True)

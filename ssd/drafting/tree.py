@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.core.protocol import RANK_DEPTH
+from ssd.core.protocol import RANK_DEPTH, branch_of
 from ssd.core.sampling import no_mass
 from ssd.core.transfer import read_after, to_device
 from ssd.model.kv_cache import additive_mask
@@ -46,8 +46,7 @@ class SpeculationTree:
         on a few numbers cost about 0.1 ms a round."""
         found, branch, rank = [], [], []
         for i, a, t in zip(rows, accepted, bonus):
-            pairs = zip(self.grid.outcome[i].tolist(), self.grid.candidates[i].tolist())
-            n = next((n for n, pair in enumerate(pairs) if pair == (a, t)), None)
+            n = branch_of(self.grid.outcome[i].tolist(), self.grid.candidates[i].tolist(), a, t)
             order = self.grid.ranked[i, a].tolist()
             found.append(int(n is not None))
             branch.append(n or 0)

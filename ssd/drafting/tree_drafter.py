@@ -44,6 +44,7 @@ from ssd.core.protocol import (
     BeginRoundMsg,
     DrafterCounters,
     DraftNowMsg,
+    GridMsg,
     JoinMsg,
     ReleaseMsg,
     ResolveMsg,
@@ -96,6 +97,7 @@ class TreeDrafter:
         self.round: SpeculationTree | None = None
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
+        self._answered = False  # resolve() ran and reply() has not taken its answer yet
         self.backup = NeuralBackup(self.jit, self.grammars, k)
         self.early_drafts = early_drafts
 
@@ -138,7 +140,7 @@ class TreeDrafter:
     def reset(self) -> None:
         """Forget every sequence, the shard and the counters (a worker's next target session)."""
         self.release(ReleaseMsg(list(self.order)))
-        self.round, self._reply = None, None
+        self.round, self._reply, self._answered = None, None, False
         self.shard, self.num_shards = 0, 1
         self.counters = DrafterCounters()
 
@@ -165,7 +167,11 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def begin_round(
-        self, msg: BeginRoundMsg, interrupted: Callable[[], bool] | None = None, stale: Callable[[], bool] | None = None
+        self,
+        msg: BeginRoundMsg,
+        interrupted: Callable[[], bool] | None = None,
+        stale: Callable[[], bool] | None = None,
+        on_grid: Callable[[GridMsg], None] | None = None,
     ) -> bool:
         """Glue decode, fork and tree decode for every row; fills the speculation cache.
 
@@ -173,8 +179,9 @@ class TreeDrafter:
         arrived), the tree stops at that depth and the cache holds shorter speculations.
         `stale` is given for a round begun on a prediction (predict_round) before the target
         announced it; it is polled after the glue and each depth, and once it is true the round
-        is taken back: cache and generators are as before the call. Returns whether the round
-        was built."""
+        is taken back: cache and generators are as before the call. `on_grid` is handed the
+        round's branch grid once forked, before the tree decode (a pool's grid shard sends it to
+        the target). Returns whether the round was built."""
         started = time.perf_counter()
         self.backup.settle(self.states)
         seq_ids = list(msg.seq_ids)
@@ -198,6 +205,8 @@ class TreeDrafter:
         cand, outcome = grid.candidates[:, to_device(shard, grid.candidates.device)], grid.outcome[:, shard]
         # The outcome is looked up on the host, in a copy made before the tree's first depth runs.
         lookup = dataclasses.replace(grid, candidates=to_host_async(grid.candidates), ranked=to_host_async(grid.ranked))
+        if on_grid is not None:  # on a device this waits for the glue and the fork, not for the tree
+            on_grid(GridMsg(msg.round_id, seq_ids, grid.outcome, grid.candidates.cpu()))
         sampling = self._sampling(seq_ids)
         shaped = shaping.tree(cand, outcome, sampling)
         tree = self._tree_decode(
@@ -284,13 +293,13 @@ class TreeDrafter:
         states, columns = rnd.undo
         self._take_back(rnd.seq_ids, states, columns)
 
-    def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply) -> BeginRoundMsg | None:
+    def predict_round(self, resolve: ResolveMsg, reply: SpeculationReply | None) -> BeginRoundMsg | None:
         """The round the target will most likely announce next, so that its build can start
         before the announcement arrives: after a reply that carried every row's next
         speculation (here), whether a hit's branch or a miss's just-in-time draft, the target
         verifies those. None when that cannot be known (a row this reply left out: another shard
         holds its branch, or the target's fast backup speculates for it)."""
-        if not resolve.next_fanout or not bool((reply.num_draft > 0).all()):
+        if reply is None or not resolve.next_fanout or not bool((reply.num_draft > 0).all()):
             return None
         committed = [len(self.states[s].tokens) for s in reply.seq_ids]  # resolve() has added the round's tokens
         return BeginRoundMsg.after_reply(resolve, reply, committed)
@@ -301,26 +310,28 @@ class TreeDrafter:
     def resolve(self, msg: ResolveMsg) -> None:
         """Record the outcome of every row; the answer (reply()) holds cached branches for hits
         and, when asked, neural-backup speculations for misses: tokens, and the distributions of
-        the sampled rows only (a greedy row's verification reads none). Rows are tracked in host
+        the sampled rows only (a greedy row's verification reads none). In a pool whose target
+        names the answering shard of each row (msg.answering), this drafter answers its own rows
+        only, and none at all when it has none (reply() is then None). Rows are tracked in host
         lists: this sits between the target's outcome and its next verification (at batch 1 each
         tensor operation costs microseconds)."""
         self.backup.settle(self.states)
         rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
         b = len(seq_ids)
+        mine = [a == self.shard for a in msg.answering] if msg.answering else [True] * b
         greedy = [self.states[s].sampling.temperature == 0 for s in seq_ids]
         tokens = torch.zeros(b, k, dtype=torch.long)
         probs = None if all(greedy) else torch.zeros(b, k, self.jit.target_vocab)
         hit, covered, rank = self._look_up(rnd, msg, greedy, tokens, probs)
+        hit = [h and m for h, m in zip(hit, mine)]
         depth = rnd.depth if rnd is not None else 0
         num_draft = torch.tensor([depth if h else 0 for h in hit], dtype=torch.long)
         if rnd is not None:
             self.counters.rounds += 1
             self.counters.cut += int(rnd.depth < k)
         self.round = None
-        # The neural backup drafts the rows no shard holds (a row another drafter holds is
-        # answered by that one); the pool asks one drafter per round.
-        if msg.neural_backup and not all(covered):
-            need = [not c for c in covered]
+        need = self._backed_up(msg, mine, hit, covered)
+        if any(need):
             missed = torch.tensor(need, dtype=torch.bool)
             spec = self._draft_just_in_time(seq_ids, need)
             spec = spec.on_host(missed)
@@ -329,12 +340,26 @@ class TreeDrafter:
                 sampled = missed & ~torch.tensor(greedy, dtype=torch.bool)
                 probs[sampled] = spec.probs[sampled]
             num_draft = torch.where(missed, k, num_draft)
+        self._answered = True
+        if not any(mine):
+            self._reply = None
+            return
         flags = torch.tensor([hit, covered, greedy], dtype=torch.bool)  # [3, b]
         seconds = rnd.build_seconds if rnd is not None else 0.0
         self._reply = SpeculationReply(
             msg.round_id, msg.seq_ids, flags[0], tokens, probs, num_draft, seconds, self.counters.copy(), flags[1],
             torch.tensor(rank, dtype=torch.long), flags[2],
         )  # fmt: skip
+
+    def _backed_up(self, msg: ResolveMsg, mine: list[bool], hit: list[bool], covered: list[bool]) -> list[bool]:
+        """[b] the rows this drafter drafts just in time (when the target asks for the neural
+        backup): named answering, the rows it answers but does not hold (no shard holds them, or
+        the one that does is gone); else, as the backup shard, the rows no shard holds."""
+        if not msg.neural_backup:
+            return [False] * len(hit)
+        if msg.answering:
+            return [m and not h for m, h in zip(mine, hit)]
+        return [not c for c in covered] if msg.backup_shard == self.shard else [False] * len(hit)
 
     def _look_up(
         self, rnd: SpeculationTree | None, msg: ResolveMsg, greedy: list[bool], tokens: torch.Tensor, probs
@@ -377,10 +402,11 @@ class TreeDrafter:
         # The accepted drafts' columns stay: they hold committed tokens now.
         self.cache.drop_last(torch.tensor(rejected, dtype=torch.long))
 
-    def reply(self, deadline_s: float = 0.0) -> SpeculationReply:
-        """The answer to the last resolve() (computed there: nothing to wait for)."""
-        assert self._reply is not None, "reply() without its resolve()"
-        out, self._reply = self._reply, None
+    def reply(self, deadline_s: float = 0.0) -> SpeculationReply | None:
+        """The answer to the last resolve() (computed there: nothing to wait for); None where this
+        drafter answers no row of it (ResolveMsg.answering)."""
+        assert self._answered, "reply() without its resolve()"
+        out, self._reply, self._answered = self._reply, None, False
         return out
 
     @torch.inference_mode()

@@ -42,10 +42,14 @@ class Channel(Protocol):
     counts: WireCounts  # frame bytes this end sent and received
 
     def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
-        """msg: the message class of `kind` (ssd.core.protocol), None for READY and SHUTDOWN."""
+        """msg: the message class of `kind` (ssd.core.protocol), or its wire.Encoded form (encoded
+        once for several channels); None for READY and SHUTDOWN."""
 
     def poll(self) -> bool:
-        """Whether the next message has begun to arrive. Never blocks, takes nothing."""
+        """Whether the next message has begun to arrive. Never blocks, takes nothing. After a
+        poll the peer's next send completes without this end's recv(): where sends are buffered
+        (a shm slot, a gRPC queue) it always does; a torch pair's send waits for the receive,
+        which poll posts."""
 
     def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
         """-> (kind, message; None for READY and SHUTDOWN)"""

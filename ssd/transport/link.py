@@ -28,6 +28,7 @@ from ssd.core.protocol import (
     BeginRoundMsg,
     DrafterUnavailable,
     DraftNowMsg,
+    GridMsg,
     JoinMsg,
     MsgType,
     ReleaseMsg,
@@ -36,7 +37,7 @@ from ssd.core.protocol import (
 )
 from ssd.transport.channel import Channel
 from ssd.transport.connect import connect_channel
-from ssd.transport.wire import WireCounts
+from ssd.transport.wire import Encoded, WireCounts
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +112,54 @@ class WorkerLink:
     def release(self, msg: ReleaseMsg) -> None:
         self._guard(lambda: self._send(MsgType.RELEASE, msg))
 
-    def begin_round(self, msg: BeginRoundMsg) -> None:
-        self._guard(lambda: self._send(MsgType.BEGIN_ROUND, msg))
+    def begin_round(self, msg: BeginRoundMsg, encoded: Encoded | None = None) -> None:
+        """encoded: msg as wire.Encoded (a pool encodes a round once for all its workers)."""
+        self._guard(lambda: self._send(MsgType.BEGIN_ROUND, encoded or msg))
 
     def predict(self, msg: BeginRoundMsg) -> None:
         """The round the target expects to announce next: the worker may begin it now."""
         self._guard(lambda: self._send(MsgType.PREDICT, msg))
 
-    def resolve(self, msg: ResolveMsg) -> None:
+    def resolve(self, msg: ResolveMsg, answers: bool = True, encoded: Encoded | None = None) -> None:
+        """Send the round's outcome (encoded: as wire.Encoded, as for begin_round); answers: the
+        worker replies to it (in a pool that names the answering shard of each row, only those
+        with a row do)."""
+
         def send() -> None:
-            self._send(MsgType.RESOLVE, msg)
-            self.owed = msg
+            self._send(MsgType.RESOLVE, encoded or msg)
+            self.owed = msg if answers else None
 
         self._guard(send)
+
+    def expect(self) -> None:
+        """Let the worker send unasked (its round's GRID): post the receive of its next message
+        where the transport needs one for the send to complete (Channel.poll)."""
+        self._guard(self.channel.poll)
+
+    def grid(self, round_id: int, seq_ids: list[int]) -> GridMsg:
+        """The branch grid of round `round_id`, waiting for it up to the link's deadline (it left
+        the worker when the round had forked, so it is usually in); a grid of an earlier round
+        still in the channel, or a duplicated reply, is dropped."""
+
+        def read() -> GridMsg:
+            self._drain_owed()
+            end = time.monotonic() + self.deadline.total_seconds()
+            while True:
+                left = datetime.timedelta(seconds=max(end - time.monotonic(), 0.0))
+                kind, msg = self.channel.recv(left)
+                if kind == MsgType.ERROR:
+                    raise DrafterUnavailable(f"draft worker error: {msg.text}")
+                if kind in (MsgType.REPLY, MsgType.DRAFT_REPLY) and msg.round_id <= round_id:
+                    self.rejected += 1  # a duplicate, or the answer to a request given up on
+                    continue
+                if kind != MsgType.GRID or msg.round_id > round_id:
+                    raise DrafterUnavailable(f"out-of-protocol {kind.name} while awaiting the grid of round {round_id}")
+                if msg.round_id == round_id:
+                    if msg.seq_ids != list(seq_ids):
+                        raise DrafterUnavailable(f"the grid of round {round_id} is of another batch")
+                    return msg
+
+        return self._guard(read)
 
     def reply(self, deadline_s: float) -> SpeculationReply:
         """The answer to the outcome resolve() sent last."""
@@ -188,6 +224,8 @@ class WorkerLink:
             kind, reply = self.channel.recv(left)
             if kind == MsgType.ERROR:
                 raise DrafterUnavailable(f"draft worker error: {reply.text}")
+            if kind == MsgType.GRID:  # came after its round's outcome had gone out: of no use now
+                continue
             if kind in replies and (reply.round_id < round_id or (kind != expect and reply.round_id == round_id)):
                 self.rejected += 1
                 logger.warning(

@@ -10,9 +10,14 @@ Glossary:
               blocks, discard() gives one back (killed, or its lease released and reported)
 
 Every message goes to every attached shard, except the neural backup's requests (one shard per
-round answers the rows no shard holds) and PREDICT hints. After a round in which every row hit,
-each shard that did not hold all of them is sent the next round as the target will announce it
-(PREDICT), so it starts that build now, as the worker holding every hit does on its own.
+round answers the rows no shard holds). A round costs the target the same at any D: the first
+live shard (the grid shard) sends the round's branch grid as soon as it has forked, while the
+target verifies; with the outcome the target reads off it which shard holds each row's branch
+(else the backup shard, the first live one), names those in RESOLVE, and waits for their replies
+alone: at batch 1, one reply per round. A shard with no row sends nothing. Without a grid (its
+shard was lost before sending it) every shard answers every row, and after an all-hit round
+each shard that did not hold all of them is sent the next round (PREDICT), so it starts that
+build at once, as the worker holding every hit does.
 
 Faults: a link that fails (its worker died, errored, stalled past the deadline or sent a foreign
 frame) is discarded at once and its shard counts as misses: the hits it held are lost, the
@@ -30,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,20 +46,22 @@ from ssd.core.protocol import (
     DrafterCounters,
     DrafterUnavailable,
     DraftNowMsg,
+    GridMsg,
     JoinMsg,
+    MsgType,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
 )
 from ssd.core.sampling import SequenceSampling
 from ssd.transport.link import WorkerLink, WorkerProvider
+from ssd.transport.refills import Refills
 from ssd.transport.rows import assemble, merge_shards, take
-from ssd.transport.wire import WireCounts
+from ssd.transport.wire import Encoded, WireCounts
 
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
-CLOSE_REFILL_WAIT_S = 120.0  # a worker being started when the pool closes: its model load, then READY
 EXCHANGE_WINDOW = 4096  # rounds whose exchange time the median in stats() is taken over
 
 
@@ -85,6 +91,9 @@ class _Shard:
     refilling: bool = False
     answered: bool = False  # its current worker has delivered a reply
     backoff_s: float = 0.0  # wait before acquiring the next worker (grows while workers fail at once)
+    # Its latest reply's build time (a tree of the full depth, projected). A shard named for no row
+    # sends nothing, so a round's own replies need not include the slowest builder.
+    build_s: float = 0.0
 
 
 class PoolClient:
@@ -105,12 +114,7 @@ class PoolClient:
         self.order: list[int] = []
         self.round: BeginRoundMsg | None = None  # the round being verified
         self.outcome: ResolveMsg | None = None  # its outcome, once resolve() sent it
-        self._ready: list[tuple[int, WorkerLink]] = []  # replacements waiting for a round boundary
-        self._lock = threading.Lock()
-        self._closed = False
-        self._closing = threading.Event()  # wakes refills that are waiting to retry
-        # close() waits for them: a worker one starts must not outlive the pool
-        self._refills: list[threading.Thread] = []
+        self.refills = Refills(provider)
         self.failures = 0  # links lost since the start
         self.replacements = 0  # links attached after a failure
         self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
@@ -119,6 +123,7 @@ class PoolClient:
         self._latest: dict[int, DrafterCounters] = {}  # per shard, as of its latest reply
         self.shard_hits = [0] * num_workers  # rows whose hit each shard held
         self.hints = 0  # PREDICT messages sent
+        self.grids_missed = 0  # rounds whose grid shard was lost before its grid came: every shard answered
         # Per round: seconds of the target's own thread in begin_round, resolve and reply (its
         # exchange with the pool, its forwards excluded), and the replies it waited for.
         self._exchange_s: deque[float] = deque(maxlen=EXCHANGE_WINDOW)
@@ -138,7 +143,7 @@ class PoolClient:
     def _attach(self, w: int, link: WorkerLink) -> None:
         """Make `link` shard w's worker and bring it up to date (between rounds only)."""
         shard = self.shards[w]
-        shard.link, shard.answered = link, False
+        shard.link, shard.answered, shard.build_s = link, False, 0.0
         # By sequence, a worker builds whole trees: every one is shard 0 of 1.
         link.join(JoinMsg(w, self.d) if self.split == "outcomes" else JoinMsg(0, 1))
         mine = [s for s in self.order if self.split == "outcomes" or self.owner[s] == w]
@@ -167,45 +172,12 @@ class PoolClient:
             self.provider.discard(link, failed=True)
         except (RuntimeError, OSError) as discard_err:
             logger.error("could not discard draft worker %s: %s", link.name, discard_err)
-        self._refill(w)
-
-    def _refill(self, w: int) -> None:
-        shard = self.shards[w]
-        if shard.refilling or self._closed:
-            return
-        shard.refilling = True
-        thread = threading.Thread(target=self._acquire, args=(w,), name=f"ssd-draft-refill-{w}", daemon=True)
-        self._refills.append(thread)
-        thread.start()
-
-    def _acquire(self, w: int) -> None:
-        """A refill thread: a new worker for shard w, retried with backoff, handed over at the next
-        round boundary (or discarded if the pool closed meanwhile)."""
-        if self._closing.wait(self.shards[w].backoff_s):
-            return
-        delay = 0.5
-        while not self._closed:
-            try:
-                link = self.provider.acquire()
-            except DrafterUnavailable as err:
-                if self._closed:  # cancelled by close()
-                    return
-                logger.warning("no replacement for draft shard %d yet (%s); retrying in %.1f s", w, err, delay)
-                if self._closing.wait(delay):
-                    return
-                delay = min(delay * 2, 30.0)
-                continue
-            with self._lock:
-                if self._closed:
-                    self.provider.discard(link, failed=False)
-                else:
-                    self._ready.append((w, link))
-            return
+        if not shard.refilling:
+            shard.refilling = True
+            self.refills.start(w, shard.backoff_s)
 
     def _attach_ready(self) -> None:
-        with self._lock:
-            ready, self._ready = self._ready, []
-        for w, link in ready:
+        for w, link in self.refills.take_ready():
             shard = self.shards[w]
             shard.refilling = False
             shard.incarnation += 1
@@ -220,7 +192,11 @@ class PoolClient:
             logger.info("draft worker %s joined shard %d of %d", link.name, w, self.d)
 
     def _each(self, fn: Callable[[int, WorkerLink], None]) -> None:
-        for w, shard in enumerate(self.shards):
+        self._each_of(range(self.d), fn)
+
+    def _each_of(self, shards, fn: Callable[[int, WorkerLink], None]) -> None:
+        for w in shards:
+            shard = self.shards[w]
             if shard.link is not None:
                 try:
                     fn(w, shard.link)
@@ -282,25 +258,38 @@ class PoolClient:
     def begin_round(self, msg: BeginRoundMsg) -> None:
         started = time.perf_counter()
         self._attach_ready()
+        grid_shard = self._grid_shard()
+        if grid_shard is not None:
+            msg = dataclasses.replace(msg, grid_shard=grid_shard)
         self.round, self.outcome = msg, None
-        self._send_parts(msg, lambda link, part: link.begin_round(part))
+        encoded = Encoded.of(MsgType.BEGIN_ROUND, msg) if self.split == "outcomes" else None  # once for all
+        self._send_parts(msg, lambda link, part: link.begin_round(part, encoded))
+        if grid_shard is not None:
+            self._each_of([grid_shard], lambda w, link: link.expect())
         self._round_s = time.perf_counter() - started
+
+    def _grid_shard(self) -> int | None:
+        """The shard asked for the round's grid: in a pool of more than one shard that splits
+        outcomes, the first live one."""
+        return self._backup_shard() if self.d > 1 and self.split == "outcomes" else None
 
     def resolve(self, msg: ResolveMsg) -> None:
         started = time.perf_counter()
         rnd = self.round
         assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
+        grid = self._grid(rnd) if self.split == "outcomes" else None
+        backup = self._backup_shard()  # after the grid's read, which may have lost its shard
+        if self.split == "outcomes":
+            answering = self._answering(msg, grid, backup)
+            msg = dataclasses.replace(msg, answering=answering, backup_shard=-1 if backup is None else backup)
         self.outcome = msg
-        backup = self._backup_shard()
+
+        encoded = Encoded.of(MsgType.RESOLVE, msg) if self.split == "outcomes" else None  # once for all
 
         def send(w: int, link: WorkerLink) -> None:
             part = self._part(w, msg)
-            if part is None:
-                return
-            # Split by outcome, one shard drafts the rows no shard covers; by sequence, each its own.
-            if w != backup and self.split == "outcomes":
-                part = dataclasses.replace(part, neural_backup=False)
-            link.resolve(part)
+            if part is not None:
+                link.resolve(part, answers=not msg.answering or w in msg.answering, encoded=encoded)
 
         self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
@@ -310,8 +299,32 @@ class PoolClient:
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
         self._round_s += time.perf_counter() - started
 
+    def _grid(self, rnd: BeginRoundMsg) -> GridMsg | None:
+        """The round's branch grid from its grid shard (waited for, within the deadline); None
+        where the round named none or its shard is lost."""
+        w = rnd.grid_shard
+        link = self.shards[w].link if w >= 0 else None
+        if link is None:
+            self.grids_missed += int(w >= 0)
+            return None
+        try:
+            return link.grid(rnd.round_id, rnd.seq_ids)
+        except DrafterUnavailable as err:
+            self.grids_missed += 1
+            self._fail(w, err)
+            return None
+
+    def _answering(self, msg: ResolveMsg, grid: GridMsg | None, backup: int | None) -> list[int]:
+        """[b] the shard that answers each row: the live one whose shard of the grid holds its
+        outcome, else the backup shard. Empty (every shard answers every row) without a grid."""
+        if grid is None or backup is None:
+            return []
+        holders = grid.holders(msg.num_accepted.tolist(), msg.bonus_tokens.tolist(), self.d)
+        return [w if w >= 0 and self.shards[w].link is not None else backup for w in holders]
+
     def reply(self, deadline_s: float) -> SpeculationReply:
-        """Every live shard's answer to the outcome resolve() sent, made one (rows.py)."""
+        """The answers of the shards that owe one (those named for a row, else every live one) to
+        the outcome resolve() sent, made one (rows.py)."""
         started = time.perf_counter()
         msg = self.outcome
         assert msg is not None, "reply() without its resolve()"
@@ -333,17 +346,23 @@ class PoolClient:
         return merged
 
     def _merged(self, msg: ResolveMsg, replies: dict[int, SpeculationReply]) -> SpeculationReply:
+        """The replies made one; its build time is the slowest live shard's latest, which the
+        budget is sized by (every shard's tree must fit the verification)."""
         for w, rep in replies.items():
             self._latest[w] = rep.counters
-            self.shards[w].answered = True
+            shard = self.shards[w]
+            shard.answered, shard.build_s = True, rep.build_seconds
             self.shard_hits[w] += int(rep.hit.sum())
         if len(replies) == 1 and self.d == 1:
             return next(iter(replies.values()))
         if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
-            return self._assemble(msg.round_id, msg.seq_ids, replies)
-        merged = merge_shards(msg, list(replies.values()), self.counters())
-        self._hint(msg, merged, replies)
-        return merged
+            merged = self._assemble(msg.round_id, msg.seq_ids, replies)
+        else:
+            merged = merge_shards(msg, list(replies.values()), self.counters())
+            if not msg.answering:
+                self._hint(msg, merged, replies)
+        slowest = max((s.build_s for s in self.shards if s.link is not None), default=0.0)
+        return dataclasses.replace(merged, build_seconds=max(merged.build_seconds, slowest))
 
     def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
         """After an all-hit round, tell each shard that did not hold every hit which round comes
@@ -401,6 +420,7 @@ class PoolClient:
             "draft_worker_replacements": self.replacements,
             "draft_shard_hits": list(self.shard_hits),
             "draft_predict_hints": self.hints,
+            "draft_grids_missed": self.grids_missed,
             # The target's side of each round (begin_round, resolve, reply), its forwards excluded:
             # the median over recent rounds, and the replies it waited for per round.
             "target_exchange_ms": round(1000 * statistics.median(self._exchange_s), 4) if self._exchange_s else None,
@@ -412,18 +432,7 @@ class PoolClient:
         }
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._closing.set()
-        self.provider.cancel()  # a refill waiting for a free worker stops waiting
-        for thread in self._refills:  # a refill that is starting a worker discards it once started
-            thread.join(CLOSE_REFILL_WAIT_S)
-            if thread.is_alive():
-                logger.error("a draft worker refill did not finish within %.0f s of close()", CLOSE_REFILL_WAIT_S)
-        with self._lock:
-            ready, self._ready = self._ready, []
-        for _, link in ready:
-            self.provider.discard(link, failed=False)
+        self.refills.close()
         for shard in self.shards:
             link, shard.link = shard.link, None
             if link is not None:

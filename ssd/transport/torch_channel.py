@@ -16,8 +16,9 @@ Design
   waits for it. A target that dies between claim and handshake costs the worker HANDSHAKE_TIMEOUT.
 
 Invariants
-- poll() never blocks: it posts the next header's receive and a helper thread waits on it,
-  because gloo's Work.is_completed() does not track arrival (only wait() does).
+- poll() never blocks: it posts the next message's receive and a helper thread completes it
+  (header, then body), because gloo's Work.is_completed() does not track arrival (only wait()
+  does). A peer may send unasked to an end that has polled: its send does not wait for recv().
 - Any failure ends the session for both ends: a dead or closed peer surfaces as ChannelClosed
   within milliseconds (its sockets close: "Connection closed by peer"), a deadline as
   ChannelTimeout. Gloo closes the pair when a wait times out; we abort it on every other error
@@ -91,28 +92,41 @@ def new_pair_group(
 
 
 class _Posted:
-    """A posted receive of the next header; arrived() says whether it is in, without waiting.
-    A helper thread waits on it (wait() releases the GIL) and sets an Event."""
+    """A posted receive of the next message; arrived() says whether it is in, without waiting. A
+    helper thread waits for its header (wait() releases the GIL), then receives its body, and sets
+    an Event: so a peer's send completes while this end's own thread is busy (the grid a pool's
+    worker sends unasked, ssd/transport/pool_client.py)."""
 
-    def __init__(self, group: dist.ProcessGroup, peer: int, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, peer: int, device: torch.device, fp: int) -> None:
         self.header = torch.zeros(HEADER, dtype=torch.long, device=device)
+        self.body: torch.Tensor | None = None
         self.done = threading.Event()
-        self.error: RuntimeError | None = None
+        self.error: RuntimeError | None = None  # the pair broke, or a foreign frame (ForeignMessage)
         work = group.recv([self.header], peer, _TAG)
-        threading.Thread(target=self._wait, args=(work, device), name="ssd-next-message", daemon=True).start()
+        args = (group, peer, work, device, fp)
+        threading.Thread(target=self._receive, args=args, name="ssd-next-message", daemon=True).start()
 
-    def _wait(self, work, device: torch.device) -> None:
+    def _receive(self, group: dist.ProcessGroup, peer: int, work, device: torch.device, fp: int) -> None:
         try:
-            work.wait(GROUP_TIMEOUT)
-            if device.type == "cuda":  # NCCL's wait() only orders streams: wait for the bytes
-                torch.cuda.current_stream(device).synchronize()
-        except RuntimeError as err:  # the pair broke; recv() reports it
+            _wait(work, device)
+            # Checked before the body's receive: one of the wrong size makes gloo end the process.
+            body = torch.zeros(body_size(self.header.cpu(), fp), dtype=torch.uint8, device=device)
+            if body.numel():
+                _wait(group.recv([body], peer, _TAG), device)
+            self.body = body
+        except RuntimeError as err:  # recv() reports it
             self.error = err
         finally:
             self.done.set()
 
     def arrived(self) -> bool:
         return self.done.is_set()
+
+
+def _wait(work, device: torch.device) -> None:
+    work.wait(GROUP_TIMEOUT)
+    if device.type == "cuda":  # NCCL's wait() only orders streams: wait for the bytes
+        torch.cuda.current_stream(device).synchronize()
 
 
 class TorchChannel:
@@ -143,33 +157,38 @@ class TorchChannel:
         self.counts.on_send(kind, body.numel())
 
     def poll(self) -> bool:
-        """Whether the next message's header has arrived (posts its receive on first call). True
-        once the session has ended: the recv() that follows raises ChannelClosed."""
+        """Whether the next message has arrived (posts its receive on first call, which a helper
+        thread completes: the peer's send of it no longer waits for recv()). True once the
+        session has ended: the recv() that follows raises ChannelClosed."""
         if self._posted is None:
             if self.group is None:
                 return True
-            self._posted = _Posted(self.group, self.peer, self.device)
+            self._posted = _Posted(self.group, self.peer, self.device, self.fp)
         return self._posted.arrived()
 
     def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
         """-> (kind, message; None for READY and SHUTDOWN)"""
         if self._posted is not None:
-            header = self._take_posted(timeout)
+            header, body = self._take_posted(timeout)
         else:
-            header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
-            self._transfer("receive", lambda g: [g.recv([header], self.peer, _TAG)], timeout)
-        header = header.cpu()
+            header, body = self._receive(timeout)
+        kind, msg = unframe(header.cpu(), body.cpu())
+        self.counts.on_receive(kind, body.numel())
+        return kind, msg
+
+    def _receive(self, timeout: datetime.timedelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next message's header and body, received on this thread."""
+        header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
+        self._transfer("receive", lambda g: [g.recv([header], self.peer, _TAG)], timeout)
         try:
-            size = body_size(header, self.fp)
+            size = body_size(header.cpu(), self.fp)
         except ForeignMessage as err:
             self._abort(f"foreign frame: {err}")
             raise
         body = torch.zeros(size, dtype=torch.uint8, device=self.device)
         if size:
             self._transfer("receive", lambda g: [g.recv([body], self.peer, _TAG)], timeout)
-        kind, msg = unframe(header, body.cpu())
-        self.counts.on_receive(kind, size)
-        return kind, msg
+        return header, body
 
     def close(self, peer_exited: bool = False) -> None:
         if peer_exited:  # its store went with it: freeing its owner key would only fail (and c10d warn)
@@ -182,15 +201,18 @@ class TorchChannel:
             raise ChannelClosed(f"channel is closed ({self._ended})")
         return group
 
-    def _take_posted(self, timeout: datetime.timedelta | None) -> torch.Tensor:
+    def _take_posted(self, timeout: datetime.timedelta | None) -> tuple[torch.Tensor, torch.Tensor]:
         posted = self._posted
         if not posted.done.wait(None if timeout is None else timeout.total_seconds()):
             self._abort("receive timed out")
             raise ChannelTimeout(f"peer sent nothing within {timeout.total_seconds():g} s")
         self._posted = None
+        if isinstance(posted.error, ForeignMessage):
+            self._abort(f"foreign frame: {posted.error}")
+            raise posted.error
         if posted.error is not None:
             raise self._failed("receive", posted.error) from posted.error
-        return posted.header
+        return posted.header, posted.body
 
     def _transfer(self, what: str, post, timeout: datetime.timedelta | None) -> None:
         """Post the operations (post(group) -> [Work]) and wait for all of them."""

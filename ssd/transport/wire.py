@@ -24,6 +24,7 @@ from ssd.core.protocol import (
     DrafterCounters,
     DraftNowMsg,
     ErrorMsg,
+    GridMsg,
     JoinMsg,
     MsgType,
     ReleaseMsg,
@@ -34,10 +35,11 @@ from ssd.core.sampling import SequenceSampling
 from ssd.transport.body import BodyReader, flat_ints
 from ssd.transport.reply_probs import pack_probs, unpack_probs
 
+# 9: pools answer per row (BEGIN_ROUND names a grid shard, RESOLVE the answering shards; GRID);
 # 8: replies' counters count first speculations drafted at admission (7: where builds' time goes;
 # 6: greedy reply rows travel as their tokens alone; 5: admissions carry each sequence's logits
 # processing; 4: its grammar; 3: replies carry the bonus token's rank)
-MAGIC = 0x55D0_0008
+MAGIC = 0x55D0_0009
 HEADER = 8
 
 
@@ -99,8 +101,26 @@ _NONE = torch.zeros(0)
 _NO_INTS = torch.zeros(0, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """A message encoded once for several channels: a pool sends each round and its outcome to
+    every worker, and a channel given this in place of the message sends its bodies as they are."""
+
+    kind: MsgType
+    round_id: int
+    ints: torch.Tensor  # [n] long
+    floats: torch.Tensor  # [m] float32
+
+    @classmethod
+    def of(cls, kind: MsgType, msg) -> Encoded:
+        return cls(kind, *encode(kind, msg))
+
+
 def encode(kind: MsgType, msg) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """-> (round_id, ints [n] long, floats [m] float32) of a message of `kind`."""
+    """-> (round_id, ints [n] long, floats [m] float32) of a message of `kind` (or of its Encoded form)."""
+    if isinstance(msg, Encoded):
+        assert msg.kind == kind, f"a {msg.kind.name} encoding sent as {kind.name}"
+        return msg.round_id, msg.ints, msg.floats
     encoder, _, cls = _CODECS[kind]
     if (msg is None) != (cls is None) or (cls is not None and not isinstance(msg, cls)):
         raise TypeError(f"a {kind.name} message is {cls.__name__ if cls else 'None'}, not {type(msg).__name__}")
@@ -181,32 +201,45 @@ def _untext(ints: torch.Tensor, n: int) -> str:
 def _encode_round(msg: BeginRoundMsg):
     b, k = msg.spec_tokens.shape
     ints = flat_ints(
-        [b, k], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, [len(msg.committed)], msg.committed,
-        msg.spec_tokens,
+        [b, k, msg.grid_shard], msg.seq_ids, msg.num_draft, [len(msg.fanout)], msg.fanout, [len(msg.committed)],
+        msg.committed, msg.spec_tokens,
     )  # fmt: skip
     return msg.round_id, ints, _NONE
 
 
 def _decode_round(r: BodyReader, round_id: int, floats: torch.Tensor) -> BeginRoundMsg:
-    b, k = r.one(), r.one()
+    b, k, grid_shard = r.one(), r.one(), r.one()
     seq_ids, num_draft = r.take_list(b), r.take(b).clone()
     fanout = r.take_list(r.one())
     committed = r.take_list(r.one())
-    return BeginRoundMsg(round_id, seq_ids, r.take(b * k).view(b, k).clone(), num_draft, fanout, committed)
+    spec_tokens = r.take(b * k).view(b, k).clone()
+    return BeginRoundMsg(round_id, seq_ids, spec_tokens, num_draft, fanout, committed, grid_shard)
 
 
 def _encode_resolve(msg: ResolveMsg):
     ints = flat_ints(
-        [len(msg.seq_ids), int(msg.neural_backup)], msg.seq_ids, msg.num_accepted, msg.bonus_tokens,
-        [len(msg.next_fanout)], msg.next_fanout,
+        [len(msg.seq_ids), int(msg.neural_backup), msg.backup_shard], msg.seq_ids, msg.num_accepted,
+        msg.bonus_tokens, [len(msg.next_fanout)], msg.next_fanout, [len(msg.answering)], msg.answering,
     )  # fmt: skip
     return msg.round_id, ints, _NONE
 
 
 def _decode_resolve(r: BodyReader, round_id: int, floats: torch.Tensor) -> ResolveMsg:
-    b, neural = r.one(), bool(r.one())
+    b, neural, backup = r.one(), bool(r.one()), r.one()
     seq_ids, accepted, bonus = r.take_list(b), r.take(b).clone(), r.take(b).clone()
-    return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, r.take_list(r.one()))
+    next_fanout = r.take_list(r.one())
+    return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, next_fanout, r.take_list(r.one()), backup)
+
+
+def _encode_grid(msg: GridMsg):
+    b, n = msg.candidates.shape
+    return msg.round_id, flat_ints([b, n], msg.seq_ids, msg.outcome, msg.candidates), _NONE
+
+
+def _decode_grid(r: BodyReader, round_id: int, floats: torch.Tensor) -> GridMsg:
+    b, n = r.one(), r.one()
+    seq_ids = r.take_list(b)
+    return GridMsg(round_id, seq_ids, r.take(b * n).view(b, n).clone(), r.take(b * n).view(b, n).clone())
 
 
 def _encode_draft_now(msg: DraftNowMsg):
@@ -270,6 +303,7 @@ _CODECS: dict[MsgType, tuple[Callable, Callable, type | None]] = {
     MsgType.BEGIN_ROUND: (_encode_round, _decode_round, BeginRoundMsg),
     MsgType.PREDICT: (_encode_round, _decode_round, BeginRoundMsg),
     MsgType.RESOLVE: (_encode_resolve, _decode_resolve, ResolveMsg),
+    MsgType.GRID: (_encode_grid, _decode_grid, GridMsg),
     MsgType.DRAFT_NOW: (_encode_draft_now, _decode_draft_now, DraftNowMsg),
     MsgType.REPLY: (_encode_reply, _decode_reply, SpeculationReply),
     MsgType.DRAFT_REPLY: (_encode_reply, _decode_reply, SpeculationReply),

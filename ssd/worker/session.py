@@ -11,6 +11,11 @@ After a reply in which every row hit, the next announcement is known but for its
 (TreeDrafter.predict_round): the worker begins that round at once and takes it back whole if
 the announcement differs (_build_predicted).
 
+In a pool, the round's grid shard (BeginRoundMsg.grid_shard) sends the round's branch grid (GRID)
+as soon as it has forked and the round is announced; the target reads off it which shard holds
+each row's outcome and names the answering shards in RESOLVE, and a worker that answers no row
+sends no reply.
+
 Round messages must come in order: a BEGIN_ROUND or PREDICT for a round not after the last one
 begun, or a RESOLVE for a round other than the one built, is a duplicate or a stale copy; it is
 counted (`rejected`) and dropped unanswered, so it cannot change a speculation. A round whose
@@ -22,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ssd.core.protocol import BeginRoundMsg, ErrorMsg, MsgType
+from ssd.core.protocol import BeginRoundMsg, ErrorMsg, GridMsg, MsgType
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.transport.channel import Channel
 
@@ -60,13 +65,39 @@ class OutOfSync(RuntimeError):
     """The target's view of a sequence differs from this worker's: a message was lost."""
 
 
+class _GridOut:
+    """Sends a round's branch grid to the target once both are known: the grid (forked) and
+    the announcement naming this worker the round's grid shard (at once for an announced round;
+    for a predicted one, when the announcement confirms it)."""
+
+    def __init__(self, channel: Channel, shard: int, announced: BeginRoundMsg | None) -> None:
+        self.channel, self.shard, self.announced = channel, shard, announced
+        self.grid: GridMsg | None = None
+
+    def forked(self, grid: GridMsg) -> None:
+        self.grid = grid
+        self._flush()
+
+    def confirm(self, announced: BeginRoundMsg) -> None:
+        self.announced = announced
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.grid is None or self.announced is None:
+            return
+        if self.announced.grid_shard == self.shard:
+            self.channel.send(MsgType.GRID, self.grid)
+        self.grid = None
+
+
 class _NextRound:
     """Reads the channel while the drafter builds a round it predicted: the target's
     announcement confirms the round when it matches (then the outcome's arrival cuts the tree
-    as usual); anything else makes the round stale and is kept for the session to handle."""
+    as usual, and the grid goes out if the announcement asks this worker for it); anything else
+    makes the round stale and is kept for the session to handle."""
 
-    def __init__(self, channel: Channel, predicted: BeginRoundMsg) -> None:
-        self.channel, self.predicted = channel, predicted
+    def __init__(self, channel: Channel, predicted: BeginRoundMsg, grid: _GridOut) -> None:
+        self.channel, self.predicted, self.grid = channel, predicted, grid
         self.confirmed = False
         self.other: tuple | None = None  # (kind, message) that superseded the prediction
 
@@ -76,6 +107,7 @@ class _NextRound:
         kind, msg = self.channel.recv()
         if kind == MsgType.BEGIN_ROUND and msg.same_round(self.predicted):
             self.confirmed = True
+            self.grid.confirm(msg)
         else:
             self.other = (kind, msg)
 
@@ -134,7 +166,16 @@ class WorkerSession:
             return None
         # The next message (the round's outcome) cuts the tree decode short: the target is
         # waiting, and branches of the depth reached are still usable speculations.
-        self.drafter.begin_round(msg, interrupted=self.channel.poll if self.cut_trees else None)
+        grid = _GridOut(self.channel, self.drafter.shard, msg)
+        self.drafter.begin_round(
+            msg, interrupted=self.channel.poll if self.cut_trees else None, on_grid=self._on_grid(msg, grid)
+        )
+
+    def _on_grid(self, msg: BeginRoundMsg | None, grid: _GridOut):
+        """What the drafter hands its grid to: the sender, where this worker of a pool may be asked
+        for it (msg None: a predicted round, whose announcement will say)."""
+        asked = msg is None or msg.grid_shard == self.drafter.shard
+        return grid.forked if asked and self.drafter.num_shards > 1 else None
 
     def _predict(self, msg: BeginRoundMsg):
         return self._build_predicted(msg) if self._begin(MsgType.PREDICT, msg) else None
@@ -144,8 +185,9 @@ class WorkerSession:
             return self._reject(MsgType.RESOLVE, msg.round_id)
         self.drafter.resolve(msg)
         reply = self.drafter.reply()
-        self.channel.send(MsgType.REPLY, reply)
-        self._note_memory()
+        if reply is not None:  # None: the target named other shards for every row
+            self.channel.send(MsgType.REPLY, reply)
+            self._note_memory()
         predicted = self.drafter.predict_round(msg, reply)
         if predicted is None:
             return None
@@ -200,9 +242,13 @@ class WorkerSession:
         None."""
         counters = self.drafter.counters
         counters.predicted += 1
-        watch = _NextRound(self.channel, predicted)
+        grid = _GridOut(self.channel, self.drafter.shard, None)
+        watch = _NextRound(self.channel, predicted, grid)
         built = self.drafter.begin_round(
-            predicted, interrupted=watch.outcome_arrived if self.cut_trees else None, stale=watch.stale
+            predicted,
+            interrupted=watch.outcome_arrived if self.cut_trees else None,
+            stale=watch.stale,
+            on_grid=self._on_grid(None, grid),
         )
         watch.settle()
         if watch.other is None:
