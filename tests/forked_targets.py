@@ -56,7 +56,9 @@ def load_the_demo_draft(child, fd: int) -> int:
         "transformers.configuration_utils",
         "transformers.models.auto.configuration_auto",
     )
-    return report(child, fd, {"config_classes": [m for m in classes if m in sys.modules]})
+    # Nor transformers at all: a worker never reads its draft's generation config (lean_model.py).
+    found = {"config_classes": [m for m in classes if m in sys.modules], "transformers": "transformers" in sys.modules}
+    return report(child, fd, found)
 
 
 def neighbour_branch_worker(child, spec: dict) -> int:

@@ -189,7 +189,7 @@ def test_a_draft_workers_imports_and_draft_load_leave_the_modeling_stack_out():
     """What a forked worker holds after loading the bundled draft, in an owner whose server
     preloads what the engine preloads: torch, none of transformers' modeling stack (it pulls in
     scipy, torch._dynamo and torch.distributed.tensor; ~2.5 s of a worker's start), nor its config
-    classes."""
+    classes, nor transformers at all."""
     script = textwrap.dedent(
         f"""
         import os, sys
@@ -210,4 +210,4 @@ def test_a_draft_workers_imports_and_draft_load_leave_the_modeling_stack_out():
     assert done.returncode == 0, done.stderr
     report, code = done.stdout.strip().splitlines()[-2:]
     assert code == "0" and json.loads(report)["modules"] == ["torch"], report
-    assert json.loads(report)["config_classes"] == [], report
+    assert json.loads(report)["config_classes"] == [] and not json.loads(report)["transformers"], report

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Tokenizers
 from ssd.model.fast_forward import unsupported_config_reason
 from ssd.model.lean_model import lean_unsupported_reason
 from ssd.model.loader import context_limit, load_generation_config, load_tokenizer, loads_tokenizers_backend
-from ssd.model.model_config import BASE_FIELDS, DEFAULT_THETA, FIELDS, CheckpointConfig, read_config
+from ssd.model.model_config import BASE_FIELDS, DEFAULT_THETA, FIELDS, GENERATION_KEYS, CheckpointConfig, read_config
 from ssd.model.shards import rotary_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +191,10 @@ def test_what_read_config_leaves_to_autoconfig(case, tmp_path):
     if refused:  # transformers refuses it: AutoConfig raises as it does
         with pytest.raises(REFUSALS):
             AutoConfig.from_pretrained(directory, local_files_only=True)
+
+
+def test_the_generation_keys_are_transformers_own():
+    assert GENERATION_KEYS == set(GenerationConfig._get_default_generation_params())
 
 
 def test_the_tables_are_transformers_own():

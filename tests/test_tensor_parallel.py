@@ -233,9 +233,10 @@ def test_a_rank_holds_its_share_of_the_weights(tmp_path):
     from ssd.bench.tensor_parallel import build_target
 
     weights = build_target(tmp_path / "target", 1024, 6, 8, 4, 4096, 32000) / 2**20  # 610 MiB in float32
+    from ssd.engine.proposers import FORK_PRELOAD
+
     imports = (
-        "import ssd.worker.main, ssd.transport.shm_channel, ssd.model.tp_launch; "
-        "import transformers.generation.configuration_utils; "
+        f"import {', '.join(FORK_PRELOAD)}; "
         "print([x for x in open('/proc/self/status') if x.startswith('VmHWM:')][0].split()[1])"
     )
     root = str(Path(__file__).resolve().parents[1])

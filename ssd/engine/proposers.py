@@ -34,14 +34,11 @@ WorkerProviderFactory = Callable[[EngineConfig, int], WorkerProvider]
 logger = logging.getLogger(__name__)
 
 # What the fork server imports once for every process it forks: a draft worker's modules (its
-# entry point, its channel, the lean loader through the drafter), a tensor-parallel rank's, and
-# the generation config a Llama-family checkpoint loads with. Its config needs none of
-# transformers' config classes (ssd/model/model_config.py reads it; they pulled in
-# torch.distributed.tensor: 1.5 s here, which the server paid once).
-FORK_PRELOAD = (
-    "ssd.worker.main", "ssd.transport.shm_channel", "ssd.model.tp_launch",
-    "transformers.generation.configuration_utils",
-)  # fmt: skip
+# entry point, its channel, the lean loader through the drafter) and a tensor-parallel rank's.
+# Nothing of transformers: a Llama-family checkpoint's config is read without its config classes
+# (ssd/model/model_config.py) and a worker never reads its draft's generation config
+# (ssd/model/lean_model.py); the server's start is on the critical path of an SSD engine's.
+FORK_PRELOAD = ("ssd.worker.main", "ssd.transport.shm_channel", "ssd.model.tp_launch")
 
 
 def warm_fork_server(config: EngineConfig, given: WorkerProviderFactory | None, rank_launcher=None) -> bool:

@@ -10,14 +10,15 @@ against 3.4 s). Here the tensors are read as a tensor-parallel rank reads its sl
 (shards.load_shard), the whole model being rank 0 of a world of one. Its config is read without
 transformers' config classes too (ssd/model/model_config.py: AutoConfig imports
 transformers.activations and torch.distributed.tensor through configuration_llama, about 1.5 s),
-as AutoConfig would read it; its generation config comes from transformers' GenerationConfig,
-whose module is light.
+as AutoConfig would read it. Its generation config (transformers' GenerationConfig, whose import
+is most of transformers' own: 0.5 s) is read when first asked for: the engine asks for the
+target's, nobody for a draft worker's, so a worker's process never imports transformers.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,11 +36,19 @@ class LeanModel:
     model.embed_tokens / layers / norm / rotary_emb, lm_head, parameters(), dtype, device. It has
     no forward of its own: ModelRunner runs the lean forward on it, whatever lean_forward says."""
 
-    def __init__(self, shard, config, generation_config) -> None:
+    def __init__(self, shard, config, generation_config: Callable[[], object]) -> None:
+        """generation_config: reads it (on first use of the attribute)."""
         self.config = config
-        self.generation_config = generation_config
+        self._read_generation_config = generation_config
+        self._generation_config = None
         self.model = shard.model
         self.lm_head = shard.lm_head
+
+    @property
+    def generation_config(self):
+        if self._generation_config is None:
+            self._generation_config = self._read_generation_config()
+        return self._generation_config
 
     def parameters(self) -> Iterator[torch.Tensor]:
         """Each tensor once (a tied head is the embedding), in a Hugging Face model's order: the
@@ -115,11 +124,11 @@ def _torch_dtype(value) -> torch.dtype:
 
 
 def load_lean_model(
-    directory: str | Path, config, dtype: torch.dtype, device: torch.device, generation_config
+    directory: str | Path, config, dtype: torch.dtype, device: torch.device, generation_config: Callable[[], object]
 ) -> LeanModel:
     """The model in `directory` (lean_checkpoint, lean_unsupported_reason None) -> a LeanModel,
     its tensors in `dtype` on `device`, its config `config` (dtype set to the one loaded, as
-    from_pretrained sets it)."""
+    from_pretrained sets it), its generation config read by generation_config() when first used."""
     shard = load_shard(directory, config, ShardPlan.of(config, 0, 1), dtype, device)
     # The config as read, not the shard's copy (which names head_dim for its rank's counts).
     config.dtype = dtype

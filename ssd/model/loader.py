@@ -53,7 +53,7 @@ def load_model(name: str, dtype: str, device: str, trust_remote_code: bool = Fal
         reason = lean_unsupported_reason(hf_config)
         if reason is None:
             torch_dtype = _DTYPES[dtype] if dtype != "auto" else stored_dtype(name, hf_config)
-            generation = load_generation_config(name, hf_config)
+            generation = lambda: load_generation_config(name, hf_config)  # noqa: E731 - read on first use
             return load_lean_model(name, hf_config, torch_dtype, torch.device(device), generation)
         logger.info("%s loads through Hugging Face (%s)", name, reason)
     from transformers import AutoModelForCausalLM

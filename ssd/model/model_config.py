@@ -53,6 +53,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta; none of the three overrides it
+# GenerationConfig._get_default_generation_params()'s keys, which a config drops (a draft worker
+# reads its config without importing transformers; tests/test_model_config.py holds this to them).
+GENERATION_KEYS = frozenset(
+    "assistant_confidence_threshold assistant_lookbehind bad_words_ids begin_suppress_tokens diversity_penalty "
+    "do_sample early_stopping encoder_no_repeat_ngram_size encoder_repetition_penalty epsilon_cutoff eta_cutoff "
+    "exponential_decay_length_penalty forced_bos_token_id forced_eos_token_id length_penalty max_length min_length "
+    "no_repeat_ngram_size num_assistant_tokens num_assistant_tokens_schedule num_beam_groups num_beams "
+    "num_return_sequences output_scores remove_invalid_values repetition_penalty return_dict_in_generate "
+    "suppress_tokens target_lookbehind temperature top_k top_p typical_p use_cache".split()
+)
 
 
 def _of(*types):
@@ -327,9 +337,7 @@ def _base_post_init(values: dict, extras: dict) -> None:
         raise Unsupported("problem_type or is_encoder_decoder")
     labels = values["layer_types"] if "layer_types" in values else ()
     values["rope_parameters"] = _rope_parameters(values, extras, labels)
-    from transformers.generation.configuration_utils import GenerationConfig
-
-    for key in GenerationConfig._get_default_generation_params():  # generation keys are dropped
+    for key in GENERATION_KEYS:  # generation keys are dropped
         extras.pop(key, None)
 
 

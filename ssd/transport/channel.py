@@ -48,8 +48,8 @@ class Channel(Protocol):
     def poll(self) -> bool:
         """Whether the next message has begun to arrive. Never blocks, takes nothing. After a
         poll the peer's next send completes without this end's recv(): where sends are buffered
-        (a shm slot, a gRPC queue) it always does; a torch pair's send waits for the receive,
-        which poll posts."""
+        (a gRPC queue; a shm slot, for a message that fits its capacity) it does anyway; a torch
+        pair's send waits for the receive, which poll posts."""
 
     def recv(self, timeout: datetime.timedelta | None = None) -> tuple[MsgType, object]:
         """-> (kind, message; None for READY and SHUTDOWN)"""

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 EXCHANGE_WINDOW = 4096  # rounds whose exchange time the median in stats() is taken over
+BUILD_FRESH_ROUNDS = 16  # rounds a shard's build time stands for it in the merged reply's
 
 
 def shard_seed(seed: int, shard: int, incarnation: int) -> int:
@@ -91,9 +92,11 @@ class _Shard:
     refilling: bool = False
     answered: bool = False  # its current worker has delivered a reply
     backoff_s: float = 0.0  # wait before acquiring the next worker (grows while workers fail at once)
-    # Its latest reply's build time (a tree of the full depth, projected). A shard named for no row
-    # sends nothing, so a round's own replies need not include the slowest builder.
+    # Its latest reply's build time (a tree of the full depth, projected) and the round of that
+    # reply. A shard named for no row sends nothing, so a round's own replies need not include the
+    # slowest builder; a value older than BUILD_FRESH_ROUNDS no longer counts.
     build_s: float = 0.0
+    build_round: int = -1
 
 
 class PoolClient:
@@ -263,9 +266,15 @@ class PoolClient:
             msg = dataclasses.replace(msg, grid_shard=grid_shard)
         self.round, self.outcome = msg, None
         encoded = Encoded.of(MsgType.BEGIN_ROUND, msg) if self.split == "outcomes" else None  # once for all
-        self._send_parts(msg, lambda link, part: link.begin_round(part, encoded))
-        if grid_shard is not None:
-            self._each_of([grid_shard], lambda w, link: link.expect())
+
+        def send(w: int, link: WorkerLink) -> None:
+            part = self._part(w, msg)
+            if part is not None:
+                link.begin_round(part, encoded)
+            if w == grid_shard:  # before the other shards' sends, which on a torch pair each wait
+                link.expect()
+
+        self._each(send)
         self._round_s = time.perf_counter() - started
 
     def _grid_shard(self) -> int | None:
@@ -346,12 +355,13 @@ class PoolClient:
         return merged
 
     def _merged(self, msg: ResolveMsg, replies: dict[int, SpeculationReply]) -> SpeculationReply:
-        """The replies made one; its build time is the slowest live shard's latest, which the
-        budget is sized by (every shard's tree must fit the verification)."""
+        """The replies made one; its build time is the slowest live shard's latest of the last
+        BUILD_FRESH_ROUNDS rounds, which the budget is sized by (every shard's tree must fit the
+        verification)."""
         for w, rep in replies.items():
             self._latest[w] = rep.counters
             shard = self.shards[w]
-            shard.answered, shard.build_s = True, rep.build_seconds
+            shard.answered, shard.build_s, shard.build_round = True, rep.build_seconds, self.rounds
             self.shard_hits[w] += int(rep.hit.sum())
         if len(replies) == 1 and self.d == 1:
             return next(iter(replies.values()))
@@ -361,8 +371,9 @@ class PoolClient:
             merged = merge_shards(msg, list(replies.values()), self.counters())
             if not msg.answering:
                 self._hint(msg, merged, replies)
-        slowest = max((s.build_s for s in self.shards if s.link is not None), default=0.0)
-        return dataclasses.replace(merged, build_seconds=max(merged.build_seconds, slowest))
+        live = [s for s in self.shards if s.link is not None]
+        fresh = [s.build_s for s in live if self.rounds - s.build_round < BUILD_FRESH_ROUNDS]
+        return dataclasses.replace(merged, build_seconds=max([merged.build_seconds, *fresh]))
 
     def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
         """After an all-hit round, tell each shard that did not hold every hit which round comes
@@ -406,6 +417,8 @@ class PoolClient:
     # ---- figures and lifetime -------------------------------------------------------------------
 
     def counters(self) -> DrafterCounters:
+        """The workers' counters summed, each as of its latest reply (a shard named for no row
+        of a round sends none: its count lags until it is named again)."""
         total = self._retired
         for c in self._latest.values():
             total = total + c

@@ -31,6 +31,7 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import socket
@@ -107,12 +108,16 @@ class _Posted:
         threading.Thread(target=self._receive, args=args, name="ssd-next-message", daemon=True).start()
 
     def _receive(self, group: dist.ProcessGroup, peer: int, work, device: torch.device, fp: int) -> None:
+        # On a device, this thread's work (the body's receive, the waits) goes on a side stream, so
+        # the default stream (the target's forwards) neither waits for it nor holds it up.
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
         try:
-            _wait(work, device)
-            # Checked before the body's receive: one of the wrong size makes gloo end the process.
-            body = torch.zeros(body_size(self.header.cpu(), fp), dtype=torch.uint8, device=device)
-            if body.numel():
-                _wait(group.recv([body], peer, _TAG), device)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _wait(work, side)
+                # Checked before the body's receive: one of the wrong size makes gloo end the process.
+                body = torch.zeros(body_size(self.header.cpu(), fp), dtype=torch.uint8, device=device)
+                if body.numel():
+                    _wait(group.recv([body], peer, _TAG), side)
             self.body = body
         except RuntimeError as err:  # recv() reports it
             self.error = err
@@ -123,10 +128,12 @@ class _Posted:
         return self.done.is_set()
 
 
-def _wait(work, device: torch.device) -> None:
+def _wait(work, side) -> None:
+    """Wait for a transfer; side: the current (side) stream on a device, which NCCL's wait() only
+    orders after the transfer, so it is synchronized for the bytes to be in."""
     work.wait(GROUP_TIMEOUT)
-    if device.type == "cuda":  # NCCL's wait() only orders streams: wait for the bytes
-        torch.cuda.current_stream(device).synchronize()
+    if side is not None:
+        side.synchronize()
 
 
 class TorchChannel:
