@@ -195,11 +195,7 @@ class PoolClient:
             logger.info("draft worker %s joined shard %d of %d", link.name, w, self.d)
 
     def _each(self, fn: Callable[[int, WorkerLink], None]) -> None:
-        self._each_of(range(self.d), fn)
-
-    def _each_of(self, shards, fn: Callable[[int, WorkerLink], None]) -> None:
-        for w in shards:
-            shard = self.shards[w]
+        for w, shard in enumerate(self.shards):
             if shard.link is not None:
                 try:
                     fn(w, shard.link)
@@ -294,11 +290,12 @@ class PoolClient:
         self.outcome = msg
 
         encoded = Encoded.of(MsgType.RESOLVE, msg) if self.split == "outcomes" else None  # once for all
+        named = set(msg.answering)
 
         def send(w: int, link: WorkerLink) -> None:
             part = self._part(w, msg)
             if part is not None:
-                link.resolve(part, answers=not msg.answering or w in msg.answering, encoded=encoded)
+                link.resolve(part, answers=not named or w in named, encoded=encoded)
 
         self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
