@@ -60,6 +60,9 @@ class LeaseRegistryActor:
     def report_failed(self, lessee: str, worker_id: str, address: str | None = None) -> None:
         self.table.report_failed(lessee, worker_id, address)
 
+    def demand(self, fingerprint: int | None = None, lessees: str = "") -> int:
+        return self.table.demand(fingerprint, lessees)
+
     def snapshot(self) -> list[dict]:
         return self.table.snapshot()
 

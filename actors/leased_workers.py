@@ -215,9 +215,12 @@ class RayLeasedWorkers:
             _kill(self.actors)
 
 
-def leased_workers(config: EngineConfig, vocab: int) -> RayLeasedWorkers:
+def leased_workers(config: EngineConfig, vocab: int, lessee_prefix: str = "") -> RayLeasedWorkers:
     """The engine's worker provider (ssd.engine.proposers.WorkerProviderFactory) over the Ray pool:
     it starts the engine's draft_workers itself when config.draft_start_workers (placed with
-    config.draft_worker_resources), else only leases workers others started."""
+    config.draft_worker_resources), else only leases workers others started. Its lessee name starts
+    with `lessee_prefix` (a Serve application's name), which a pool that follows its lessees'
+    demand counts by (LeaseTable.demand)."""
     start = config.draft_workers if config.draft_start_workers else 0
-    return RayLeasedWorkers(config, vocab, start_workers=start, resources=config.draft_worker_resources)
+    lessee = f"{lessee_prefix}target-{uuid.uuid4().hex[:12]}"
+    return RayLeasedWorkers(config, vocab, lessee=lessee, start_workers=start, resources=config.draft_worker_resources)

@@ -3,6 +3,9 @@
 
     Ingress (HTTP + gRPC) --handle--> Target x target_replicas --lease--> DraftPool x draft_pool_size
 
+With target_autoscaling, Serve scales the targets on their ongoing requests and the pool follows
+the workers the targets lease (serve_app/pool_scaling.py).
+
 The target deployment holds the draft deployment's handle only so the pool is part of the same
 application (deployed, scaled and torn down with it); per-round traffic goes over the data
 plane to the workers it leases from the lease registry.
@@ -51,13 +54,19 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     pool = None
     if settings.draft_pool_size:
         pool = DraftPoolDeployment.options(
-            num_replicas=settings.draft_pool_size, ray_actor_options=draft_actor_options(config)
+            **_replicas(settings.draft_pool_size, settings.draft_pool_autoscaling),
+            ray_actor_options=draft_actor_options(config),
         ).bind(settings)
     target = TargetDeployment.options(
-        num_replicas=config.target_replicas,
+        **_replicas(settings.target_replicas, settings.target_autoscaling),
         ray_actor_options=target_actor_options(config),
         **target_placement(config),
         max_ongoing_requests=settings.capacity + ROUTER_SLACK,
-        max_queued_requests=max(1, settings.capacity * config.target_replicas),
+        max_queued_requests=max(1, settings.capacity * settings.target_replicas_max),
     ).bind(settings, pool)
     return IngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(settings, target, model_name(settings))
+
+
+def _replicas(fixed: int, autoscaling: dict | None) -> dict:
+    """A deployment's replica options: a fixed count, or Serve's autoscaling_config."""
+    return {"num_replicas": fixed} if autoscaling is None else {"autoscaling_config": autoscaling}

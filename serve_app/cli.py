@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     # Read by Serve's gRPC proxy when it starts (a child of the cluster this process starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_grpc_message_bytes))
     reserved = reservations(config)
-    started = _start_ray(args.ray_address, args.metrics_port, cpus_needed(reserved))
+    # A cluster started here has no Ray autoscaler to add nodes: it counts room for the most replicas.
+    started = _start_ray(args.ray_address, args.metrics_port, cpus_needed(reservations(config, most=True)))
     # On a cluster this process joined, a running ssd app is replaced by this deploy, so what it
     # holds counts as free.
     view = cluster_view(None if started else APP_NAME)
@@ -209,8 +210,8 @@ def _announce(args: argparse.Namespace, config: AppConfig, settings) -> None:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key or os.environ.get("SSD_API_KEY") else ""
     sys.stdout.write(
-        f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {config.target_replicas} target replica(s), "
-        f"draft pool {settings.draft_pool_size}\n"
+        f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {_replicas(settings)} target replica(s), "
+        f"draft pool {_pool(settings)}\n"
         f"  HTTP (OpenAI): http://{host}:{args.port}/v1   health: http://{host}:{args.port}/health\n"
         f"  gRPC:          {host}:{args.grpc_port} (ssd.serve.v1.Generation)\n"
         f"Try:\n  curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
@@ -218,6 +219,16 @@ def _announce(args: argparse.Namespace, config: AppConfig, settings) -> None:
         "Ctrl-C stops it (in-flight requests finish first, up to --drain-timeout-s).\n"
     )
     sys.stdout.flush()
+
+
+def _replicas(settings) -> str:
+    low, high = settings.target_replicas, settings.target_replicas_max
+    return f"{low}" if low == high else f"{low}-{high} (autoscaling)"
+
+
+def _pool(settings) -> str:
+    scaling = settings.draft_pool_autoscaling
+    return f"{settings.draft_pool_size}" if scaling is None else f"{scaling['min_replicas']}-{scaling['max_replicas']}"
 
 
 def _drain(config: AppConfig, signals: _Signals) -> None:

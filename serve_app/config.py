@@ -28,6 +28,54 @@ WORKER_MODES = ("ssd", "auto")
 SERVE_ENGINE_DEFAULTS = {"mode": "auto", "draft_transport": "torch"}
 
 
+class TargetAutoscaling(BaseModel):
+    """Target replicas that follow the load (Ray Serve's autoscaling on ongoing requests). The draft
+    pool follows the targets (serve_app/pool_scaling.py), so it has no settings of its own here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=1, le=1024, description="Target replicas kept when idle (and started with).")
+    max_replicas: int = Field(
+        ..., ge=1, le=1024, description="Most target replicas; the cluster must have room for this many and their pool."
+    )
+    target_ongoing_requests: float = Field(
+        ...,
+        gt=0,
+        description="Requests in flight (running and queued) per replica that Serve scales toward; about half of "
+        "engine.max_num_seqs keeps a replica's batch full without a queue.",
+    )
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="How long the load must stay above before a replica is added."
+    )
+    downscale_delay_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long the load must stay below before a replica is removed (it finishes its requests first); "
+        "the draft pool shrinks after the same delay.",
+    )
+
+    look_back_period_s: float = Field(
+        30.0,
+        gt=0,
+        description="The window over which ongoing requests are averaged (replicas and handles report a third of "
+        "it apart, at most every 10 s).",
+    )
+
+    def serve_config(self) -> dict:
+        """Ray Serve's autoscaling_config of the Target deployment."""
+        # metrics_interval_s: Ray's own default (10 s) with its default window; a shorter window
+        # needs reports as much more often, or it averages one report.
+        return {**self.model_dump(), "metrics_interval_s": min(10.0, self.look_back_period_s / 3)}
+
+    @model_validator(mode="after")
+    def _check(self) -> "TargetAutoscaling":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"target_autoscaling.max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})"
+            )
+        return self
+
+
 class AppConfig(BaseModel):
     """Everything `serve run` / `ssd serve` takes. Unknown keys are rejected, with their name."""
 
@@ -55,6 +103,11 @@ class AppConfig(BaseModel):
     )
     target_replicas: int = Field(
         1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests)."
+    )
+    target_autoscaling: TargetAutoscaling | None = Field(
+        None,
+        description="Scale the target replicas with the load instead of fixing target_replicas (which must then be "
+        "left out, as must draft_pool_size: the pool follows the targets' leases).",
     )
     target_num_cpus: float = Field(
         1.0, ge=0, description="CPUs reserved for each target replica, per tensor-parallel rank."
@@ -149,6 +202,13 @@ class AppConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         self.engine.to_config()  # the engine's own checks, with its messages
+        if self.target_autoscaling is not None:
+            for name in ("target_replicas", "draft_pool_size"):
+                if name in self.model_fields_set:
+                    raise ValueError(
+                        f"{name} is set together with target_autoscaling: leave {name} out (the targets' replicas "
+                        "follow the load between min_replicas and max_replicas, and the draft pool follows the targets)"
+                    )
         leasing = self._leasing_engines()
         ssd = leasing > 0
         needed = self.target_replicas * self.engine.draft_workers * leasing
@@ -184,11 +244,10 @@ class AppConfig(BaseModel):
         engine_modes = tuple(dict.fromkeys(modes))  # first one is the default
         served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
-        pool = (
-            self.draft_pool_size
-            if self.draft_pool_size is not None
-            else self.target_replicas * self.engine.draft_workers * self._leasing_engines()
-        )
+        scaling = self.target_autoscaling
+        fewest, most = (scaling.min_replicas, scaling.max_replicas) if scaling else (self.target_replicas,) * 2
+        per_target = self.engine.draft_workers * self._leasing_engines()  # workers one target replica leases
+        pool = self.draft_pool_size if self.draft_pool_size is not None else fewest * per_target
         return ServeSettings(
             engine=self.engine,
             engine_modes=engine_modes,
@@ -206,7 +265,11 @@ class AppConfig(BaseModel):
             chat_template=self.chat_template,
             tool_call_parser=self.tool_call_parser,
             max_grpc_message_bytes=self.max_grpc_message_bytes,
-            draft_pool_size=pool if self._leasing_engines() else 0,
+            draft_pool_size=pool if per_target else 0,
+            target_replicas=fewest,
+            target_replicas_max=most,
+            target_autoscaling=scaling.serve_config() if scaling else None,
+            draft_pool_autoscaling=_pool_autoscaling(scaling, per_target) if scaling and per_target else None,
             target_rank_resources={"num_cpus": self.target_num_cpus, "num_gpus": self.target_num_gpus},
         )
 
@@ -231,9 +294,28 @@ class ServeSettings:
     chat_template: str | None
     tool_call_parser: str | None  # "auto" tool_choice's format; None = refused
     max_grpc_message_bytes: int
-    draft_pool_size: int  # draft deployment replicas (0 when no served mode is ssd)
+    draft_pool_size: int  # draft deployment replicas at start (0 when no served mode is ssd)
+    target_replicas: int  # target deployment replicas at start
+    target_replicas_max: int  # the most target replicas there can be (target_replicas when fixed)
+    target_autoscaling: dict | None  # the Target deployment's Ray Serve autoscaling_config; None = fixed
+    draft_pool_autoscaling: dict | None  # the DraftPool deployment's: follows the leases (pool_scaling.py)
     target_rank_resources: dict[str, float]  # Ray actor options of each tensor-parallel rank (rank 0: the replica)
 
     def engine_args(self, mode: str) -> EngineArgs:
         """The engine options of one mode's engine (ar needs no draft settings checked)."""
         return self.engine.model_copy(update={"mode": mode})
+
+
+def _pool_autoscaling(scaling: TargetAutoscaling, per_target: int) -> dict:
+    """The pool holds per_target workers for each target replica there is, and follows them: up at
+    once (a target waits for its workers), down after the targets' own downscale delay."""
+    from serve_app.pool_scaling import follow_leases
+
+    targets = scaling.serve_config()
+    return {
+        "min_replicas": scaling.min_replicas * per_target,
+        "max_replicas": scaling.max_replicas * per_target,
+        "upscale_delay_s": 0.0,
+        **{key: targets[key] for key in ("downscale_delay_s", "look_back_period_s", "metrics_interval_s")},
+        "policy": {"policy_function": follow_leases},
+    }

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import ray
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from serve_app.errors import APIError, overloaded
 from serve_app.grpc_api import GrpcFrontend
 from serve_app.metrics import ServeMetrics
 from serve_app.openai_api import OpenAIFrontend, parse_body
+from serve_app.pool_scaling import WANTED, lessees
 from serve_app.replica_logs import use_replica_log
 from serve_app.types import GenerateChunk, GenerateRequest
 
@@ -63,9 +65,16 @@ class DraftPoolDeployment:
 
         cfg = settings.engine_args("ssd").to_config()
         vocab = load_config(cfg.target, cfg).vocab_size  # Llama family: without transformers config classes
-        worker_id = serve.get_replica_context().replica_tag
-        self.member = PoolMember(cfg, vocab, get_or_create_registry(), f"serve-{worker_id}")
+        context = serve.get_replica_context()
+        self.member = PoolMember(cfg, vocab, get_or_create_registry(), f"serve-{context.replica_tag}")
+        self.lessees = lessees(context.app_name)  # the targets this pool follows
         self.metrics = ServeMetrics("draft")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric of this deployment (serve_app/pool_scaling.py): how
+        many workers of this pool's configuration this application's targets want."""
+        wanted = await self.member.registry.demand.remote(self.member.fp, self.lessees)
+        return {WANTED: float(wanted)}
 
     def check_health(self) -> None:
         if not self.member.alive():
@@ -87,12 +96,13 @@ class TargetDeployment:
         from actors.leased_workers import leased_workers
         from actors.tp_ranks import RayRanks
 
+        app = serve.get_replica_context().app_name
         # The draft deployment (draft_pool) is the pool: lease its workers, never start others.
         engine = settings.engine.model_copy(update={"draft_start_workers": False})
         # Ranks 1..t-1 as actors in this replica's placement group (serve_app/placement.py).
         ranks = RayRanks(settings.target_rank_resources) if engine.tensor_parallel_size > 1 else None
         self.loop = EngineLoop(
-            build_engines(engine, settings.engine_modes, leased_workers, ranks),
+            build_engines(engine, settings.engine_modes, partial(leased_workers, lessee_prefix=lessees(app)), ranks),
             settings.capacity,
             settings.overload_status,
             settings.retry_after_s,

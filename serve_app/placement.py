@@ -68,20 +68,25 @@ def draft_actor_options(config: AppConfig) -> dict:
     return dict(config.engine.draft_worker_resources or {"num_cpus": 1})
 
 
-def reservations(config: AppConfig) -> list[Reservation]:
-    """Every actor the application reserves resources for (the ingress reserves none). A replica's
-    ranks under STRICT_PACK are one reservation (they must share a node); under the other
-    strategies each rank is one, since Ray may place them apart."""
+def reservations(config: AppConfig, most: bool = False) -> list[Reservation]:
+    """Every actor the application reserves resources for (the ingress reserves none): at start, or
+    with `most` at the most its autoscaling may reach. A replica's ranks under STRICT_PACK are one
+    reservation (they must share a node); under the other strategies each rank is one, since Ray
+    may place them apart."""
+    settings = config.to_settings()
+    replicas = settings.target_replicas_max if most else settings.target_replicas
+    pool = settings.draft_pool_size
+    if most and settings.draft_pool_autoscaling:
+        pool = settings.draft_pool_autoscaling["max_replicas"]
     ranks = config.engine.tensor_parallel_size
     rank = _ray_resources(target_actor_options(config))
     if ranks == 1 or config.tensor_parallel_strategy == "STRICT_PACK":
         kind = f"target replicas ({ranks} tensor-parallel rank(s) each)"
-        target = Reservation(kind, config.target_replicas, {k: v * ranks for k, v in rank.items()}, _TARGET_FLAGS)
+        target = Reservation(kind, replicas, {k: v * ranks for k, v in rank.items()}, _TARGET_FLAGS)
     else:
-        kind = f"target ranks ({config.target_replicas} replica(s) x {ranks}, {config.tensor_parallel_strategy})"
-        target = Reservation(kind, config.target_replicas * ranks, rank, _TARGET_FLAGS)
+        kind = f"target ranks ({replicas} replica(s) x {ranks}, {config.tensor_parallel_strategy})"
+        target = Reservation(kind, replicas * ranks, rank, _TARGET_FLAGS)
     out = [target]
-    pool = config.to_settings().draft_pool_size
     if pool:
         out.append(Reservation("draft workers", pool, _ray_resources(draft_actor_options(config)), _DRAFT_FLAGS))
     return out

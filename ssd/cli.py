@@ -13,6 +13,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from ssd.core.config import DEMO_MODELS_DIR, EngineArgs
@@ -49,7 +50,7 @@ def flag_options(name: str, field: FieldInfo) -> dict:
         options["type"] = type(options["choices"][0])
         options["nargs"] = "*"
         options["metavar"] = name.upper()
-    elif annotation is dict:  # given as JSON on the command line
+    elif annotation is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):  # as JSON
         options["type"] = _json_object
         options["metavar"] = "JSON"
     else:

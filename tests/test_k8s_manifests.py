@@ -1,7 +1,9 @@
 """KubeRay manifests (k8s/), rendered as kustomize would and validated offline (no Ray or
 Kubernetes cluster): the KubeRay CRD schemas, Ray Serve's config schema, the application built
-from its args (binds deployments, starts nothing), and every replica packed onto the pods as
-Ray would count them. The broken copies at the end show each check catching its mistake.
+from its args (binds deployments, starts nothing), every replica at the most its autoscaling
+reaches packed onto the pods of every group at its maxReplicas as Ray would count them, the
+autoscaling settings, and (production overlay) the GCS kept in Redis. The broken copies at the end
+show each check catching its mistake.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 KUBERAY = Path(__file__).resolve().parents[2] / "shared" / "kuberay"
 TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu-70b"]
+PRODUCTION = "overlays/gpu-70b"  # k8s/README.md: the one that must survive the loss of its head
 HAVE_CRDS = (KUBERAY / "ray.io_rayservices.yaml").is_file() and (KUBERAY / "ray.io_rayclusters.yaml").is_file()
 needs_crds = pytest.mark.skipif(not HAVE_CRDS, reason=f"KubeRay CRDs not found in {KUBERAY}")
 
@@ -200,8 +203,15 @@ def _check_target(over: dict, dep, config) -> None:
         raise ManifestError(f"the Target's placement_group_strategy {strategy} is not tensor_parallel_strategy")
 
 
+def most_replicas(dep) -> int:
+    """The most replicas Serve runs of a built deployment: its autoscaling_config's max_replicas,
+    or its fixed num_replicas."""
+    scaling = dep._deployment_config.autoscaling_config
+    return scaling.max_replicas if scaling else dep.num_replicas
+
+
 def serve_checks(rs: dict):
-    """Validates serveConfigV2; returns it, its AppConfig and, per deployment, (replicas,
+    """Validates serveConfigV2; returns it, its AppConfig and, per deployment, (the most replicas,
     ray_actor_options) as the Serve controller will run them. Raises ManifestError."""
     from ray._common.utils import import_attr  # what Serve resolves import paths with
     from ray.serve._private.build_app import build_app as serve_build
@@ -246,7 +256,7 @@ def serve_checks(rs: dict):
         _attempt(f"{name}.ray_actor_options", RayActorOptionsSchema.model_validate, options)
         group = {key: over.get(key, getattr(dep._replica_config, key)) for key in _GROUP_KEYS}
         placement[name] = (
-            dep.num_replicas,
+            most_replicas(dep),
             _group_demand(name, options, **group) if group[_GROUP_KEYS[0]] else options,
         )
     _check_target(overrides.get("Target", {}), built["Target"], config)
@@ -290,8 +300,9 @@ def cluster_problems(rs: dict, cfg: dict, config, placement: dict) -> list[str]:
     if f"ARG RAY_VERSION={rc.get('rayVersion')}\n" not in (REPO / "Dockerfile").read_text():
         out.append(f"rayVersion {rc.get('rayVersion')} differs from the Dockerfile's RAY_VERSION")
     want_ports = {"serve": cfg["http_options"]["port"], "grpc": cfg["grpc_options"]["port"], "metrics": 8080}
+    # At full scale: every group at maxReplicas pods, every deployment at its most replicas.
     groups = [("head", rc["headGroupSpec"], 1)] + [
-        (g["groupName"], g, g["replicas"]) for g in rc.get("workerGroupSpecs", [])
+        (g["groupName"], g, g["maxReplicas"]) for g in rc.get("workerGroupSpecs", [])
     ]
     for name, group, replicas in groups:
         c = group["template"]["spec"]["containers"][0]
@@ -329,17 +340,115 @@ def cluster_problems(rs: dict, cfg: dict, config, placement: dict) -> list[str]:
         for i in range(replicas):
             node = next((free for free in nodes[1:] if _fits(demand, free)), None)
             if node is None:
-                out.append(f"{dep} replica {i + 1}/{replicas} ({demand}) fits on no worker pod: add pods or resources")
+                out.append(
+                    f"{dep} replica {i + 1}/{replicas} ({demand}) fits on no worker pod with every group at "
+                    "maxReplicas: raise the group's maxReplicas (or its pods' resources), or lower max_replicas"
+                )
                 break
             node.update({k: node.get(k, 0) - v for k, v in demand.items()})
     return out
 
 
-def validate(docs, crds: bool) -> None:
+# ---- growing and shrinking, and the loss of the head ----------------------------------------------
+
+
+def scaling_problems(rs: dict) -> list[str]:
+    """Ray's autoscaler is on, every worker group can grow, and Serve scales the targets."""
+    rc, out = rs["spec"]["rayClusterConfig"], []
+    if rc.get("enableInTreeAutoscaling") is not True:
+        out.append("enableInTreeAutoscaling must be true (Ray's autoscaler adds and removes worker pods)")
+    options = rc.get("autoscalerOptions") or {}
+    for key in ("upscalingMode", "idleTimeoutSeconds"):
+        if key not in options:
+            out.append(f"autoscalerOptions.{key} must be set")
+    sidecar = options.get("resources") or {}
+    if any(key not in sidecar.get(kind, {}) for kind in ("requests", "limits") for key in ("cpu", "memory")):
+        out.append("autoscalerOptions.resources must give the autoscaler sidecar cpu and memory requests and limits")
+    for g in rc.get("workerGroupSpecs", []):
+        low, now, high = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas")
+        if high is None or not low <= now <= high:
+            out.append(f"{g['groupName']}: minReplicas <= replicas <= maxReplicas must hold ({low}, {now}, {high})")
+        elif high <= low:
+            out.append(f"{g['groupName']}: maxReplicas ({high}) must exceed minReplicas ({low}): the group cannot grow")
+    if not isinstance(rs["spec"].get("serveConfigV2"), str):
+        return out  # serve_checks names it
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0].get("args") or {}
+    scaling = args.get("target_autoscaling")
+    if not isinstance(scaling, dict):
+        out.append("args.target_autoscaling must be set: the targets follow the load, not a fixed count")
+        return out
+    out += [
+        f"args.{key} must be left out with target_autoscaling"
+        for key in ("target_replicas", "draft_pool_size")
+        if key in args
+    ]
+    from ssd.core.config import EngineArgs
+
+    batch = (args.get("engine") or {}).get("max_num_seqs", EngineArgs.model_fields["max_num_seqs"].default)
+    if not 0 < scaling.get("target_ongoing_requests", 0) <= batch:
+        out.append(
+            f"target_autoscaling.target_ongoing_requests ({scaling.get('target_ongoing_requests')}) must be above 0 "
+            f"and at most engine.max_num_seqs ({batch}): beyond it a replica queues before Serve adds one"
+        )
+    return out
+
+
+def fault_tolerance_problems(docs) -> list[str]:
+    """The GCS keeps its tables in Redis, whose password comes from a Secret; a Redis named by a
+    bare Service name is deployed with the manifests and reads the same Secret."""
+    rs = rayservice(docs)
+    ft = rs["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")
+    if not isinstance(ft, dict):
+        return ["rayClusterConfig.gcsFaultToleranceOptions is missing: the head's loss would take the cluster along"]
+    out = []
+    password = ft.get("redisPassword") or {}
+    ref = (password.get("valueFrom") or {}).get("secretKeyRef") or {}
+    if "value" in password or not (ref.get("name") and ref.get("key")):
+        out.append(
+            "gcsFaultToleranceOptions.redisPassword must come from a Secret (valueFrom.secretKeyRef), not a literal"
+        )
+    if "externalStorageNamespace" in ft:
+        out.append(
+            "gcsFaultToleranceOptions.externalStorageNamespace must be left out: the old and new clusters of a "
+            "RayService upgrade would share the GCS's tables (KubeRay's default, the RayCluster's UID, keeps "
+            "them apart)"
+        )
+    legacy = {"ray.io/ft-enabled", "ray.io/external-storage-namespace"} & set(rs["metadata"].get("annotations") or {})
+    out += [f"annotation {a}: gcsFaultToleranceOptions replaces it (KubeRay refuses both)" for a in sorted(legacy)]
+    host, _, port = str(ft.get("redisAddress", "")).rpartition(":")
+    if not host or not port.isdigit():
+        return [*out, f"gcsFaultToleranceOptions.redisAddress must be host:port ({ft.get('redisAddress')!r})"]
+    if "." in host:  # outside the manifests (another namespace, or a managed Redis): not checked here
+        return out
+    svc = next((d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == host), None)
+    if svc is None or int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
+        return [*out, f"redisAddress {host}:{port} is no Service port of the manifests"]
+    pods = [
+        d["spec"]["template"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        and svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    reads = {
+        (r.get("name"), r.get("key"))
+        for pod in pods
+        for c in pod["spec"]["containers"]
+        for e in c.get("env", [])
+        if (r := (e.get("valueFrom") or {}).get("secretKeyRef"))
+    }
+    if not pods:
+        out.append(f"Service {host} selects no Deployment or StatefulSet of the manifests")
+    elif (ref.get("name"), ref.get("key")) not in reads:
+        out.append(f"the Redis behind {host} does not read its password from the Secret the RayService names ({ref})")
+    return out
+
+
+def validate(docs, crds: bool, production: bool = False) -> None:
     rs = rayservice(docs)
     problems = [f"apiVersion {rs['apiVersion']}"] if rs["apiVersion"] != "ray.io/v1" else []
     problems += crd_problems(rs) if crds else []
     if not problems:  # the checks below assume a well-typed object
+        problems += scaling_problems(rs) + (fault_tolerance_problems(docs) if production else [])
         try:
             problems += cluster_problems(rs, *serve_checks(rs))
         except ManifestError as err:
@@ -353,7 +462,29 @@ def validate(docs, crds: bool) -> None:
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_serve_config_and_layout(target):
-    validate(rendered(target), crds=False)
+    validate(rendered(target), crds=False, production=target == PRODUCTION)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_autoscaling_is_on_and_every_group_can_grow(target):
+    rs = rayservice(rendered(target))
+    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] and g["maxReplicas"] > g["minReplicas"], g
+    assert scaling_problems(rs) == []
+
+
+def test_the_production_overlay_keeps_the_gcs_in_redis():
+    assert "production" in (K8S / "README.md").read_text().split(PRODUCTION)[1].splitlines()[0]
+    ft = rayservice(rendered(PRODUCTION))["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert "value" not in ft["redisPassword"] and ft["redisPassword"]["valueFrom"]["secretKeyRef"]["key"]
+    assert fault_tolerance_problems(rendered(PRODUCTION)) == []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_secret_is_committed(target):
+    """Passwords and keys are Secrets the operator creates (k8s/README.md), never manifests."""
+    assert [d["metadata"]["name"] for d in rendered(target) if d["kind"] == "Secret"] == []
 
 
 @needs_crds
@@ -418,6 +549,14 @@ def _ray(group):
     return group["template"]["spec"]["containers"][0]
 
 
+def _cluster(fn):
+    return lambda rs: fn(rs["spec"]["rayClusterConfig"])
+
+
+def _scaling(**change):
+    return _serve(lambda c, a: a["args"]["target_autoscaling"].update(change))
+
+
 BROKEN = {  # name: (mutation of the base RayService, what the error names, needs the CRDs)
     "import path typo": (_serve(lambda c, a: a.update(import_path="serve_app.app:build_ap")), "import_path", False),
     "unknown args key": (_serve(lambda c, a: a["args"].update(draft_pool=2)), "draft_pool", False),
@@ -450,10 +589,62 @@ BROKEN = {  # name: (mutation of the base RayService, what the error names, need
         "num_gpu",
         False,
     ),
-    "pool larger than the draft pods": (
-        _serve(lambda c, a: a["args"].update(draft_pool_size=3)),
-        "DraftPool replica 3/3",
+    "max_replicas beyond the target pods": (_scaling(max_replicas=5), "Target replica 5/5", False),
+    "draft group too small for the pool": (
+        _group(1, lambda g: g.update(maxReplicas=3)),
+        "DraftPool replica 4/4",
         False,
+    ),
+    "autoscaler off": (_cluster(lambda rc: rc.update(enableInTreeAutoscaling=False)), "enableInTreeAutoscaling", False),
+    "autoscaler sidecar unsized": (
+        _cluster(lambda rc: rc["autoscalerOptions"].pop("resources")),
+        "autoscalerOptions.resources",
+        False,
+    ),
+    "no idle timeout": (
+        _cluster(lambda rc: rc["autoscalerOptions"].pop("idleTimeoutSeconds")),
+        "autoscalerOptions.idleTimeoutSeconds",
+        False,
+    ),
+    "group that cannot grow": (
+        _group(1, lambda g: g.update(maxReplicas=1)),
+        "draft: maxReplicas (1) must exceed minReplicas (1)",
+        False,
+    ),
+    "replicas above maxReplicas": (
+        _group(0, lambda g: g.update(replicas=5)),
+        "target: minReplicas <= replicas <= maxReplicas must hold (1, 5, 4)",
+        False,
+    ),
+    "replicas below minReplicas": (
+        _group(1, lambda g: g.update(minReplicas=2)),
+        "draft: minReplicas <= replicas <= maxReplicas must hold (2, 1, 4)",
+        False,
+    ),
+    "fixed target count": (
+        _serve(lambda c, a: (a["args"].pop("target_autoscaling"), a["args"].update(target_replicas=2))),
+        "args.target_autoscaling must be set",
+        False,
+    ),
+    "pool size beside autoscaling": (
+        _serve(lambda c, a: a["args"].update(draft_pool_size=4)),
+        "args.draft_pool_size must be left out",
+        False,
+    ),
+    "scaling target beyond the batch": (
+        _scaling(target_ongoing_requests=32),
+        "target_ongoing_requests (32) must be above 0 and at most engine.max_num_seqs (16)",
+        False,
+    ),
+    "upscaling mode KubeRay lacks": (
+        _cluster(lambda rc: rc["autoscalerOptions"].update(upscalingMode="Fast")),
+        "upscalingMode: 'Fast' is not one of",
+        True,
+    ),
+    "misspelt autoscaler option": (
+        _cluster(lambda rc: rc["autoscalerOptions"].update(idleTimeoutSecond=60)),
+        "idleTimeoutSecond",
+        True,
     ),
     "http host loopback": (_serve(lambda c, a: c["http_options"].update(host="127.0.0.1")), "http_options.host", False),
     "head may run replicas": (_group(None, lambda g: g["rayStartParams"].update({"num-cpus": "8"})), "num-cpus", False),
@@ -511,6 +702,71 @@ def test_broken_copy_fails(name):
     mutate(rayservice(docs))
     with pytest.raises(ManifestError, match=re.escape(expected)):
         validate(docs, crds=HAVE_CRDS)
+
+
+def _ft(fn):
+    return lambda docs: fn(rayservice(docs)["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"])
+
+
+def _redis_password_ref(docs):
+    redis = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "ssd-serve-redis")
+    return next(e for e in _ray(redis["spec"])["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+
+
+PRODUCTION_BROKEN = {  # name: (mutation of the production overlay's documents, what the error names, needs CRDs)
+    "no GCS fault tolerance": (
+        lambda docs: rayservice(docs)["spec"]["rayClusterConfig"].pop("gcsFaultToleranceOptions"),
+        "gcsFaultToleranceOptions is missing",
+        False,
+    ),
+    "Redis password written in": (
+        _ft(lambda ft: ft.update(redisPassword={"value": "not-a-secret"})),
+        "redisPassword must come from a Secret",
+        False,
+    ),
+    "fixed storage namespace": (
+        _ft(lambda ft: ft.update(externalStorageNamespace="ssd-serve")),
+        "externalStorageNamespace must be left out",
+        False,
+    ),
+    "legacy FT annotation": (
+        lambda docs: rayservice(docs)["metadata"].update(annotations={"ray.io/ft-enabled": "true"}),
+        "annotation ray.io/ft-enabled",
+        False,
+    ),
+    "Redis port not the Service's": (
+        _ft(lambda ft: ft.update(redisAddress="ssd-serve-redis:6380")),
+        "ssd-serve-redis:6380 is no Service port",
+        False,
+    ),
+    "Redis without its Deployment": (
+        lambda docs: docs.remove(next(d for d in docs if d["kind"] == "Deployment")),
+        "selects no Deployment",
+        False,
+    ),
+    "Redis reads another Secret": (
+        lambda docs: _redis_password_ref(docs).update(name="redis"),
+        "does not read its password from the Secret",
+        False,
+    ),
+    "misspelt FT option": (_ft(lambda ft: ft.update(redisAdress=ft.pop("redisAddress"))), "redisAdress", True),
+    "secret reference without its key": (
+        _ft(lambda ft: ft["redisPassword"]["valueFrom"]["secretKeyRef"].pop("key")),
+        "'key' is a required property",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PRODUCTION_BROKEN))
+def test_broken_production_copy_fails(name):
+    mutate, expected, crds = PRODUCTION_BROKEN[name]
+    if crds and not HAVE_CRDS:
+        pytest.skip(f"KubeRay CRDs not found in {KUBERAY}")
+    docs = copy.deepcopy(list(rendered(PRODUCTION)))
+    mutate(docs)
+    with pytest.raises(ManifestError, match=re.escape(expected)):
+        validate(docs, crds=HAVE_CRDS, production=True)
 
 
 def test_overlay_patch_refuses_a_reordered_base(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd.transport.leases import LeaseTable
+from ssd.transport.leases import UNMET_FRESH_S, LeaseTable
 
 
 class Clock:
@@ -97,3 +97,26 @@ def test_workers_of_another_configuration_are_never_leased():
     assert [lease.worker_id for lease in got] == ["b1", "any"]
     assert [lease.worker_id for lease in t.lease("target-a", 3, 10.0, fingerprint=1)] == ["a1"]
     assert t.lease("target-c", 1, 10.0, fingerprint=3) == []
+
+
+def test_demand_counts_the_leased_and_the_still_asking_of_one_application_and_configuration():
+    clock = Clock()
+    t = LeaseTable(clock)
+    t.register("w0", "torch://a:1", fingerprint=7)
+    t.register("x0", "torch://b:1", fingerprint=8)
+    assert t.demand(7, "app/") == 0
+    assert [lease.worker_id for lease in t.lease("app/target-1", 1, 30.0, 7)] == ["w0"]
+    assert t.lease("app/target-2", 2, 30.0, 7) == []  # none free: it waits, and keeps asking
+    assert t.lease("other/target-3", 1, 30.0, 7) == []
+    assert t.demand(7, "app/") == 1 + 2
+    assert t.demand(7) == 1 + 2 + 1
+    assert t.demand(8, "app/") == 0  # another configuration's workers are not this pool's
+    clock.now += UNMET_FRESH_S  # target-2 stopped asking (it gave up, or it was scaled down)
+    assert t.demand(7, "app/") == 1
+    t.register("w1", "torch://a:2", fingerprint=7)
+    assert len(t.lease("app/target-2", 1, 30.0, 7)) == 1
+    assert t.demand(7, "app/") == 2
+    t.release("app/target-1", ["w0"])  # target-1 scaled down: it closes and releases
+    assert t.demand(7, "app/") == 1
+    clock.now += 31  # target-2 died: its lease runs out
+    assert t.demand(7, "app/") == 0

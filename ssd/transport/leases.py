@@ -10,6 +10,11 @@ Workers of different configurations (draft model, K, C, vocabulary: the channel 
 share one table, as two Serve applications on one cluster do: each registers with its
 fingerprint and a target leases only workers of its own.
 
+The table also says how many workers its lessees want (`demand`): those leased, plus those a
+lessee asked for and did not get, for as long as it keeps asking. A pool that sizes itself by it
+grows when targets start and shrinks when they release their leases or die, with nothing set by
+hand.
+
 Invariants: a worker is leased by at most one lessee at a time; a worker is only leased to a
 lessee asking for its fingerprint; an expired lease is never renewed; a re-registration (the
 worker restarted) ends any lease on it.
@@ -41,11 +46,24 @@ class _Worker:
     expires_at: float = 0.0
 
 
+@dataclass
+class _Unmet:
+    fingerprint: int | None
+    missing: int  # workers asked for and not leased
+    asked_at: float  # on the table's clock
+
+
+# A lessee that is still waiting asks again every half second (RayLeasedWorkers.acquire); one
+# that stopped asking this long ago wants no more.
+UNMET_FRESH_S = 5.0
+
+
 class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.workers: dict[str, _Worker] = {}
         self.expired = 0  # leases that ran out (their lessee stopped renewing)
+        self.unmet: dict[str, _Unmet] = {}  # lessee -> its last lease call that came up short
 
     def _free(self, w: _Worker, now: float) -> bool:
         if w.lessee is not None and w.expires_at <= now:
@@ -83,6 +101,10 @@ class LeaseTable:
             if self._free(w, now):
                 w.lessee, w.expires_at = lessee, now + ttl_s
                 out.append(Lease(worker_id, w.address, lessee, w.expires_at))
+        if len(out) < n:
+            self.unmet[lessee] = _Unmet(fingerprint, n - len(out), now)
+        else:
+            self.unmet.pop(lessee, None)
         return out
 
     def renew(self, lessee: str, worker_ids: list[str], ttl_s: float) -> list[str]:
@@ -110,6 +132,23 @@ class LeaseTable:
         w = self.workers.get(worker_id)
         if w is not None and w.lessee in (lessee, None) and address in (None, w.address):
             del self.workers[worker_id]
+
+    def demand(self, fingerprint: int | None = None, lessees: str = "") -> int:
+        """Workers of `fingerprint` (None: of any) wanted now by the lessees whose names start with
+        `lessees`: the ones leased, plus the ones asked for in the last UNMET_FRESH_S seconds and not
+        leased."""
+        now = self.clock()
+        leased = sum(
+            not self._free(w, now) and w.lessee.startswith(lessees) and fingerprint in (None, w.fingerprint)
+            for w in self.workers.values()
+        )
+        self.unmet = {k: u for k, u in self.unmet.items() if now - u.asked_at < UNMET_FRESH_S}
+        waiting = sum(
+            u.missing
+            for lessee, u in self.unmet.items()
+            if lessee.startswith(lessees) and fingerprint in (None, u.fingerprint)
+        )
+        return leased + waiting
 
     def snapshot(self) -> list[dict]:
         now = self.clock()
