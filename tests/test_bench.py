@@ -246,13 +246,17 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
 
 def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
     """--draft-workers gives SSD one row per D (each worker builds ssd_budget branches, the tree
-    covers D times as many), --draft-transports one per transport, crossed (the labels from the
+    covers D times as many), --draft-transports one per transport, --draft-splits one per split of D > 1
+    workers, crossed (the labels from the
     variants alone; one crossed row runs); more workers than cores is said; an unknown transport
     is refused."""
     labels = [v.label for v in variants(["sd", "ssd"], None, [4], [1, 2], ["shm", "grpc"])]
     assert labels == [
         "sd", "ssd B=4 D=1 tr=shm", "ssd B=4 D=1 tr=grpc", "ssd B=4 D=2 tr=shm", "ssd B=4 D=2 tr=grpc"
     ], labels  # fmt: skip
+    splits = [v.label for v in variants(["ssd"], None, None, [1, 2], None, None, ["outcomes", "sequences"])]
+    assert splits == ["ssd D=1 split=outcomes", "ssd D=2 split=outcomes", "ssd D=2 split=sequences"], splits
+    assert variants(["ssd"], None, None, [2], None, None, ["sequences"])[0].record["draft_split"] == "sequences"
     target, draft = pair
     caplog.set_level(logging.WARNING)
     argv = ["--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6"]
@@ -271,6 +275,8 @@ def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
         bench.run(
             parse(["--target", target, "--draft", draft, "--draft-transports", "pigeon", "--out-dir", str(tmp_path)])
         )
+    with pytest.raises(ValueError, match="--draft-splits: unknown"):
+        bench.run(parse(["--target", target, "--draft", draft, "--draft-splits", "halves", "--out-dir", str(tmp_path)]))
 
 
 def test_tensor_parallel_rows(pair, tmp_path):

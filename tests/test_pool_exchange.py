@@ -43,9 +43,10 @@ def test_four_workers_at_batch_1_the_target_awaits_one_reply_per_round(tiny_pair
     assert ssd["draft_worker_failures"] == 0 and ssd["target_exchange_ms"] > 0, ssd
 
 
-def test_four_workers_at_batch_4_greedy_matches_hf(tiny_pair, prompts, tiny_reference):
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_four_workers_at_batch_4_greedy_matches_hf(tiny_pair, prompts, tiny_reference, transport):
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_workers=4, ssd_backup="neural", max_num_seqs=4) as llm:
+    with ssd_llm(target, draft, draft_workers=4, draft_transport=transport, ssd_backup="neural", max_num_seqs=4) as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     ssd = m["ssd"]

@@ -82,7 +82,23 @@ CASES = {
         dict(max_num_seqs=4, ssd_backup="neural", draft_workers=4),
         500,
     ),
+    # The same pool over a network transport (gRPC, as served pools on other hosts run), at batch
+    # 4 and at batch 1: the grid, the named answers and the backups cross sockets, not mailboxes.
+    "four_workers_grpc": (
+        SamplingParams(temperature=1.0),
+        dict(max_num_seqs=4, ssd_backup="neural", draft_workers=4, draft_transport="grpc"),
+        500,
+    ),
+    "four_workers_grpc_one_row_top_p": (
+        SamplingParams(temperature=1.5, top_p=0.8),
+        dict(max_num_seqs=1, ssd_backup="neural", draft_workers=4, draft_transport="grpc"),
+        300,
+    ),
 }
+
+
+# Cases whose every row is answered by the one shard the target names for it (a pool of rows).
+NAMED_ANSWERS = ("two_workers_predicted", "four_workers_top_p", "four_workers_grpc", "four_workers_grpc_one_row_top_p")
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +109,7 @@ def no_leaked_workers():
 
 def run_case(pair, params: SamplingParams, options: dict, n: int, seed_base: int):
     with LLM(*pair, mode="ssd", k=STAT_K, **options) as llm:
-        assert llm.engine.config.draft_transport == "shm"
+        assert llm.engine.config.draft_transport == options.get("draft_transport", "shm")
         prompt_ids = llm.tokenizer.encode(STAT_PROMPT, add_special_tokens=False)
         samples = sample_with_sources(llm, prompt_ids, params, seed_base=seed_base, n=n)
         metrics = llm.metrics()
@@ -120,7 +136,7 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
         assert ssd["drafter_rounds_cut"] > 0.5 * rounds, ssd
     if "draft_workers" in options:
         assert min(ssd["draft_shard_hits"]) > 0, ssd
-    if case in ("two_workers_predicted", "four_workers_top_p"):  # each row's answer from the shard named for it
+    if case in NAMED_ANSWERS:
         assert ssd["draft_grids_missed"] == 0 and ssd["replies_awaited"] < workers, ssd
     if case == "two_workers_predicted":
         assert ssd["drafter_predicted_confirmed"] > 0.1 * rounds, ssd

@@ -40,6 +40,7 @@ def _base_spec(plan: BenchPlan) -> dict:
         "ssd_budgets": plan.ssd_budgets,
         "draft_workers": plan.draft_workers,
         "draft_transports": plan.draft_transports,
+        "draft_splits": plan.draft_splits,
         "tensor_parallel_sizes": plan.tensor_parallel_sizes,
         "repeats": plan.repeats,
         "contention_budget": (plan.ssd_budgets or [16])[0],
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> dict:
             plan.draft_workers,
             plan.draft_transports,
             plan.tensor_parallel_sizes,
+            plan.draft_splits,
         )
     ]
     runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats

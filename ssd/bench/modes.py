@@ -184,7 +184,7 @@ class Variant:
             out["saguaro_c"] = self.ssd_options["saguaro_c"]
         if "ssd_budget" in self.ssd_options:
             out["ssd_budget"] = self.ssd_options["ssd_budget"]
-        for key in ("draft_workers", "draft_transport"):
+        for key in ("draft_workers", "draft_transport", "draft_split"):
             if key in self.ssd_options:
                 out[key] = self.ssd_options[key]
         out.update(self.engine_options)
@@ -198,10 +198,11 @@ def variants(
     workers: list[int] | None = None,
     transports: list[str] | None = None,
     tp_sizes: list[int] | None = None,
+    splits: list[str] | None = None,
 ) -> list[Variant]:
-    """Every mode once, every SSD mode once per (C, B, D, transport) combination of the sweep, and
-    each mode of this engine once per tensor-parallel size when those are swept."""
-    out = _ssd_variants(modes, saguaro_c, budgets, workers, transports)
+    """Every mode once, every SSD mode once per (C, B, D, transport, split) combination of the
+    sweep, and each mode of this engine once per tensor-parallel size when those are swept."""
+    out = _ssd_variants(modes, saguaro_c, budgets, workers, transports, splits)
     if not tp_sizes:
         return out
     return [
@@ -211,21 +212,24 @@ def variants(
     ]
 
 
-def _ssd_variants(modes, saguaro_c, budgets, workers, transports) -> list[Variant]:
+def _ssd_variants(modes, saguaro_c, budgets, workers, transports, splits) -> list[Variant]:
     out = []
     for name in modes:
-        if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports)):
+        if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports, splits)):
             out.append(Variant(name, name, {}))
             continue
-        for c, b, d, tr in itertools.product(
-            saguaro_c or [None], budgets or [None], workers or [None], transports or [None]
+        for c, b, d, tr, sp in itertools.product(
+            saguaro_c or [None], budgets or [None], workers or [None], transports or [None], splits or [None]
         ):
             values = (
                 ("saguaro_c", "C", c),
                 ("ssd_budget", "B", b),
                 ("draft_workers", "D", d),
                 ("draft_transport", "tr", tr),
+                ("draft_split", "split", sp),
             )
+            if sp == "sequences" and (d or 1) == 1:  # one worker has nothing to split
+                continue
             options = {key: v for key, _, v in values if v is not None}
             if b is not None:  # a swept budget is the budget: the sizer would move it
                 options["ssd_autobudget"] = False

@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "labelled tr=...), to compare what each costs per round. Default: the engine's default (shm).",
     )
     parser.add_argument(
+        "--draft-splits",
+        default=None,
+        help="Comma-separated ways D > 1 draft workers share the work (outcomes, sequences; see draft_split): every "
+        "SSD mode runs once per value (rows labelled split=...). Default: the engine's default (outcomes).",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         default=None,
         help="Comma-separated tensor_parallel_size values: every mode of this engine runs once per value with the "
@@ -178,6 +184,7 @@ class BenchPlan:
     ssd_budgets: list[int] | None = None
     draft_workers: list[int] | None = None
     draft_transports: list[str] | None = None
+    draft_splits: list[str] | None = None
     tensor_parallel_sizes: list[int] | None = None
     repeats: int = 1
 
@@ -237,6 +244,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         ssd_budgets=budgets,
         draft_workers=workers,
         draft_transports=transports,
+        draft_splits=_draft_splits(get("draft_splits")),
         tensor_parallel_sizes=_tp_sizes(get("tensor_parallel_size")),
         repeats=repeats,
         contention=bool(get("contention", False)),
@@ -287,6 +295,17 @@ def _pool_values(workers: str | None, transports: str | None) -> tuple[list[int]
         if unknown:
             raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
     return counts, names
+
+
+def _draft_splits(splits: str | None) -> list[str] | None:
+    """--draft-splits as a list (None when not given), validated."""
+    if splits is None:
+        return None
+    names = _split(splits, "draft-splits")
+    unknown = [s for s in names if s not in ("outcomes", "sequences")]
+    if unknown:
+        raise ValueError(f"--draft-splits: unknown {unknown}; choose from outcomes, sequences")
+    return names
 
 
 def _ssd_values(saguaro_c: str | None, budgets: str | None) -> tuple[list[float] | None, list[int] | None]:

@@ -64,6 +64,7 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
         spec.get("draft_workers"),
         spec.get("draft_transports"),
         spec.get("tensor_parallel_sizes"),
+        spec.get("draft_splits"),
     )
     try:
         for v in todo:

@@ -39,7 +39,7 @@ import torch
 
 from ssd.core.protocol import MsgType
 from ssd.transport.channel import ChannelClosed, ChannelTimeout
-from ssd.transport.wire import HEADER, WireCounts, body_size, frame, unframe
+from ssd.transport.wire import HEADER, WireCounts, body_size, framed, unframe
 
 # How long a waiter spins before blocking: covers a verification of the models this transport
 # is for (a few to a few tens of milliseconds), after which latency no longer matters.
@@ -209,9 +209,9 @@ class ShmChannel:
         self.counts = WireCounts()
 
     def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
-        header, body = frame(kind, msg, self.fp)
-        self.writer.write(torch.cat([header.view(torch.uint8), body]), timeout)
-        self.counts.on_send(kind, body.numel())
+        data = framed(kind, msg, self.fp)
+        self.writer.write(data, timeout)
+        self.counts.on_send(kind, data.numel() - 8 * HEADER)
 
     def poll(self) -> bool:
         """Whether the next message has begun to arrive; one non-blocking check."""

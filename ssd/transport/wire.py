@@ -110,10 +110,24 @@ class Encoded:
     round_id: int
     ints: torch.Tensor  # [n] long
     floats: torch.Tensor  # [m] float32
+    # fingerprint -> the framed bytes (header and body, uint8): a pool's channels share one
+    # fingerprint, so every mailbox of the pool is sent the same bytes, framed once.
+    frames: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, kind: MsgType, msg) -> Encoded:
         return cls(kind, *encode(kind, msg))
+
+
+def framed(kind: MsgType, msg, fp: int) -> torch.Tensor:
+    """frame() as one uint8 tensor [8 HEADER + body], framed once per fingerprint for an Encoded."""
+    if isinstance(msg, Encoded) and fp in msg.frames:
+        return msg.frames[fp]
+    header, body = frame(kind, msg, fp)
+    out = torch.cat([header.view(torch.uint8), body])
+    if isinstance(msg, Encoded):
+        msg.frames[fp] = out
+    return out
 
 
 def encode(kind: MsgType, msg) -> tuple[int, torch.Tensor, torch.Tensor]:
