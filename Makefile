@@ -56,12 +56,13 @@ format: install
 bench: install
 	$(BIN)/ssd bench
 
-# Against a running `make serve` (another terminal): 4 users for 60 s, every speculation mode,
-# reports in bench_results/loadtest_*.csv and bench_results/loadtest.html.
+# Against a running `make serve` (another terminal): 4 users for 60 s, every speculation mode the
+# server serves (its /v1/models card lists them: auto and off by default), reports in
+# bench_results/loadtest_*.csv and bench_results/loadtest.html.
 loadtest: install
 	mkdir -p bench_results
 	$(BIN)/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \
-		--spec-modes ssd,sd,off --csv bench_results/loadtest --html bench_results/loadtest.html
+		--csv bench_results/loadtest --html bench_results/loadtest.html
 
 demo-models: install
 	$(BIN)/ssd build-demo-models

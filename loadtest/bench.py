@@ -1,7 +1,9 @@
 """Load benchmark: the speculation modes (auto, ssd, sd, plain decoding: off) at several
-concurrent user counts, against a running server that serves them (in another terminal, e.g.
-`.venv/bin/ssd serve --extra-modes sd off` for auto, sd and off; a config file with
-`extra_modes: [ssd, sd, "off"]` for all four, docs/serving.md).
+concurrent user counts, against a running server (in another terminal: `make serve` serves auto
+and off; `.venv/bin/ssd serve --extra-modes sd off` auto, sd and off; a config file with
+`extra_modes: [ssd, sd, "off"]` all four, docs/serving.md). --modes defaults to every mode the
+server serves (its /v1/models card lists them); a mode named there that it does not serve is
+refused before the first run.
 
     python -m loadtest.bench --users 1,4,16 --duration 30 --modes auto,ssd,sd,off
 
@@ -27,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from loadtest.served_modes import pick_modes, served_modes
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="ssd-demo")
     parser.add_argument("--api-key", default="")
-    parser.add_argument("--modes", default="ssd,sd,off")
+    parser.add_argument("--modes", default="", help="Comma-separated; default: every mode the server serves.")
     parser.add_argument("--users", default="1,4,16")
     parser.add_argument("--duration", type=int, default=30, help="Seconds per cell.")
     parser.add_argument(
@@ -111,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    modes = args.modes.split(",")
+    try:
+        modes = pick_modes(args.modes, served_modes(args.host, args.model, args.api_key), args.host)
+    except ValueError as err:
+        parser.error(str(err))
+    args.modes = ",".join(modes)  # as run, in the JSON written
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
         for users in [int(u) for u in args.users.split(",")]:

@@ -1,11 +1,13 @@
 """Locust load test of the OpenAI endpoints of `ssd serve`.
 
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \
-        --csv bench_results/loadtest --html bench_results/loadtest.html [--spec-modes ssd,sd,off]
+        --csv bench_results/loadtest --html bench_results/loadtest.html [--spec-modes auto,off]
 
 Each user sends requests drawn from a prompt mix (loadtest/prompts.jsonl: one JSON object per
 line with `kind` "completion" or "chat", `prompt`, `max_tokens`), streaming or not
-(--stream-fraction), each with a speculation mode drawn from --spec-modes. Locust times a
+(--stream-fraction), each with a speculation mode drawn from --spec-modes: by default every mode
+the server serves (its model card on GET /v1/models lists them); a mode given there that the
+server does not serve stops the run before its first request. Locust times a
 streamed POST only up to its response headers, so the figures that matter are reported as
 request events of their own, under the request type in the first column:
     TTFT      ms from sending the request to the first generated text
@@ -21,14 +23,18 @@ stream without [DONE]) is reported as a failure of its POST.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 from locust import HttpUser, events, task
+from served_modes import pick_modes, served_modes  # beside this file, which Locust puts on sys.path
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+_modes: list[str] = []  # the modes drawn from, set once per process (_check_modes or the first user)
 
 
 @events.init_command_line_parser.add_listener
@@ -36,8 +42,9 @@ def _arguments(parser) -> None:
     parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), help="JSONL prompt mix.")
     parser.add_argument(
         "--spec-modes",
-        default="ssd",
-        help="Comma-separated speculation modes to draw from (auto, ssd, sd, off; 'default' = none sent).",
+        default="",
+        help="Comma-separated speculation modes to draw from (auto, ssd, sd, off; 'default' = none sent); "
+        "default: every mode the server serves. A mode it does not serve stops the run at its start.",
     )
     parser.add_argument("--model", default="ssd-demo", help="The model id the server serves.")
     parser.add_argument("--stream-fraction", type=float, default=0.75, help="Share of requests sent with stream: true.")
@@ -51,6 +58,28 @@ def _arguments(parser) -> None:
         default=200.0,
         help="Each user waits uniformly 0 to this many ms between requests (0: back to back, a closed loop).",
     )
+
+
+def _resolve_modes(host: str, options) -> list[str]:
+    """The modes to draw from (ValueError when the server cannot say or does not serve one)."""
+    if not _modes:
+        served = served_modes(host, options.model, options.api_key)
+        _modes.extend(pick_modes(options.spec_modes, served, host))
+    return _modes
+
+
+@events.init.add_listener
+def _check_modes(environment, **_kwargs) -> None:
+    """Before the first request: the modes asked for are served (a worker, or a web UI run given
+    its host later, checks in its first user's on_start instead)."""
+    options = environment.parsed_options
+    if options is None or not environment.host or getattr(options, "worker", False):
+        return
+    try:
+        modes = _resolve_modes(environment.host, options)
+    except ValueError as err:
+        sys.exit(f"loadtest/locustfile.py: {err}")
+    logging.getLogger(__name__).info("speculation modes drawn from: %s", ", ".join(modes))
 
 
 def _load(path: str) -> list[dict]:
@@ -67,7 +96,7 @@ class OpenAIUser(HttpUser):
     def on_start(self) -> None:
         options = self.environment.parsed_options
         self.prompts = _load(options.prompts_file)
-        self.modes = [m.strip() for m in options.spec_modes.split(",") if m.strip()]
+        self.modes = _resolve_modes(self.host, options)
         self.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
 
     def _report(self, kind: str, name: str, value: float) -> None:

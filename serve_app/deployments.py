@@ -31,7 +31,7 @@ from serve_app.engine_loop import EngineLoop, build_engines
 from serve_app.errors import APIError, overloaded
 from serve_app.grpc_api import GrpcFrontend
 from serve_app.metrics import ServeMetrics
-from serve_app.openai_api import OpenAIFrontend, parse_body
+from serve_app.openai_api import OpenAIFrontend, parse_body, read_body
 from serve_app.pool_scaling import WANTED, lessees
 from serve_app.replica_logs import use_replica_log
 from serve_app.types import GenerateChunk, GenerateRequest
@@ -295,16 +295,8 @@ class IngressDeployment:
     async def _body(self, request: Request) -> dict:
         if not self._authorized(request.headers.get("authorization")):
             raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
-        return parse_body(bytes(raw))
+        length = request.headers.get("content-length")
+        return parse_body(await read_body(request.stream(), length, self.settings.max_body_bytes))
 
     @staticmethod
     def _reply(result) -> Response:

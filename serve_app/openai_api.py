@@ -38,6 +38,43 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+# A body over the limit is read to its end, and dropped, before its 413 is sent, when it is at most
+# this long: the HTTP proxy closes a connection the client asked to close (`Connection: close`:
+# urllib, HTTP/1.0) once the response is sent, and closing a socket with unread data makes the
+# kernel reset the connection, which discards the 413 before the client, still sending, reads it.
+# A body declared longer than this gets the 413 at once (a keep-alive client still reads it).
+DRAIN_MAX_BYTES = 256 << 20
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
+
+
+async def read_body(parts: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
+    """The request body from its parts as they arrive (content_length: the header, None for a
+    chunked body); more than `limit` bytes, as declared or as read, raises 413 once the rest of
+    the body has been read and dropped (at most DRAIN_MAX_BYTES in all; see there why)."""
+    declared = int(content_length) if content_length is not None and content_length.isdigit() else None
+    if declared is not None and declared > DRAIN_MAX_BYTES:
+        raise body_too_large(limit)
+    raw, seen = bytearray(), 0
+    over = declared is not None and declared > limit
+    try:
+        async for part in parts:
+            seen += len(part)
+            if not over:
+                raw += part
+                over = len(raw) > limit
+            if over and seen > DRAIN_MAX_BYTES:
+                break
+    except Exception:  # noqa: BLE001 - the client left while its oversized body was dropped: 413 all the same
+        if not over:
+            raise
+    if over:
+        raise body_too_large(limit)
+    return bytes(raw)
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -118,7 +155,14 @@ class OpenAIFrontend:
                 "model",
                 "model_not_found",
             )
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ssd-serve"}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ssd-serve",
+            # The `speculation.mode` values served here (loadtest/locustfile.py draws from them).
+            "speculation_modes": list(self.settings.request_modes),
+        }
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -193,6 +193,88 @@ def test_a_body_far_over_the_limit_still_gets_413_with_the_envelope(served, mega
     assert err.value.status_code == 413
 
 
+TOO_LARGE = {
+    "message": "the body is larger than 65536 bytes",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": "body_too_large",
+}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_40_mb_body_gets_413_from_a_client_that_closes_the_connection(served, chunked):
+    """Reported: a 40 MB body got a TCP reset where 2 MB got 413. urllib asks for `Connection:
+    close`: the 413 came before the body was read, the HTTP proxy then closed the connection with
+    the body unread, and the kernel's reset discarded the 413 while the client was still sending.
+    Now the body is read (and dropped) first: 413 with the envelope, with a Content-Length (urllib)
+    and chunked (http.client, in paced parts, so that the answer would come mid-body)."""
+    import http.client
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {served.api_key}", "Content-Type": "application/json"}
+    if not chunked:
+        request = urllib.request.Request(served.http + "/v1/completions", data=b"{" * (40 << 20), headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=120)
+        assert err.value.code == 413 and json.loads(err.value.read()) == {"error": TOO_LARGE}
+        return
+
+    def parts():
+        for _ in range(40):
+            yield b"{" * (1 << 20)
+            time.sleep(0.01)
+
+    url = urllib.parse.urlsplit(served.http)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    try:  # an iterable body and no Content-Length: http.client sends it chunked
+        connection.request("POST", "/v1/completions", body=parts(), headers={**headers, "Connection": "close"})
+        response = connection.getresponse()
+        assert response.status == 413 and json.loads(response.read()) == {"error": TOO_LARGE}
+    finally:
+        connection.close()
+
+
+def test_an_oversized_body_is_read_to_its_end_before_its_413(monkeypatch):
+    """serve_app.openai_api.read_body, without a server: over the limit (declared or as read), the
+    rest is read and dropped up to DRAIN_MAX_BYTES, then 413; a client leaving meanwhile changes
+    nothing; a body declared past DRAIN_MAX_BYTES gets its 413 at once."""
+    from serve_app import openai_api
+    from serve_app.errors import APIError
+
+    monkeypatch.setattr(openai_api, "DRAIN_MAX_BYTES", 8 << 20)
+    read = []
+
+    async def parts(n: int, leave_at: int | None = None):
+        for i in range(n):
+            if i == leave_at:
+                raise ConnectionError("the client left")  # as starlette's ClientDisconnect, an Exception
+            read.append(i)
+            yield b"{" * (1 << 20)
+
+    def outcome(body, length: str | None):
+        read.clear()
+        try:
+            return asyncio.run(openai_api.read_body(body, length, 65536))
+        except APIError as err:
+            return err.status, err.code, len(read)
+
+    assert outcome(parts(4), str(4 << 20)) == (413, "body_too_large", 4)  # all of it read
+    assert outcome(parts(4), None) == (413, "body_too_large", 4)  # chunked
+    assert outcome(parts(20), None) == (413, "body_too_large", 9)  # stops once past the drain cap
+    assert outcome(parts(20), str(20 << 20)) == (413, "body_too_large", 0)  # declared past it: at once
+    assert outcome(parts(4, leave_at=2), str(4 << 20)) == (413, "body_too_large", 2)
+    with pytest.raises(ConnectionError):  # leaving within the limit is not a 413
+        outcome(parts(4, leave_at=0), str(1000))
+
+    async def small():
+        yield b'{"a": '
+        yield b"1}"
+
+    assert outcome(small(), None) == b'{"a": 1}'
+
+
 def test_the_drain_board_names_the_current_deploy(served):
     """`ssd serve` stamps its deploy on the app's drain board (a real detached actor here); a
     later deploy of the same app takes it over, and the one it replaced then stops nothing."""
