@@ -47,10 +47,10 @@ if pool is not None and hasattr(pool, "provider"):
     link = pool.provider.acquire()
     row["worker_ready_s"] = time.perf_counter() - asked
     pool.provider.discard(link, failed=False)
-    replaced = pool.replacements
+    replaced = pool.tally.replacements
     os.kill(pool.shards[0].link.process.pid, signal.SIGKILL)
     killed = time.perf_counter()
-    while pool.replacements == replaced and time.perf_counter() - killed < 120:
+    while pool.tally.replacements == replaced and time.perf_counter() - killed < 120:
         llm.generate("def f(x):", greedy(4))
     row["replace_s"] = time.perf_counter() - killed
 closing = time.perf_counter()

@@ -59,6 +59,7 @@ from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
+from ssd.drafting.tree_answers import backed_up, commit_outcomes, known_rows, look_up
 from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
 from ssd.model.runner import ModelRunner, pad_rows
 
@@ -330,7 +331,7 @@ class TreeDrafter:
             self.counters.rounds += 1
             self.counters.cut += int(rnd.depth < k)
         self.round = None
-        need = self._backed_up(msg, mine, hit, covered)
+        need = backed_up(msg, mine, hit, covered, self.shard)
         if any(need):
             missed = torch.tensor(need, dtype=torch.bool)
             spec = self._draft_just_in_time(seq_ids, need)
@@ -351,56 +352,14 @@ class TreeDrafter:
             torch.tensor(rank, dtype=torch.long), flags[2],
         )  # fmt: skip
 
-    def _backed_up(self, msg: ResolveMsg, mine: list[bool], hit: list[bool], covered: list[bool]) -> list[bool]:
-        """[b] the rows this drafter drafts just in time (when the target asks for the neural
-        backup): named answering, the rows it answers but does not hold (no shard holds them, or
-        the one that does is gone); else, as the backup shard, the rows no shard holds."""
-        if not msg.neural_backup:
-            return [False] * len(hit)
-        if msg.answering:
-            return [m and not h for m, h in zip(mine, hit)]
-        return [not c for c in covered] if msg.backup_shard == self.shard else [False] * len(hit)
-
     def _look_up(
         self, rnd: SpeculationTree | None, msg: ResolveMsg, greedy: list[bool], tokens: torch.Tensor, probs
     ) -> tuple[list[bool], list[bool], list[int]]:
-        """Commit the outcome of every row the round holds and look it up in the round's grid;
-        -> per row (hit: this shard holds its branch, covered: some shard does, the bonus
-        token's rank; False, False, -1 for a row the round does not hold). The hits' branches go
-        into tokens [b, K] and, for sampled rows, probs [b, K, V]."""
-        b = len(msg.seq_ids)
-        hit, covered, rank = [False] * b, [False] * b, [-1] * b
-        position = {} if rnd is None else {s: i for i, s in enumerate(rnd.seq_ids)}  # seq id -> row in the round
-        known = [r for r, s in enumerate(msg.seq_ids) if s in position]
-        if not known:
-            return hit, covered, rank
-        index = [position[msg.seq_ids[r]] for r in known]
-        self._commit_outcomes(rnd, msg, known, index)
-        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
-        found, branch, ranks = rnd.lookup(index, [accepted[r] for r in known], [bonus[r] for r in known])
-        picks = []  # (row in the round, branch of this shard) per hit row, in batch order
-        for r, i, f, n, place in zip(known, index, found, branch, ranks):
-            covered[r], rank[r] = bool(f), place
-            if f and n % self.num_shards == self.shard:
-                hit[r] = True
-                picks.append((i, n // self.num_shards))
-        if picks:
-            rnd.copy_branches(picks, [r for r, h in enumerate(hit) if h], greedy, tokens, probs)
-        return hit, covered, rank
-
-    def _commit_outcomes(self, rnd: SpeculationTree, msg: ResolveMsg, known: list[int], index: list[int]) -> None:
-        """Append each known row's (index: its row in the round) accepted drafts and bonus token
-        to what it has committed, and drop the glue columns of its rejected drafts from the cache."""
-        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
-        rejected = [0] * len(rnd.seq_ids)  # per cache row: s_T's glue columns to drop
-        for r, i in zip(known, index):
-            s, acc = msg.seq_ids[r], accepted[r]
-            committed = rnd.spec_tokens[i][:acc] + [bonus[r]]
-            self.states[s].tokens.extend(committed)
-            self.grammars.commit(s, committed)
-            rejected[i] = len(rnd.spec_tokens[i]) - acc
-        # The accepted drafts' columns stay: they hold committed tokens now.
-        self.cache.drop_last(torch.tensor(rejected, dtype=torch.long))
+        """Commit the outcome of every row the round holds, then look it up (tree_answers.look_up)."""
+        known, index = known_rows(rnd, msg)
+        if known:
+            commit_outcomes(rnd, msg, known, index, self.states, self.grammars, self.cache)
+        return look_up(rnd, msg, known, index, greedy, tokens, probs, self.shard, self.num_shards)
 
     def reply(self, deadline_s: float = 0.0) -> SpeculationReply | None:
         """The answer to the last resolve() (computed there: nothing to wait for); None where this

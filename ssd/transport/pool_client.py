@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ssd.core.protocol import (
     AdmitMsg,
@@ -53,50 +50,15 @@ from ssd.core.protocol import (
     ResolveMsg,
     SpeculationReply,
 )
-from ssd.core.sampling import SequenceSampling
 from ssd.transport.link import WorkerLink, WorkerProvider
+from ssd.transport.pool_state import PoolTally, SeqView, Shard, shard_seed
 from ssd.transport.refills import Refills
 from ssd.transport.rows import assemble, merge_shards, take
-from ssd.transport.wire import Encoded, WireCounts
+from ssd.transport.wire import Encoded
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
-EXCHANGE_WINDOW = 4096  # rounds whose exchange time the median in stats() is taken over
 BUILD_FRESH_ROUNDS = 16  # rounds a shard's build time stands for it in the merged reply's
-
-
-def shard_seed(seed: int, shard: int, incarnation: int) -> int:
-    """A seed for the drafter of `shard` that no other shard or incarnation shares (splitmix64)."""
-    if shard == 0 and incarnation == 0:
-        return seed
-    z = (seed + 0x9E3779B97F4A7C15 * (1 + shard + (incarnation << 20))) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 2  # 62 bits, like the seeds the proposer draws
-
-
-@dataclass
-class _SeqView:
-    """What a replacement worker needs to take a sequence over."""
-
-    tokens: list[int]  # committed, as the drafters know them
-    seed: int
-    sampling: SequenceSampling
-
-
-@dataclass
-class _Shard:
-    link: WorkerLink | None = None
-    incarnation: int = 0  # workers this shard has had (seeds differ per incarnation)
-    refilling: bool = False
-    answered: bool = False  # its current worker has delivered a reply
-    backoff_s: float = 0.0  # wait before acquiring the next worker (grows while workers fail at once)
-    # Its latest reply's build time (a tree of the full depth, projected) and the round of that
-    # reply. A shard named for no row sends nothing, so a round's own replies need not include the
-    # slowest builder; a value older than BUILD_FRESH_ROUNDS no longer counts.
-    build_s: float = 0.0
-    build_round: int = -1
 
 
 class PoolClient:
@@ -112,27 +74,13 @@ class PoolClient:
         assert num_workers >= 1 and split in ("outcomes", "sequences")
         self.provider, self.d, self.split = provider, num_workers, split
         self.owner: dict[int, int] = {}  # split="sequences": the shard that drafts each sequence
-        self.shards = [_Shard() for _ in range(num_workers)]
-        self.seqs: dict[int, _SeqView] = {}
+        self.shards = [Shard() for _ in range(num_workers)]
+        self.seqs: dict[int, SeqView] = {}
         self.order: list[int] = []
         self.round: BeginRoundMsg | None = None  # the round being verified
         self.outcome: ResolveMsg | None = None  # its outcome, once resolve() sent it
         self.refills = Refills(provider)
-        self.failures = 0  # links lost since the start
-        self.replacements = 0  # links attached after a failure
-        self.rejected_replies = 0  # stale or duplicated replies dropped (links that are gone included)
-        self._retired = DrafterCounters()  # counters of links that are gone
-        self._retired_wire = WireCounts()  # frame bytes of links that are gone
-        self._latest: dict[int, DrafterCounters] = {}  # per shard, as of its latest reply
-        self.shard_hits = [0] * num_workers  # rows whose hit each shard held
-        self.hints = 0  # PREDICT messages sent
-        self.grids_missed = 0  # rounds whose grid shard was lost before its grid came: every shard answered
-        # Per round: seconds of the target's own thread in begin_round, resolve and reply (its
-        # exchange with the pool, its forwards excluded), and the replies it waited for.
-        self._exchange_s: deque[float] = deque(maxlen=EXCHANGE_WINDOW)
-        self._round_s = 0.0
-        self.rounds = 0
-        self.replies_awaited = 0
+        self.tally = PoolTally(num_workers)
         self._on_event = on_event or (lambda _e: None)
         try:
             for w in range(num_workers):
@@ -160,12 +108,9 @@ class PoolClient:
         link, shard.link = shard.link, None
         if link is None:
             return
-        self.failures += 1
+        self.tally.lost(w, link)
         # A worker that fails before its first reply will likely fail again: back off.
         shard.backoff_s = 0.0 if shard.answered else min(max(0.5, 2 * shard.backoff_s), 30.0)
-        self.rejected_replies += link.rejected
-        self._retired_wire = self._retired_wire + link.wire
-        self._retired = self._retired + self._latest.pop(w, DrafterCounters())
         logger.warning(
             "draft worker %s (shard %d of %d) lost: %s; its shard counts as misses until a replacement joins",
             link.name, w, self.d, err,
@@ -190,7 +135,7 @@ class PoolClient:
                 shard.link = link
                 self._fail(w, err)
                 continue
-            self.replacements += 1
+            self.tally.replacements += 1
             self._on_event(f"attached shard {w}")
             logger.info("draft worker %s joined shard %d of %d", link.name, w, self.d)
 
@@ -231,7 +176,7 @@ class PoolClient:
 
     def admit(self, msg: AdmitMsg) -> None:
         for s, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
-            self.seqs[s] = _SeqView(list(prompt), int(seed), sampling)
+            self.seqs[s] = SeqView(list(prompt), int(seed), sampling)
             if self.split == "sequences":  # the least loaded shard, dead or alive: a replacement takes its rows over
                 load = [0] * self.d
                 for owner in self.owner.values():
@@ -271,7 +216,7 @@ class PoolClient:
                 link.expect()
 
         self._each(send)
-        self._round_s = time.perf_counter() - started
+        self.tally.round_s = time.perf_counter() - started
 
     def _grid_shard(self) -> int | None:
         """The shard asked for the round's grid: in a pool of more than one shard that splits
@@ -303,7 +248,7 @@ class PoolClient:
         accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
         for r, s in enumerate(msg.seq_ids):
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
-        self._round_s += time.perf_counter() - started
+        self.tally.round_s += time.perf_counter() - started
 
     def _grid(self, rnd: BeginRoundMsg) -> GridMsg | None:
         """The round's branch grid from its grid shard (waited for, within the deadline); None
@@ -311,12 +256,12 @@ class PoolClient:
         w = rnd.grid_shard
         link = self.shards[w].link if w >= 0 else None
         if link is None:
-            self.grids_missed += int(w >= 0)
+            self.tally.grids_missed += int(w >= 0)
             return None
         try:
             return link.grid(rnd.round_id, rnd.seq_ids)
         except DrafterUnavailable as err:
-            self.grids_missed += 1
+            self.tally.grids_missed += 1
             self._fail(w, err)
             return None
 
@@ -346,9 +291,7 @@ class PoolClient:
             except DrafterUnavailable as err:
                 self._fail(w, err)
         merged = self._merged(msg, replies)
-        self.rounds += 1
-        self.replies_awaited += len(owing)
-        self._exchange_s.append(self._round_s + time.perf_counter() - started)
+        self.tally.round_done(len(owing), time.perf_counter() - started)
         return merged
 
     def _merged(self, msg: ResolveMsg, replies: dict[int, SpeculationReply]) -> SpeculationReply:
@@ -356,10 +299,9 @@ class PoolClient:
         BUILD_FRESH_ROUNDS rounds, which the budget is sized by (every shard's tree must fit the
         verification)."""
         for w, rep in replies.items():
-            self._latest[w] = rep.counters
+            self.tally.replied(w, rep)
             shard = self.shards[w]
-            shard.answered, shard.build_s, shard.build_round = True, rep.build_seconds, self.rounds
-            self.shard_hits[w] += int(rep.hit.sum())
+            shard.answered, shard.build_s, shard.build_round = True, rep.build_seconds, self.tally.rounds
         if len(replies) == 1 and self.d == 1:
             return next(iter(replies.values()))
         if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
@@ -369,7 +311,7 @@ class PoolClient:
             if not msg.answering:
                 self._hint(msg, merged, replies)
         live = [s for s in self.shards if s.link is not None]
-        fresh = [s.build_s for s in live if self.rounds - s.build_round < BUILD_FRESH_ROUNDS]
+        fresh = [s.build_s for s in live if self.tally.rounds - s.build_round < BUILD_FRESH_ROUNDS]
         return dataclasses.replace(merged, build_seconds=max([merged.build_seconds, *fresh]))
 
     def _hint(self, msg: ResolveMsg, merged: SpeculationReply, replies: dict[int, SpeculationReply]) -> None:
@@ -382,7 +324,7 @@ class PoolClient:
         def send(w: int, link: WorkerLink) -> None:
             if w in replies and not bool(replies[w].hit.all()):
                 link.predict(nxt)
-                self.hints += 1
+                self.tally.hints += 1
 
         self._each(send)
 
@@ -414,32 +356,10 @@ class PoolClient:
     # ---- figures and lifetime -------------------------------------------------------------------
 
     def counters(self) -> DrafterCounters:
-        """The workers' counters summed, each as of its latest reply (a shard named for no row
-        of a round sends none: its count lags until it is named again)."""
-        total = self._retired
-        for c in self._latest.values():
-            total = total + c
-        return total
+        return self.tally.counters()
 
     def stats(self) -> dict:
-        wire = sum((s.link.wire for s in self.shards if s.link is not None), self._retired_wire)
-        return {
-            "draft_workers": self.d,
-            "draft_workers_live": self.live(),
-            "draft_worker_failures": self.failures,
-            "draft_worker_replacements": self.replacements,
-            "draft_shard_hits": list(self.shard_hits),
-            "draft_predict_hints": self.hints,
-            "draft_grids_missed": self.grids_missed,
-            # The target's side of each round (begin_round, resolve, reply), its forwards excluded:
-            # the median over recent rounds, and the replies it waited for per round.
-            "target_exchange_ms": round(1000 * statistics.median(self._exchange_s), 4) if self._exchange_s else None,
-            "replies_awaited": round(self.replies_awaited / self.rounds, 4) if self.rounds else None,
-            "rejected_replies": self.rejected_replies + sum(s.link.rejected for s in self.shards if s.link is not None),
-            # Frame bytes (ssd/transport/wire.py WireCounts) to and from the workers, by message kind.
-            "wire_bytes_sent": wire.sent,
-            "wire_bytes_received": wire.received,
-        }
+        return self.tally.stats([s.link for s in self.shards if s.link is not None])
 
     def close(self) -> None:
         self.refills.close()
