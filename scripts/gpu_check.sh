@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check and measurement of docs/gpu.md in one command, part by part:
 #
-#   bash scripts/gpu_check.sh OUT_DIR [PART ...]   (PART: env, tests, demo, demo-mps, shapes,
+#   bash scripts/gpu_check.sh OUT_DIR [PART ...]   (PART: env, tests, demo, demo-mps, shapes, matched,
 #                                                   contention, dsweep; default: all, in that order)
 #   bash scripts/gpu_check.sh --list               (print each part's commands, run nothing)
 #
@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-parts=(env tests demo demo-mps shapes contention dsweep)
+parts=(env tests demo demo-mps shapes matched contention dsweep)
 
 # The commands of a part, one per line, with {out} standing for the part's folder.
 commands() {
@@ -39,6 +39,12 @@ commands() {
     shapes)
         # Random-weight Llama-3.1-8B / Llama-3.2-1B shapes in bfloat16: speed against the bandwidth bound.
         echo "$PYTHON -m ssd.bench.real_shapes --modes ar,sd,ssd --out {out}/real_shapes.json"
+        ;;
+    matched)
+        # The acceptance-matched pair at the same shapes (ssd/bench/matched_pair.py), batch 1: ar, sd,
+        # ssd (its worker on the same GPU, under MPS) and auto at T=0 and T=1, acceptance by position,
+        # and the projection for a draft on its own GPU (ssd/bench/projection.py) with its inputs.
+        echo "nvidia-cuda-mps-control -d && { $PYTHON -m ssd.bench.matched_bench --modes ar,sd,ssd,auto --temperatures 0,1 --num-prompts 4 --tokens 128 --out {out}/matched_pair.json; s=\$?; echo quit | nvidia-cuda-mps-control; exit \$s; }"
         ;;
     contention)
         # What SSD's draft worker on the same GPU costs the target: its verification with the worker

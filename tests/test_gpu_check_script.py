@@ -44,6 +44,7 @@ def test_the_script_parses_and_lists_every_part():
         "[demo]",
         "[demo-mps]",
         "[shapes]",
+        "[matched]",
         "[contention]",
         "[dsweep]",
     ]

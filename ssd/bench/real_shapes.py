@@ -12,6 +12,8 @@ worthless, so acceptance and hit rates here are not the pair's), and reports:
   the draft runs elsewhere): what a round costs beyond its forwards.
 The target is built in memory and handed to the engine; the draft is saved to a temporary
 directory, since SSD's draft workers load it themselves. Writes --out as JSON.
+For a pair at these shapes whose acceptance is real, see matched_pair.py and matched_bench.py
+(which reuse SHAPES and save_for_engine).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ssd.bench.modes import MODES, SETTINGS, available_cpus
 from ssd.bench.plan import BenchPlan
+from ssd.bench.projection import format_projections, project_runs
 from ssd.engine.autopilot import AUTO_MODES
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ DEFINITIONS = {
     "steps in which every row "
     "hit)",
     "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p",
+    "projection": "not a measurement: SSD's tokens/s with the draft on its own device, from Theorem 7 and the "
+    "batch-1 sd and ssd records' parts (ssd/bench/projection.py)",
 }
 
 
@@ -204,6 +207,10 @@ def write_results(results: dict, out_dir: Path) -> None:
         write_plot(results, png_path)
         results["files"]["png"] = str(png_path)
         sys.stdout.write(format_table(results["runs"]) + "\n")
+        projections = project_runs(results["runs"], results["config"]["k"])
+        if projections:
+            results["projection"] = projections
+            sys.stdout.write(format_projections(projections) + "\n")
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     logger.info(
         "wrote %s%s in %.1f s", json_path, f" and {png_path}" if results["files"]["png"] else "", results["elapsed_s"]
