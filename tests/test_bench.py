@@ -163,6 +163,11 @@ def test_end_to_end_json_png_and_ratios(bench_run, capsys):
                 assert r["upper_bound_tokens_per_s"] is None and r["fraction_of_bound"] is None
             assert ar["ratio_to_ar"] == 1.0
             assert ar["mean_accepted_per_round"] == 0 and ar["tokens_per_round"] == 1
+            # Each prompt's own tokens/s (batch 1), and its ratio to sd's run of the same prompt.
+            r = runs[(setting, temperature, 1, "ssd")]
+            assert len(r["batch_tokens_per_s"]) == NUM_PROMPTS and min(r["batch_tokens_per_s"]) > 0
+            lo, hi = r["batch_spread"]["batch_ratio_to_sd"]
+            assert 0 < lo <= hi and lo <= max(r["batch_ratio_to_sd"])
             # Batch 2: the engine modes run; HF assisted generation is reported unsupported.
             for mode in ("ar", "sd"):
                 r = runs[(setting, temperature, 2, mode)]
@@ -384,6 +389,22 @@ def test_ratios_and_order():
     assert [r["ratio_to_ar"] for r in records] == [3.0, 1.0, None, None]  # no ar at batch 2
     ordered = bench._ordered(records)
     assert [(r["batch_size"], r["mode"]) for r in ordered] == [(1, "sd"), (1, "ar"), (2, "sd"), (2, "hf-assisted")]
+
+
+def test_the_spread_over_prompts_pairs_each_prompt_with_sds_run_of_it():
+    def run(mode: str, repeat: int, per_prompt: list[float]) -> dict:
+        cell = dict(setting="s", threads=1, temperature=1.0, batch_size=1, supported=True, repeat=repeat)
+        cell.update(tokens_per_round=2.0, draft_ms_per_round=1.0, verify_ms_per_round=1.0)
+        return dict(cell, mode=mode, tokens_per_s=sum(per_prompt) / len(per_prompt), batch_tokens_per_s=per_prompt)
+
+    records = [run("sd", 0, [10.0, 20.0, 40.0]), run("ssd", 0, [20.0, 20.0, 20.0])]
+    records += [run("sd", 1, [10.0, 10.0, 10.0]), run("ssd", 1, [11.0, 12.0, 13.0])]
+    out = {r["mode"]: r for r in bench._aggregate(records)}
+    # Per prompt: 2.0, 1.0, 0.5 in repeat 0; 1.1, 1.2, 1.3 in repeat 1. Deciles over all six.
+    lo, hi = out["ssd"]["batch_spread"]["batch_ratio_to_sd"]
+    assert math.isclose(lo, 0.75) and math.isclose(hi, 1.65), (lo, hi)
+    assert out["sd"]["batch_spread"]["batch_ratio_to_sd"] == [1.0, 1.0]
+    assert "p10-p90" in bench.format_table(list(out.values()))
 
 
 def test_ratio_to_best_is_paired_per_repeat():

@@ -50,6 +50,7 @@ from ssd.bench.report import (  # noqa: F401 (not public; reached as bench._add_
     DEFINITIONS,
     JSON_VERSION,
     _add_ratios,
+    _aggregate,
     _ordered,
     format_pair_stats,
     format_table,

@@ -26,6 +26,9 @@ DEFINITIONS = {
     "ratio_to_ar": "tokens_per_s / tokens_per_s of ar with the same setting, temperature, batch size "
     "and repeat (median over "
     "repeats)",
+    "batch_spread": "10th-90th percentile over every batch of every repeat (at batch 1: over prompts) of "
+    "batch_tokens_per_s (each batch's own tokens/s) and batch_ratio_to_sd (each batch's against sd's same "
+    "batch: the same prompts and seeds); the table's p10-p90 column",
     "ratio_to_sd": "tokens_per_s / tokens_per_s of sd with the same setting, temperature, batch size "
     "and repeat (median over "
     "repeats)",
@@ -133,11 +136,13 @@ def _add_ratios(records: list[dict]) -> None:
         return r["setting"], r["temperature"], r["batch_size"], r.get("repeat", 0)
 
     for base, field in (("ar", "ratio_to_ar"), ("sd", "ratio_to_sd")):
-        baseline = {key(r): r["tokens_per_s"] for r in records if r["mode"] == base and r.get("supported")}
+        baseline = {key(r): r for r in records if r["mode"] == base and r.get("supported")}
         for r in records:
-            ref = baseline.get(key(r))
+            ref = baseline.get(key(r), {})
             tps = r.get("tokens_per_s")
-            r[field] = round(tps / ref, 4) if r.get("supported") and tps and ref else None
+            r[field] = round(tps / ref["tokens_per_s"], 4) if r.get("supported") and tps and ref else None
+            if field == "ratio_to_sd" and r.get("supported") and ref:
+                r["batch_ratio_to_sd"] = _paired_ratios(r.get("batch_tokens_per_s"), ref.get("batch_tokens_per_s"))
     best: dict[tuple, float] = {}
     for r in records:
         if r.get("base_mode", r["mode"]) in AUTO_MODES and r.get("supported") and r.get("tokens_per_s"):
@@ -145,6 +150,22 @@ def _add_ratios(records: list[dict]) -> None:
     for r in records:
         ref, tps = best.get(key(r)), r.get("tokens_per_s")
         r["ratio_to_best"] = round(tps / ref, 4) if r.get("supported") and tps and ref else None
+
+
+def _paired_ratios(mine: list | None, base: list | None) -> list[float] | None:
+    """Batch by batch (the same prompts and seeds in both runs): mine / base."""
+    if not mine or not base or len(mine) != len(base) or not all(mine) or not all(base):
+        return None
+    return [round(a / b, 4) for a, b in zip(mine, base)]
+
+
+def _spread(runs: list[dict], name: str) -> list[float] | None:
+    """[10th, 90th] percentile of a per-batch list over every batch of every repeat."""
+    values = [v for r in runs for v in (r.get(name) or [])]
+    if len(values) < 2:
+        return None
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return [round(deciles[0], 4), round(deciles[-1], 4)]
 
 
 # Figures reported as the median over repeats, with their range.
@@ -193,6 +214,9 @@ def _aggregate(records: list[dict]) -> list[dict]:
             agg[name] = round(statistics.median(values), 4)
             agg["range"][name] = [min(values), max(values)]
             agg["per_repeat"][name] = values
+        agg["batch_spread"] = {
+            name: spread for name in ("batch_tokens_per_s", "batch_ratio_to_sd") if (spread := _spread(runs, name))
+        }
         out.append(agg)
     return out
 
@@ -251,11 +275,18 @@ def _range(r: dict, name: str, spec: str) -> str:
     return "-" if not lo_hi else f"{format(lo_hi[0], spec)}-{format(lo_hi[1], spec)}"
 
 
+def _spread_cell(r: dict, name: str) -> str:
+    lo_hi = r.get("batch_spread", {}).get(name)
+    return "-" if not lo_hi else f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
+
+
 def format_table(records: list[dict]) -> str:
     """One line per record; with repeats, tok/s and the ratios are medians and a range column
     follows each."""
     ranged = any(r.get("repeats", 1) > 1 for r in records)
     auto = any(r["mode"] == "auto" for r in records)  # then auto's ratio to the best mode, paired per repeat
+    # x sd's spread over batches (at batch 1, over prompts), when there are several
+    spread = any("batch_ratio_to_sd" in r.get("batch_spread", {}) for r in records)
     columns = [  # (header, cell of a supported record)
         ("setting", lambda r: r["setting"]),
         ("thr", lambda r: str(r["threads"])),
@@ -267,6 +298,7 @@ def format_table(records: list[dict]) -> str:
         ("x ar", lambda r: _fmt(r.get("ratio_to_ar"), ".2f")),
         ("x sd", lambda r: _fmt(r.get("ratio_to_sd"), ".2f")),
         *([("range", lambda r: _range(r, "ratio_to_sd", ".2f"))] if ranged else []),
+        *([("p10-p90", lambda r: _spread_cell(r, "batch_ratio_to_sd"))] if spread else []),
         *([("x best", lambda r: _fmt(r.get("ratio_to_best"), ".2f"))] if auto else []),
         *([("range", lambda r: _range(r, "ratio_to_best", ".2f"))] if auto and ranged else []),
         ("decode tok/s", lambda r: _fmt(r.get("decode_tokens_per_s"), ".1f")),

@@ -121,13 +121,15 @@ def _timed(
     n = _prompt_requests(len(prompts), batch_size)
     requests = [prompts[i % len(prompts)] for i in range(n)]
     totals: list[BatchCounters] = []
-    wall = 0.0
+    walls: list[float] = []
     for start in range(0, n, batch_size):
         seeds = [seed + repeat * n + i for i in range(start, start + batch_size)]
         t0 = time.perf_counter()
         totals.append(runner.generate(requests[start : start + batch_size], seeds, temperature, max_tokens))
-        wall += time.perf_counter() - t0
-    summary = _summarize(totals, wall, n)
+        walls.append(time.perf_counter() - t0)
+    summary = _summarize(totals, sum(walls), n)
+    # Each batch's own tokens/s (at batch 1, each prompt's): the report's spread over prompts.
+    summary["batch_tokens_per_s"] = [round(t.generated_tokens / w, 3) if w > 0 else None for t, w in zip(totals, walls)]
     if hasattr(os, "getloadavg"):  # other processes skew timings on a small machine
         summary["load_average_1min"] = round(os.getloadavg()[0], 2)
     return summary
