@@ -4,6 +4,7 @@ that batch continuously and lease draft workers from a shared pool.
     config.py        AppConfig (user boundary) -> ServeSettings (derived, frozen)
     types.py         GenerateRequest / GenerateChunk: the ingress <-> target hand-off
     errors.py        APIError: one error type with its HTTP status, OpenAI type, param and gRPC code
+    auth.py          the API key check HTTP and gRPC share
     engine_loop.py   EngineLoop: continuous batching for async callers (plain class, no Ray)
     fan_out.py       the checks both APIs share; one request -> one GenerateRequest per choice
     openai_protocol.py  the OpenAI request bodies (pydantic: unknown keys rejected)

@@ -208,7 +208,7 @@ def _announce(args: argparse.Namespace, config: AppConfig, settings) -> None:
 
     name = model_name(settings)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key or os.environ.get("SSD_API_KEY") else ""
+    auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key_here() else ""
     sys.stdout.write(
         f"ssd-serve is up: model {name!r}, mode {config.engine.mode}, {_replicas(settings)} target replica(s), "
         f"draft pool {_pool(settings)}\n"

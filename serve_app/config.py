@@ -18,6 +18,7 @@ from ssd.core.config import EngineArgs
 # The environment variable an API key may come from when the config names none (so a key never
 # has to be written into a Serve config file or a KubeRay manifest).
 API_KEY_ENV = "SSD_API_KEY"
+
 # Per-request speculation modes a client may ask for, and the engine mode that serves each.
 REQUEST_MODES = {"auto": "auto", "ssd": "ssd", "sd": "sd", "off": "ar"}
 # Engine modes whose engine leases draft workers of its own from the pool.
@@ -26,6 +27,19 @@ WORKER_MODES = ("ssd", "auto")
 
 # Where a served engine differs from EngineArgs' defaults (offline: sd over shared memory).
 SERVE_ENGINE_DEFAULTS = {"mode": "auto", "draft_transport": "torch"}
+
+
+def api_key_from(configured: str | None) -> str | None:
+    """The API key in force in this process: `configured`, else this process's SSD_API_KEY, else
+    None (no authentication).
+
+    Called in two processes on purpose, with the same rule: by AppConfig.to_settings where the
+    application is built (`ssd serve`, `serve run`, or the task Serve runs to build it under a
+    RayService), and by ServeSettings.api_key_here() in the ingress replica, which may run on another node.
+    Under KubeRay the key is a Secret set as SSD_API_KEY in the pods' environment, never in the
+    Serve config (k8s/README.md, Security); the ingress's own process is where it must be found.
+    """
+    return configured or os.environ.get(API_KEY_ENV) or None
 
 
 class TargetAutoscaling(BaseModel):
@@ -243,7 +257,6 @@ class AppConfig(BaseModel):
         modes = [self.engine.mode] + [REQUEST_MODES[m] for m in self.extra_modes]
         engine_modes = tuple(dict.fromkeys(modes))  # first one is the default
         served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
-        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
         scaling = self.target_autoscaling
         fewest, most = (scaling.min_replicas, scaling.max_replicas) if scaling else (self.target_replicas,) * 2
         per_target = self.engine.draft_workers * self._leasing_engines()  # workers one target replica leases
@@ -260,7 +273,7 @@ class AppConfig(BaseModel):
             max_n=self.max_n,
             stream_interval_ms=self.stream_interval_ms,
             max_body_bytes=self.max_body_bytes,
-            api_key=key,
+            api_key=api_key_from(self.api_key),
             default_max_tokens=self.default_max_tokens,
             chat_template=self.chat_template,
             tool_call_parser=self.tool_call_parser,
@@ -289,7 +302,7 @@ class ServeSettings:
     stream_interval_ms: float
     max_n: int
     max_body_bytes: int
-    api_key: str | None
+    api_key: str | None  # as resolved where the application was built; the ingress checks api_key_here()
     default_max_tokens: int
     chat_template: str | None
     tool_call_parser: str | None  # "auto" tool_choice's format; None = refused
@@ -304,6 +317,12 @@ class ServeSettings:
     def engine_args(self, mode: str) -> EngineArgs:
         """The engine options of one mode's engine (ar needs no draft settings checked)."""
         return self.engine.model_copy(update={"mode": mode})
+
+    def api_key_here(self) -> str | None:
+        """The API key requests must carry, resolved in the calling process (api_key_from): the
+        ingress replica calls it in its own process, so a key set only in its pod's environment
+        is the one it checks."""
+        return api_key_from(self.api_key)
 
 
 def _pool_autoscaling(scaling: TargetAutoscaling, per_target: int) -> dict:

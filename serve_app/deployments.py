@@ -11,9 +11,7 @@ replicas.
 # (Request) at class creation, through Serve's ingress wrapper, and needs them evaluated.
 import asyncio
 import faulthandler
-import hmac
 import logging
-import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -25,10 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.config import API_KEY_ENV, WORKER_MODES, ServeSettings
+from serve_app.auth import HTTP_HINT, authorize
+from serve_app.config import WORKER_MODES, ServeSettings
 from serve_app.drain import DrainReporter
 from serve_app.engine_loop import EngineLoop, build_engines
-from serve_app.errors import APIError, overloaded
+from serve_app.errors import APIError, engine_failed, overloaded, retried_elsewhere
 from serve_app.grpc_api import GrpcFrontend
 from serve_app.metrics import ServeMetrics
 from serve_app.openai_api import OpenAIFrontend, parse_body, read_body
@@ -109,6 +108,7 @@ class TargetDeployment:
             settings.stream_interval_ms / 1000,
         )
         self.metrics = ServeMetrics("target")
+        self._exports: set[asyncio.Task] = set()  # engine figures being read after a request finished
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.loop.generate(request):
@@ -116,31 +116,36 @@ class TargetDeployment:
             if chunk.finish_reason:
                 self.metrics.finished(chunk)
                 if chunk.mode in WORKER_MODES:
-                    self._engine_metrics(chunk.mode)
+                    # Read at the loop's next round boundary, without holding up the stream's end.
+                    task = asyncio.create_task(self._export_after_finish(chunk.mode))
+                    self._exports.add(task)
+                    task.add_done_callback(self._exports.discard)
 
-    def stats(self) -> dict:
-        out = self.loop.stats()
-        for mode in self.loop.engines:
-            out[f"{mode}_metrics"] = self.loop.engine_metrics(mode)
+    async def stats(self) -> dict:
+        figures = await self.loop.read_figures()
+        out = self.loop.stats(figures)
+        for mode, metrics in figures.metrics.items():
+            out[f"{mode}_metrics"] = metrics
         return out
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if not self.loop.healthy():
             raise RuntimeError(f"engine loop failed: {self.loop.failure}")
-        stats = self.loop.stats()
-        self.metrics.target_sequences.set(
-            sum(stats[mode]["running"] + stats[mode]["waiting"] for mode in self.loop.engines)
-        )
+        figures = await self.loop.read_figures()
+        self.metrics.target_sequences.set(sum(figures.running[m] + figures.waiting[m] for m in self.loop.engines))
         for mode in WORKER_MODES:  # also when idle: a lost worker shows without traffic
             if mode in self.loop.engines:
-                try:  # read across threads: a shard may change mid-read
-                    self._engine_metrics(mode)
-                except (AttributeError, KeyError, RuntimeError) as err:
-                    logger.warning("target metrics not updated this health check: %s", err)
+                self._export(figures.metrics[mode])
 
-    def _engine_metrics(self, mode: str) -> None:
-        """The gauges and counters of the engine serving `mode` (one that leases draft workers)."""
-        figures = self.loop.engine_metrics(mode)
+    async def _export_after_finish(self, mode: str) -> None:
+        try:
+            self._export((await self.loop.read_figures()).metrics[mode])
+        except Exception:  # noqa: BLE001 - a task nobody awaits: say why the figures were not exported
+            logger.exception("the %s engine's figures were not exported after a request finished", mode)
+
+    def _export(self, figures: dict) -> None:
+        """The gauges and counters of an engine that leases draft workers (ssd, auto), from its
+        LLMEngine.engine_metrics() figures."""
         self.metrics.engine(figures)
         self.metrics.auto(figures)
 
@@ -197,11 +202,11 @@ class IngressDeployment:
 
         cfg = settings.engine.to_config()
         self.settings, self.target = settings, target
-        self.api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+        self.api_key = settings.api_key_here()  # in this process: a key set in this pod's environment counts
         self.metrics = ServeMetrics("ingress")
         tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
         self.openai = OpenAIFrontend(settings, model_name, tokenizer, self._generate)
-        self.grpc = GrpcFrontend(settings, model_name, self._generate, self._authorized, self._health)
+        self.grpc = GrpcFrontend(settings, model_name, self._generate, self.api_key, self._health)
         context = serve.get_replica_context()
         self.drain = DrainReporter(context.app_name, context.replica_tag)
 
@@ -254,17 +259,13 @@ class IngressDeployment:
             try:
                 return response, await response.__anext__()
             except APIError as err:
-                if err.code != "engine_failed" or err.status != 503 or asyncio.get_running_loop().time() > deadline:
+                if not retried_elsewhere(err) or asyncio.get_running_loop().time() > deadline:
                     raise
                 reason = "its engine failed"
             except ray.exceptions.RayActorError as err:
                 if died_once or asyncio.get_running_loop().time() > deadline:
-                    raise APIError(
-                        503,
-                        "no target replica is serving; retry later",
-                        None,
-                        "engine_failed",
-                        self.settings.retry_after_s,
+                    raise engine_failed(
+                        "no target replica is serving; retry later", self.settings.retry_after_s
                     ) from err
                 died_once, reason = True, "its process died"
             except BaseException:  # the caller left (cancelled) or anything unexpected: stop the generation
@@ -274,12 +275,9 @@ class IngressDeployment:
             logger.warning("request %s: a target replica is down (%s); trying again", request.request_id, reason)
             await asyncio.sleep(RETRY_BACKOFF_S)
 
-    def _authorized(self, header: str | None) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = (header or "").partition(" ")
-        # compare_digest runs in time independent of where the strings differ.
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    def _authorize(self, request: Request) -> None:
+        """401 unless the request's Authorization header carries the API key (every route but /health)."""
+        authorize(request.headers.get("authorization"), self.api_key, HTTP_HINT)
 
     async def _health(self) -> bool:
         await self.drain.ensure_started()
@@ -293,8 +291,7 @@ class IngressDeployment:
         return bool(stats.get("healthy"))
 
     async def _body(self, request: Request) -> dict:
-        if not self._authorized(request.headers.get("authorization")):
-            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        self._authorize(request)
         length = request.headers.get("content-length")
         return parse_body(await read_body(request.stream(), length, self.settings.max_body_bytes))
 
@@ -314,8 +311,7 @@ class IngressDeployment:
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        if not self._authorized(request.headers.get("authorization")):
-            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        self._authorize(request)
         return JSONResponse(self.openai.models())
 
     @api.post("/tokenize")
@@ -328,8 +324,7 @@ class IngressDeployment:
 
     @api.get("/v1/models/{model_id:path}")  # a path: served names may hold slashes (org/model)
     async def model(self, model_id: str, request: Request) -> Response:
-        if not self._authorized(request.headers.get("authorization")):
-            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+        self._authorize(request)
         return JSONResponse(self.openai.model(model_id))
 
     @api.get("/health")

@@ -141,7 +141,10 @@ def deployed_by(app_name: str) -> str | None:
         board = ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE)
     except ValueError:  # none: never deployed through `ssd serve`, or removed
         return None
-    return ray.get(board.deployed_by.remote())
+    try:
+        return ray.get(board.deployed_by.remote())
+    except ray.exceptions.RayActorError:  # being removed: ray.kill returns before the name is gone
+        return None
 
 
 def remove_board(app_name: str) -> None:

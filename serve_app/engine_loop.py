@@ -12,6 +12,11 @@ Invariants: only the loop thread touches the engines after construction; a reque
 against `capacity` from the moment generate() is called until its last chunk or its abort; a
 round that raises fails the requests of that engine (each gets the error) and marks the loop
 unhealthy, so Serve replaces the replica instead of serving from a broken engine.
+
+Figures (rows running and waiting, LLMEngine.engine_metrics()) are read the same way: a caller
+asks (read_figures()), and the loop thread builds them between two rounds, at once when idle,
+and hands them back; the latest built is kept in `figures`, replaced whole, never changed in
+place. So no figure is read while a round changes it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.config import REQUEST_MODES
-from serve_app.errors import APIError, overloaded
+from serve_app.errors import APIError, engine_failed, overloaded
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.core.config import EngineArgs
 from ssd.core.sequence import CompletionOutput
@@ -39,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # Sent through a request's queue after its last chunk (or instead of it, with an error).
 _END = object()
+# How long read_figures() waits for the loop thread to reach a round boundary before it answers
+# with the latest figures built (a long round, a long prefill): below the ingress's /health wait.
+FIGURES_WAIT_S = 2.0
 
 
 @dataclass
@@ -46,6 +54,26 @@ class _Caller:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     mode: str
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the replica reads of its engines, built by the loop thread at one round boundary."""
+
+    rounds: int  # rounds run so far, all engines together
+    running: dict[str, int]  # engine mode -> its running rows
+    waiting: dict[str, int]  # engine mode -> its waiting rows
+    metrics: dict[str, dict]  # engine mode -> LLMEngine.engine_metrics()
+
+
+def _settle(future: asyncio.Future, figures: Figures | None, err: BaseException | None) -> None:
+    """On the asker's event loop: hand it the figures (or the error building them raised)."""
+    if future.done():  # it stopped waiting (FIGURES_WAIT_S passed, or it was cancelled)
+        return
+    if err is not None:
+        future.set_exception(err)
+    else:
+        future.set_result(figures)
 
 
 def build_engines(
@@ -136,6 +164,11 @@ class EngineLoop:
         self.failure: str | None = None  # why the loop stopped serving; None while healthy
         self.rounds = 0
         self.round_seconds = 0.0
+        # Figures asked for and not built yet, and whether the loop thread still builds them
+        # (False once it has ended): both under _lock.
+        self._asks: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._answering = True
+        self.figures = self._build_figures()  # before the thread starts: no round can be running
         self._thread = threading.Thread(target=self._run, name="ssd-engine-loop", daemon=True)
         self._thread.start()
 
@@ -181,9 +214,7 @@ class EngineLoop:
                 self._inbox.append((request, mode, ids))
             self._wake.set()
             if self.failure is not None:  # failed after the check above: the loop takes no more
-                raise APIError(
-                    503, "this target replica is not serving (its engine failed); retry", None, "engine_failed"
-                )
+                raise engine_failed()
             last_yield = 0.0
             while True:
                 item = await self._next(caller.queue, last_yield)
@@ -205,7 +236,7 @@ class EngineLoop:
         """Whether this replica takes the request: -> (its engine mode, its prompt's token ids,
         tokenized here once), else APIError."""
         if not self.healthy():
-            raise APIError(503, "this target replica is not serving (its engine failed); retry", None, "engine_failed")
+            raise engine_failed()
         mode = self.engine_for(request.mode)
         if request.request_id in self._callers:
             raise APIError(400, "duplicate request id", None, "invalid_value")
@@ -232,15 +263,31 @@ class EngineLoop:
             item = merge(item, following)
         return item
 
-    def stats(self) -> dict:
-        out = {"requests": len(self._callers), "rounds": self.rounds, "healthy": self.healthy()}
-        for mode, engine in self.engines.items():
-            out[mode] = {"running": len(engine.running), "waiting": len(engine.waiting)}
-        return out
+    async def read_figures(self) -> Figures:
+        """The engines' figures as of the next round boundary, built by the loop thread (at once
+        when it is idle). A round still running after FIGURES_WAIT_S: the latest figures built,
+        of an earlier boundary. Once the loop thread has ended (failed or closed), built here:
+        nothing else touches the engines then."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            answering = self._answering
+            if answering:
+                self._asks.append((loop, future))
+        if not answering:
+            return self._build_figures()
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(future, FIGURES_WAIT_S)
+        except TimeoutError:
+            return self.figures
 
-    def engine_metrics(self, mode: str) -> dict:
-        # Read from another thread: totals may be one round behind, never torn (ints, floats).
-        return self.engines[mode].engine_metrics()
+    def stats(self, figures: Figures) -> dict:
+        """Requests held, rounds run, health, and each engine's running and waiting rows."""
+        out = {"requests": len(self._callers), "rounds": figures.rounds, "healthy": self.healthy()}
+        for mode in self.engines:
+            out[mode] = {"running": figures.running[mode], "waiting": figures.waiting[mode]}
+        return out
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -271,12 +318,39 @@ class EngineLoop:
             for engine in self.engines.values():
                 engine.abort(list(aborts))
 
+    def _build_figures(self) -> Figures:
+        engines = self.engines.items()
+        return Figures(
+            rounds=self.rounds,
+            running={mode: len(engine.running) for mode, engine in engines},
+            waiting={mode: len(engine.waiting) for mode, engine in engines},
+            metrics={mode: engine.engine_metrics() for mode, engine in engines},
+        )
+
+    def _answer_asks(self) -> None:
+        """Build the figures asked for since the last boundary, once for every asker."""
+        with self._lock:
+            asks, self._asks = self._asks, []
+        if not asks:
+            return
+        figures, error = None, None
+        try:
+            figures = self.figures = self._build_figures()
+        except Exception as err:  # noqa: BLE001 - the askers' failure, not the loop's: each gets it
+            error = err
+        for loop, future in asks:
+            try:
+                loop.call_soon_threadsafe(_settle, future, figures, error)
+            except RuntimeError:  # the asker's event loop is closed: nobody waits
+                pass
+
     def _run(self) -> None:
         mode = self.default_mode
         try:
             while not self._stop.is_set():
                 mode = self.default_mode
                 self._take_inbox()
+                self._answer_asks()
                 busy = [(m, e) for m, e in self.engines.items() if e.has_unfinished()]
                 if not busy:
                     self._wake.wait(1.0)
@@ -293,6 +367,10 @@ class EngineLoop:
                             self._deliver(out.request_id, _END)
         except Exception as err:  # noqa: BLE001 - whatever stops the thread must fail its callers, not strand them
             self._fail(mode, err)
+        finally:
+            with self._lock:
+                self._answering = False  # from now on read_figures() builds them itself
+            self._answer_asks()  # the askers still waiting
 
     def _fail(self, mode: str, err: Exception) -> None:
         logger.exception(

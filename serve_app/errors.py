@@ -73,6 +73,21 @@ def overloaded(status: int, retry_after_s: int) -> APIError:
     )
 
 
+def engine_failed(
+    message: str = "this target replica is not serving (its engine failed); retry", retry_after_s: int | None = None
+) -> APIError:
+    """503 engine_failed: a target replica whose engine failed refuses a request before admitting
+    anything (the default message), or the ingress found no target replica serving. The ingress
+    sends a refusal of the first kind again, to another replica (`retried_elsewhere`)."""
+    return APIError(503, message, None, "engine_failed", retry_after_s)
+
+
+def retried_elsewhere(err: APIError) -> bool:
+    """Whether `err` is engine_failed()'s 503, which the ingress retries (a 500 engine_failed, a
+    round that failed while generating, is not: the request itself may have caused it)."""
+    return err.status == 503 and err.code == "engine_failed"
+
+
 def from_validation(err: Exception, prefix: str = "") -> APIError:
     """A pydantic ValidationError (or ValueError) -> 400 naming the first offending field."""
     errors = getattr(err, "errors", None)

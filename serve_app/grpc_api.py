@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import ValidationError
 
+from serve_app.auth import GRPC_HINT, authorize
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
 from serve_app.fan_out import check_model_and_n, fan_out
@@ -51,21 +52,22 @@ class GrpcFrontend:
         settings: ServeSettings,
         model_name: str,
         generate: Generate,
-        authorized: Callable[[str | None], bool],
+        api_key: str | None,
         health: Callable[[], Awaitable[bool]],
     ) -> None:
+        """api_key: the key every method but Health/Check requires (None: none)."""
         self.settings, self.model_name, self._generate = settings, model_name, generate
-        self.authorized, self.health = authorized, health
+        self.api_key, self.health = api_key, health
         self.pb = _pb()
 
     # ---- conversion ----------------------------------------------------------------------------
 
+    def _authorize(self, context, hint: str | None = GRPC_HINT) -> None:
+        """401 (UNAUTHENTICATED) unless the call's metadata `authorization` carries the key."""
+        authorize(dict(context.invocation_metadata()).get("authorization"), self.api_key, hint)
+
     def _check(self, request, context) -> list[GenerateRequest]:
-        metadata = dict(context.invocation_metadata())
-        if not self.authorized(metadata.get("authorization")):
-            raise APIError(
-                401, "missing or invalid API key: send metadata authorization: Bearer <key>", None, "invalid_api_key"
-            )
+        self._authorize(context)
         if request.prompt and request.prompt_token_ids:
             raise APIError(400, "prompt: give prompt or prompt_token_ids, not both", "prompt", "invalid_value")
         prompt = request.prompt or list(request.prompt_token_ids)
@@ -220,8 +222,10 @@ class GrpcFrontend:
             raise
 
     async def list_models(self, request, context):
-        if not self.authorized(dict(context.invocation_metadata()).get("authorization")):
-            self._fail(context, APIError(401, "missing or invalid API key", None, "invalid_api_key"))
+        try:
+            self._authorize(context, hint=None)
+        except APIError as err:
+            self._fail(context, err)
             return self.pb.ListModelsResponse()
         return self.pb.ListModelsResponse(models=[self.model_name])
 

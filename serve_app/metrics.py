@@ -193,11 +193,13 @@ class ServeMetrics:
             totals[(self.mode_seconds, mode)] = figures["seconds"]
             totals[(self.mode_tokens, mode)] = figures["tokens"]
         with self._auto_lock:
+            # Only forward: figures older than some already counted (read before them, handed
+            # over after them) add nothing and leave the totals seen as they are.
             grown_by = {key: value - self._auto_seen.get(key, 0) for key, value in totals.items()}
-            self._auto_seen.update(totals)
+            grown_by = {key: grown for key, grown in grown_by.items() if grown > 0}  # Ray's counters refuse inc(0)
+            self._auto_seen.update({key: totals[key] for key in grown_by})
         for (counter, mode), grown in grown_by.items():
-            if grown > 0:  # Ray's counters refuse inc(0)
-                counter.inc(grown, tags=None if mode is None else {"mode": mode})
+            counter.inc(grown, tags=None if mode is None else {"mode": mode})
 
     def engine(self, engine_metrics: dict) -> None:
         """Gauges from an SSD engine's figures (LLMEngine.engine_metrics())."""

@@ -11,6 +11,10 @@ never mistaken for the answer to a later request.
 
 Faults: errors, deadlines and broken channels become DrafterUnavailable (the pool replaces the
 worker); the link is then closed and its process, if it owns one, killed.
+
+Exit: a link is in `_OPEN` from its creation until it is killed (close() ends in kill()); one
+atexit hook closes the links still open when the interpreter exits, so a worker this process
+started does not outlive it. A closed link leaves nothing behind (no hook, no reference).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import atexit
 import datetime
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -42,6 +47,24 @@ from ssd.transport.wire import Encoded, WireCounts
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
+
+# The links not killed yet, in creation order (id -> link): links are made and ended on several
+# threads (a pool's refills acquire theirs in background threads), hence the lock.
+_OPEN: dict[int, WorkerLink] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_links() -> list[WorkerLink]:
+    """The links not closed or killed yet, oldest first."""
+    with _OPEN_LOCK:
+        return list(_OPEN.values())
+
+
+@atexit.register
+def _close_open_links() -> None:
+    """At exit: close every link still open, the newest first (as one hook per link did)."""
+    for link in reversed(open_links()):
+        link.close()
 
 
 def await_ready(channel: Channel, what: str, timeout: datetime.timedelta = CONNECT_TIMEOUT) -> None:
@@ -75,7 +98,8 @@ class WorkerLink:
         self.closed = False
         self.rejected = 0  # stale or duplicated replies read and dropped
         self.owed: ResolveMsg | None = None  # the outcome sent whose reply was not read yet
-        atexit.register(self.close)
+        with _OPEN_LOCK:
+            _OPEN[id(self)] = self
 
     @classmethod
     def connect(
@@ -242,6 +266,8 @@ class WorkerLink:
     def kill(self) -> None:
         """End the link now: kill the process it owns, close the channel."""
         self.closed = True
+        with _OPEN_LOCK:
+            _OPEN.pop(id(self), None)
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.kill()

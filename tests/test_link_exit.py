@@ -1,0 +1,63 @@
+"""A WorkerLink's exit hook (ssd/transport/link.py): a link open at exit is closed then, and a
+link closed or killed before leaves nothing behind (no atexit hook, no reference to it)."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+
+from ssd.core.protocol import MsgType
+from ssd.transport import link as link_module
+from ssd.transport.link import WorkerLink
+from ssd.transport.wire import WireCounts
+
+
+class FakeChannel:
+    """A channel end that records what is sent and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.counts = WireCounts()
+        self.sent: list[MsgType] = []
+        self.closed = False
+
+    def send(self, kind, msg=None, timeout=None) -> None:
+        self.sent.append(kind)
+
+    def close(self, peer_exited: bool = False) -> None:
+        self.closed = True
+
+
+def make_link(i: int = 0) -> WorkerLink:
+    return WorkerLink(FakeChannel(), f"fake {i}", deadline_s=1.0)
+
+
+def test_many_links_closed_or_killed_leave_no_exit_hook_behind():
+    hooks = atexit._ncallbacks()
+    links = [make_link(i) for i in range(200)]
+    for i, link in enumerate(links):
+        link.close() if i % 2 else link.kill()
+    assert atexit._ncallbacks() == hooks
+    assert all(link.channel.closed for link in links)
+    assert [link.channel.sent for link in links[1::2]] == [[MsgType.SHUTDOWN]] * 100  # close(): SHUTDOWN first
+    assert all(link.channel.sent == [] for link in links[::2])  # kill(): nothing sent
+    gone = weakref.ref(links[0])
+    del links, link
+    gc.collect()
+    assert gone() is None  # nothing holds a closed link
+
+
+def test_a_link_still_open_at_exit_is_closed_by_the_hook(monkeypatch):
+    monkeypatch.setattr(link_module, "_OPEN", {})  # this test's links only: others' stay open
+    first, second, done = make_link(1), make_link(2), make_link(3)
+    assert link_module.open_links() == [first, second, done]
+    done.close()
+    closed_in_order = []
+    for link in (first, second):
+        link.channel.close = lambda peer_exited=False, name=link.name: closed_in_order.append(name)
+    link_module._close_open_links()  # what the interpreter runs at exit
+    assert first.closed and second.closed
+    assert first.channel.sent == second.channel.sent == [MsgType.SHUTDOWN]
+    assert done.channel.sent == [MsgType.SHUTDOWN]  # closed once, not again
+    assert closed_in_order == ["fake 2", "fake 1"]  # the newest first, as atexit's own order
+    assert link_module.open_links() == []
