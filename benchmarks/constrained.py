@@ -1,7 +1,7 @@
 """Speculation under what real clients send: acceptance, tokens per round and ssd/sd with a JSON
 schema, with penalties and with neither, at temperature 0 and 1.
 
-    python -m ssd.bench.constrained [--requests 8] [--max-tokens 96] [--out bench_results/constrained.json]
+    python -m benchmarks.constrained [--requests 8] [--max-tokens 96] [--out bench_results/constrained.json]
 
 The demo pair (or --target/--draft), K = 4, every request of a batch alike; ssd runs its drafter
 in-process with a fixed budget (`--ssd-budget`), so the figures compare the speculations, not

@@ -1,4 +1,6 @@
-"""Does a drafting process slow the target's verification? A controlled A/B (`ssd bench --contention`).
+"""Does a drafting process slow the target's verification? A controlled A/B.
+
+    python -m benchmarks.contention [--device cuda] [--cycles 20] [--out bench_results/contention.json]
 
 The layout is SSD's: the target in this process (one thread, the engine's packed lean runner),
 its drafter in a worker process of its own started as the engine starts it. Only what the
@@ -18,9 +20,16 @@ machine's drift reaches every arm alike; each cycle gives a paired ratio per arm
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import platform
 import random
 import statistics
+import sys
 import time
+
+from ssd.bench.report import add_pair_arguments, write_json
 
 SLEEP_BEFORE_IDLE_S = 0.15  # > SPIN_S: the drafter is blocked, not spinning, in the idle arm
 
@@ -170,3 +179,76 @@ def format_contention(stats: dict) -> str:
             line += f"   x{stats['ratio_to_alone_median'][name]:.3f} of alone (cycles: {lo:.3f}-{hi:.3f})"
         lines.append(line)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The A/B in this process with one thread (the drafter's worker process inherits it), as a
+    draft worker and its target run SSD's round; prints it and writes --out as JSON."""
+    dtypes = ["auto", "float32", "float16", "bfloat16"]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.contention", description=__doc__.split("\n\n")[0])
+    add_pair_arguments(parser)
+    parser.add_argument("--k", type=int, default=6, help="Draft tokens per round: a verification is K+1 tokens.")
+    parser.add_argument("--budget", type=int, default=16, help="Branches of the drafter's tree (ssd_budget).")
+    parser.add_argument(
+        "--cycles", type=int, default=20, help="Cycles (each runs every arm for a block of --reps, in shuffled order)."
+    )
+    parser.add_argument("--reps", type=int, default=10, help="Verifications per arm and block.")
+    parser.add_argument("--context", type=int, default=128, help="Tokens of context the verification runs over.")
+    parser.add_argument("--settle-ms", type=float, default=15, help="Spinning arm: ms between the tree and the verify.")
+    parser.add_argument("--dtype", default="float32", choices=dtypes, help="dtype of both models.")
+    parser.add_argument("--draft-dtype", default=None, choices=dtypes, help="dtype of the draft (default: --dtype).")
+    parser.add_argument("--device", default="cpu", help="torch device of both models (cpu, cuda, cuda:1, ...).")
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level.")
+    parser.add_argument("--out", default="bench_results/contention.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (args.target is None) != (args.draft is None):
+        parser.error("pass both --target and --draft, or neither for the demo pair")
+    for name, value in {"k": args.k, "budget": args.budget, "cycles": args.cycles, "reps": args.reps}.items():
+        if value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    # One thread, fixed before torch builds its pool, for the target here and the drafter's
+    # worker process it starts (which inherits the environment).
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    import torch
+    import transformers
+
+    from ssd.bench.plan import demo_pair
+    from ssd.model.demo_models import heldout_prompts
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    target, draft = (args.target, args.draft) if args.target else demo_pair()
+    spec = {
+        "prompts": heldout_prompts(8),
+        "target": target,
+        "draft": draft,
+        "k": args.k,
+        "dtype": args.dtype,
+        "draft_dtype": args.draft_dtype or args.dtype,
+        "device": args.device,
+        "contention_budget": args.budget,
+        "contention_reps": args.reps,
+        "contention_cycles": args.cycles,
+        "contention_context": args.context,
+        "contention_settle_ms": args.settle_ms,
+    }
+    started = time.perf_counter()
+    stats = _contention(spec)
+    sys.stdout.write(format_contention(stats) + "\n")
+    environment = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    config = {k: v for k, v in spec.items() if k != "prompts"}
+    doc = {"config": config, "environment": environment, "elapsed_s": round(time.perf_counter() - started, 2)}
+    write_json(args.out, {**doc, "contention": stats})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """What structured output costs per round, and how the grammar engines compare on this CPU.
 
-    python -m ssd.bench.grammar_cost [--large-vocab 128256] [--out bench_results/grammar_cost.json]
+    python -m benchmarks.grammar_cost [--large-vocab 128256] [--out bench_results/grammar_cost.json]
 
 Two tokenizers: the demo pair's (258 byte tokens) and a byte-level BPE of 128256 tokens trained
 here on synthetic text (no hub download; Llama 3's vocabulary size, not its merges). For each:

@@ -1,4 +1,4 @@
-"""Does the fitted miss law predict what more draft workers buy? (`python -m ssd.bench.miss_law`)
+"""Does the fitted miss law predict what more draft workers buy? (`python -m benchmarks.miss_law`)
 
 With D draft workers the round's tree covers D times `ssd_budget` branches, so each outcome k has a
 larger fan-out F_k, and the hit rate should rise as the miss law 1 - p_hit(F) = m F^(-r) says.
@@ -300,9 +300,9 @@ def load_runs(path: str) -> tuple[dict, list[DRun]]:
 
 
 def parse_plan(argv: list[str] | None = None) -> tuple[MissLawPlan, str | None, str | None]:
-    from ssd.bench.payload import csv_of
+    from benchmarks.payload import csv_of
 
-    p = argparse.ArgumentParser(prog="python -m ssd.bench.miss_law", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.miss_law", description=__doc__.split("\n\n")[0])
     d = MissLawPlan()
     p.add_argument("--target", default=None, help="target model directory (default: the bundled demo target)")
     p.add_argument("--draft", default=None, help="draft model directory (with --target)")

@@ -1,4 +1,4 @@
-"""Host time of a reply on the wire at a real vocabulary (`python -m ssd.bench.pack_time`): how
+"""Host time of a reply on the wire at a real vocabulary (`python -m benchmarks.pack_time`): how
 long framing (the worker's side) and unframing (the target's) one REPLY takes per row, for each
 form a row's draft distributions travel in (ssd/transport/reply_probs.py pack_probs).
 
@@ -101,7 +101,7 @@ def round_messages(k: int, batch: int, repeats: int) -> dict[str, tuple[float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ssd.bench.pack_time", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.pack_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=128_256, help="vocabulary size V")
     p.add_argument("--k", type=int, default=6, help="speculation length K")
     p.add_argument("--batch", type=int, default=4, help="rows per reply")

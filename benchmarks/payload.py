@@ -1,5 +1,5 @@
 """Payload at real vocabulary sizes: what the draft pool's data plane carries per round, and what
-a draft worker keeps (`python -m ssd.bench.payload`).
+a draft worker keeps (`python -m benchmarks.payload`).
 
 A random tiny pair of the given vocabulary (default 128256, Llama 3's) is built in a temporary
 directory: a Llama target and a draft made of its first layer (same embeddings and head, so the
@@ -248,7 +248,7 @@ def csv_of(kind):
 
 
 def parse_plan(argv: list[str] | None = None) -> tuple[PayloadPlan, str | None]:
-    p = argparse.ArgumentParser(prog="python -m ssd.bench.payload", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.payload", description=__doc__.split("\n\n")[0])
     d = PayloadPlan()
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size of the random pair")
     p.add_argument(

@@ -1,6 +1,6 @@
 """What a request's penalties and bias cost per round on the host, beside what sampling costs anyway.
 
-    python -m ssd.bench.processing_cost [--vocab 258 128256] [--out bench_results/processing_cost.json]
+    python -m benchmarks.processing_cost [--vocab 258 128256] [--out bench_results/processing_cost.json]
 
 Rows carry frequency and presence penalty 0.5, repetition penalty 1.1, a bias on 10 tokens and a
 history of 200 prompt and 300 output tokens that grows by 3 tokens a round; K = 6; one thread.

@@ -1,10 +1,10 @@
 """What share of a real round the penalties' and bias' processing takes, in the engine.
 
-    python -m ssd.bench.processing_share [--batch 1 8] [--k 4 6] [--vocab 128256] [--out FILE.json]
+    python -m benchmarks.processing_share [--batch 1 8] [--k 4 6] [--vocab 128256] [--out FILE.json]
     (default FILE: bench_results/processing_share.json)
 
 The demo pair (or --target/--draft; or with --vocab V, a random tiny Llama pair of that
-vocabulary, as ssd.bench.payload builds it, whose round is mostly its [b, n, V] passes) in sd,
+vocabulary, as benchmarks.payload builds it, whose round is mostly its [b, n, V] passes) in sd,
 T=0, a batch of short code prompts, 96 tokens each, frequency and presence penalty 0.5 and
 repetition penalty 1.1. The processing's entry points (the engine's builds, Adjustments'
 apply, advanced, speculated, committed, branched and min_p_filtered, and the draft forms'
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ssd.bench.payload import build_pair
+from benchmarks.payload import build_pair
 from ssd.bench.report import add_pair_arguments, write_json
 from ssd.core import draft_adjustments, host_draft_adjustments, logits_processing
 from ssd.core.sampling_params import SamplingParams

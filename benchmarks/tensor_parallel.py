@@ -1,4 +1,4 @@
-"""Memory and speed of a tensor-parallel target (`python -m ssd.bench.tensor_parallel`).
+"""Memory and speed of a tensor-parallel target (`python -m benchmarks.tensor_parallel`).
 
 Builds a random Llama-architecture target of a real layer shape (random weights are fine for
 memory and speed), saves it as a safetensors checkpoint, and for each tensor_parallel_size t
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root, holding benchmarks/ and ssd/
 
 
 def build_target(directory: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int):
@@ -85,7 +87,7 @@ def _mib(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ssd.bench.tensor_parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="1,2", help="tensor_parallel_size values, comma-separated.")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
@@ -112,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for pack in args.pack.split(","):
             for world in [int(r) for r in args.ranks.split(",")]:
-                command = [sys.executable, "-m", "ssd.bench.tensor_parallel", "--_measure", str(directory)]
-                done = subprocess.run(command + [str(world), str(args.tokens), pack], capture_output=True, text=True)
+                command = [sys.executable, "-m", "benchmarks.tensor_parallel", "--_measure", str(directory)]
+                # From the repository root, where `benchmarks` is found, wherever this was started.
+                done = subprocess.run(
+                    command + [str(world), str(args.tokens), pack], capture_output=True, text=True, cwd=ROOT
+                )
                 if done.returncode:
                     raise RuntimeError(f"t={world} pack {pack} failed:\n{done.stderr[-3000:]}")
                 row = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
-"""Decoding speed at a real vocabulary size (`python -m ssd.bench.vocab_speed`): what the host
+"""Decoding speed at a real vocabulary size (`python -m benchmarks.vocab_speed`): what the host
 path costs per round when every [K, V] distribution is 128256 entries wide.
 
-The random pair of `ssd.bench.payload` (a 4-layer x 64 Llama target and a draft of its first
+The random pair of `benchmarks.payload` (a 4-layer x 64 Llama target and a draft of its first
 layer, sharing embeddings and head) at --vocab, so that the rounds' vocabulary-sized work
 (distributions, draws, what the draft pool carries and keeps, verification) is most of what is
 measured, not the models. For each mode (engine defaults, one thread each, SSD's worker on its
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ssd.bench.payload import MIN_VOCAB, build_pair
+from benchmarks.payload import MIN_VOCAB, build_pair
 from ssd.bench.report import write_json
 
 logger = logging.getLogger(__name__)

@@ -49,12 +49,12 @@ commands() {
     contention)
         # What SSD's draft worker on the same GPU costs the target: its verification with the worker
         # idle, drafting a tree, or spinning, in alternating blocks.
-        echo "$PYTHON -m ssd.bench --device cuda --contention --contention-cycles 30 --no-progress --out-dir {out}"
+        echo "$PYTHON -m benchmarks.contention --device cuda --cycles 30 --out {out}/contention.json"
         ;;
     dsweep)
         # The draft pool on the machine's cores: D = 1, 2, 4, 8 workers, a core each, then the miss law.
         echo "$PYTHON -m ssd.bench --device cpu --settings paper --modes sd,ssd --draft-workers 1,2,4,8 --temperatures 0,1 --batch-sizes 1 --num-prompts 4 --max-tokens 64 --pair-reps 10 --no-progress --out-dir {out}"
-        echo "$PYTHON -m ssd.bench.miss_law --workers 1,2,4,8 --temperatures 0,1 --num-prompts 4 --max-tokens 64 --out {out}/miss_law.json"
+        echo "$PYTHON -m benchmarks.miss_law --workers 1,2,4,8 --temperatures 0,1 --num-prompts 4 --max-tokens 64 --out {out}/miss_law.json"
         ;;
     *)
         echo "unknown part '$1'; the parts are: ${parts[*]}" >&2

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+from benchmarks import constrained, grammar_cost, pack_time, processing_cost, processing_share, vocab_speed
 from loadtest import offline
 from loadtest.bench import median_cell
-from ssd.bench import constrained, grammar_cost, pack_time, processing_cost, processing_share, vocab_speed
 
 
 def test_processing_cost_writes_each_vocabulary_and_batch(tmp_path):

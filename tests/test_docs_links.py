@@ -1,6 +1,6 @@
 """The README and docs/ name files that exist: every relative link, and every path of the
-repository written in backquotes (`ssd/...py`, `tests/...py`, `serve_app/...`), so a module that
-moves cannot leave its docs behind. The README stays a front page."""
+repository written in backquotes (`ssd/...py`, `benchmarks/...py`, `tests/...py`, `serve_app/...`),
+so a module that moves cannot leave its docs behind. The README stays a front page."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "k8s" / "README.md"]
 # Paths written in backquotes, possibly followed by ::test or a space and more words.
-PATH = re.compile(r"`((?:ssd|actors|serve_app|tests|loadtest|protos|dashboards|k8s|docs|models)/[\w./-]*)")
+PATH = re.compile(r"`((?:ssd|actors|serve_app|tests|loadtest|benchmarks|protos|dashboards|k8s|docs|models)/[\w./-]*)")
 LINK = re.compile(r"\]\(([^)#:]+)(?:#[^)]*)?\)")
 GENERATED = ("ssd/transport/_proto", "serve_app/_proto")
 

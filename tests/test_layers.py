@@ -1,6 +1,7 @@
 """The import structure the README draws: ssd/ is a stack of subpackages whose imports only point
 down, and nothing in it names the Ray layer (actors/) or the Serve layer (serve_app/), not even
-in a string: those packages pass what they add into ssd (a worker provider, a subcommand).
+in a string: those packages pass what they add into ssd (a worker provider, a subcommand). Nor
+does it import the investigation scripts of benchmarks/, which import ssd and are not shipped.
 
 An import counts wherever it is written (module top, inside a function, under TYPE_CHECKING),
 and so does a module named in a string ("ssd.worker" for `python -m`, importlib.import_module).
@@ -72,7 +73,7 @@ def violations(source: str, module: str) -> list[str]:
     if own not in LAYERS:
         return [*problems, f"{module}: subpackage {own!r} has no layer in tests/test_layers.py"]
     for target in sorted(imported_modules(source, module)):
-        if target.split(".")[0] in ("actors", "serve_app"):
+        if target.split(".")[0] in ("actors", "serve_app", "benchmarks"):
             problems.append(f"{module} imports {target}")
             continue
         if not target.startswith("ssd.") and target != "ssd":
@@ -116,6 +117,7 @@ def test_every_subpackage_and_top_module_of_ssd_has_a_layer():
         ("ssd.engine.proposers", "import actors\n", "imports actors"),
         ("ssd.cli", "# see serve_app/cli.py\n", "names 'serve_app'"),
         ("ssd.engine.llm_engine", "from ..bench import plan\n", "imports ssd.bench"),
+        ("ssd.bench.cli", "def f():\n    from benchmarks.contention import main\n", "imports benchmarks"),
         ("ssd.bench.modes", "from ssd import LLM\n", "imports ssd (top)"),
         ("ssd.model.runner", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ssd.llm\n", "ssd.llm"),
     ],

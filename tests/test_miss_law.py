@@ -1,4 +1,4 @@
-"""The miss-law check (ssd/bench/miss_law.py): the engine records every sequence-round's fan-out at
+"""The miss-law check (benchmarks/miss_law.py): the engine records every sequence-round's fan-out at
 its real outcome, whether the outcome was in the tree and the bonus token's rank among the
 candidates; the law fitted on the ranks of D = 1 predicts wider trees; and at temperature 0 the
 runs with D = 1 and 2 see the same outcomes with a superset tree."""
@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from ssd.bench.miss_law import TOLERANCE, DRun, analyse, main, predicted_rate
+from benchmarks.miss_law import TOLERANCE, DRun, analyse, main, predicted_rate
 
 
 def _ranks(n: int, m: float, r: float, gen: torch.Generator) -> list[int]:
@@ -87,9 +88,10 @@ def test_the_check_end_to_end_on_the_demo_pair(tmp_path, capsys):
     capsys.readouterr()
     main(["--report", str(out)])
     assert "| 2 | " in capsys.readouterr().out
-    # As users run it: a module run executes its body up to the main guard first (a helper
-    # defined below the guard was once undefined there: NameError on the first line printed).
+    # As users run it, from the repository root: a module run executes its body up to the main guard
+    # first (a helper defined below the guard was once undefined there: NameError on the first line printed).
+    root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-m", "ssd.bench.miss_law", "--report", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.miss_law", "--report", str(out)], capture_output=True, text=True, cwd=root
     )
     assert done.returncode in (0, 1) and "| 2 | " in done.stdout, done.stderr

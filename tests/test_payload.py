@@ -1,12 +1,12 @@
 """What the data plane carries and what a draft worker keeps: the channels' byte counters are
-exact, and the payload measurement (ssd/bench/payload.py) sees greedy rows travel as token ids
+exact, and the payload measurement (benchmarks/payload.py) sees greedy rows travel as token ids
 while dense rows travel whole."""
 
 from __future__ import annotations
 
 import torch
 
-from ssd.bench.payload import PayloadPlan, format_table, measure
+from benchmarks.payload import PayloadPlan, format_table, measure
 from ssd.core.protocol import MsgType, ResolveMsg, SpeculationReply
 from ssd.transport.shm_channel import Mailbox, ShmChannel
 

@@ -230,7 +230,7 @@ def test_a_rank_holds_its_share_of_the_weights(tmp_path):
     """Rank 1 of 2 peaks at under 0.6 of the weights (it holds about half) over a process that
     imported what its fork server imports (FORK_PRELOAD); the whole model would not fit that
     bound. Projections unpacked: packing adds a copy of them on every rank, as it does at t = 1."""
-    from ssd.bench.tensor_parallel import build_target
+    from benchmarks.tensor_parallel import build_target
 
     weights = build_target(tmp_path / "target", 1024, 6, 8, 4, 4096, 32000) / 2**20  # 610 MiB in float32
     from ssd.engine.proposers import FORK_PRELOAD

@@ -27,6 +27,21 @@ Layout, one role per module:
   side of it;
 - `report`: bench.json's layout, ratios and order of the runs, the table, bench.png;
 - `cli`: `run` (plan, workers, results) and `main` (`python -m ssd.bench`, see `__main__`).
+
+Commands of their own, each what a user runs to size a deployment:
+- `startup` (`python -m ssd.bench.startup`): how long an engine takes to start, to give its first
+  tokens and to close, and a draft worker to be ready and to be replaced;
+- `real_shapes` (`python -m ssd.bench.real_shapes`): speed at Llama-3.1-8B / 3.2-1B shapes on a
+  GPU against the bandwidth bound;
+- `matched_pair` and `matched_bench` (`python -m ssd.bench.matched_bench`): a pair at those shapes
+  whose acceptance is real, through the engine;
+- `projection`: what a draft on its own device would give (bench.json's `projection`, and
+  matched_bench's).
+
+One-off investigations (pack time, processing share and cost, vocabulary speed, grammar cost,
+contention, payload, the miss law across D, constrained requests, tensor-parallel memory) are not
+part of this package: they are scripts in the repository's top-level `benchmarks/`, which import
+`ssd` and are never imported by it.
 """
 
 from ssd.bench.cli import main, run

@@ -9,7 +9,6 @@ import logging
 import sys
 import time
 
-from ssd.bench.contention import format_contention
 from ssd.bench.modes import SETTINGS, available_cpus, variants
 from ssd.bench.plan import BenchPlan, _plan, add_arguments
 from ssd.bench.report import _aggregate, _ordered, format_pair_stats, new_results, write_results
@@ -43,11 +42,6 @@ def _base_spec(plan: BenchPlan) -> dict:
         "draft_splits": plan.draft_splits,
         "tensor_parallel_sizes": plan.tensor_parallel_sizes,
         "repeats": plan.repeats,
-        "contention_budget": (plan.ssd_budgets or [16])[0],
-        "contention_reps": 10,
-        "contention_cycles": plan.contention_cycles,
-        "contention_context": 128,
-        "contention_settle_ms": 15,
         "log_level": logging.getLogger("ssd").getEffectiveLevel(),
     }
 
@@ -92,8 +86,6 @@ def run(args: argparse.Namespace) -> dict:
     results["config"]["prompts"] = base["prompts"]
     # One worker per setting; the pair stats (one thread) ride with the first one-thread setting,
     # which then runs first, or get a worker of their own.
-    if plan.contention:
-        return _run_contention(plan, args, base)
     jobs = (
         [] if plan.pair_stats_only else [{"setting": s, "threads": t, "tasks": ["modes"]} for s, t in settings.items()]
     )
@@ -138,25 +130,6 @@ def run(args: argparse.Namespace) -> dict:
         {"setting": plan.settings, "temperature": plan.temperatures, "batch_size": plan.batch_sizes, "mode": labels},
     )
 
-    write_results(results, plan.out_dir)
-    return results
-
-
-def _run_contention(plan: BenchPlan, args: argparse.Namespace, base: dict) -> dict:
-    """`ssd bench --contention`: the A/B alone, in a one-thread worker; prints it and writes
-    out_dir/bench.json with the result under "contention"."""
-    results = new_results(plan, args, {"paper": 1})
-    started = time.perf_counter()
-
-    def on_event(event: dict) -> None:
-        if event.get("event") == "started":
-            results["environment"]["torch_version"] = event["torch_version"]
-        elif event.get("event") == "contention":
-            results["contention"] = event["contention"]
-            sys.stdout.write(format_contention(event["contention"]) + "\n")
-
-    _spawn({**base, "setting": "paper", "threads": 1, "tasks": ["contention"]}, on_event)
-    results["elapsed_s"] = round(time.perf_counter() - started, 2)
     write_results(results, plan.out_dir)
     return results
 

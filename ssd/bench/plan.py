@@ -132,18 +132,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "target split over that many ranks (rows labelled tp=...; the ranks share the setting's threads). Default: 1.",
     )
     parser.add_argument(
-        "--contention",
-        action="store_true",
-        help="Only run the contention A/B: the target's verification time with its drafter process idle, building a "
-        "tree, or spinning (ssd/bench/contention.py).",
-    )
-    parser.add_argument(
-        "--contention-cycles",
-        type=int,
-        default=20,
-        help="Cycles of the contention A/B (each runs every arm for a block of 10 verifications, in shuffled order).",
-    )
-    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -178,8 +166,6 @@ class BenchPlan:
     device: str
     progress: bool
     seed: int
-    contention: bool = False
-    contention_cycles: int = 20
     saguaro_c: list[float] | None = None  # SSD variants to run (None: the engine's default)
     ssd_budgets: list[int] | None = None
     draft_workers: list[int] | None = None
@@ -208,8 +194,6 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 (the CLI may omit optional flags)
     target, draft = _models(get)
     temperatures, batch_sizes, settings, modes = _grid(get)
-    if get("contention", False) and draft is None:
-        raise ValueError("--contention needs a draft model: pass --draft")
     if draft is None and any(MODES[m].needs_draft for m in modes):
         raise ValueError(
             f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar"
@@ -217,9 +201,9 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
     workers, transports = _pool_values(get("draft_workers"), get("draft_transports"))
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
-    repeats, cycles = get("repeats", 1), get("contention_cycles", 20)
+    repeats = get("repeats", 1)
     counts = {"k": k, "num-prompts": num_prompts, "max-tokens": max_tokens, "pair-reps": reps, "repeats": repeats}
-    for name, value in {**counts, "contention-cycles": cycles}.items():
+    for name, value in counts.items():
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     return BenchPlan(
@@ -247,8 +231,6 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         draft_splits=_draft_splits(get("draft_splits")),
         tensor_parallel_sizes=_tp_sizes(get("tensor_parallel_size")),
         repeats=repeats,
-        contention=bool(get("contention", False)),
-        contention_cycles=cycles,
     )
 
 

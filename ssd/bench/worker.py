@@ -240,10 +240,6 @@ def worker_main(spec_path: str) -> int:
                 emit({"event": "pair_stats", "pair_stats": _pair_stats(spec)})
             elif task == "modes":
                 _run_modes(spec, emit)
-            elif task == "contention":
-                from ssd.bench.contention import _contention
-
-                emit({"event": "contention", "contention": _contention(spec)})
             else:
                 raise ValueError(f"unknown worker task {task!r}")
         emit({"event": "done"})

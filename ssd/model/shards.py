@@ -20,7 +20,7 @@ all-reduce adds it once).
 
 Only the slices are read, straight from the safetensors files into the rank's own memory
 (checkpoint_slices.py, which says why not through a mapping of the file), so a rank's peak is its
-shard plus one read chunk; `python -m ssd.bench.tensor_parallel` measures it.
+shard plus one read chunk; `python -m benchmarks.tensor_parallel` measures it.
 """
 
 from __future__ import annotations
