@@ -24,8 +24,8 @@ from ssd.core.config import EngineArgs, available_cpus
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.engine.autopilot import ModeChooser, bucket_of
-from ssd.engine.llm_engine import LLMEngine
 from ssd.engine.proposers import round_threads
+from ssd.engine.verifier import Verifier
 
 P_MIN = 1e-3
 # Switch every few rounds: every round is a probe of the next mode.
@@ -276,7 +276,7 @@ def test_a_slow_draft_moves_auto_to_plain_decoding_and_slow_plain_decoding_to_sp
         monkeypatch.setattr(SDProposer, "propose", _slowed(SDProposer, "propose", 0.06))
         monkeypatch.setattr(SSDProposer, "propose", _slowed(SSDProposer, "propose", 0.06))
     else:  # a round without speculation waits 60 ms
-        monkeypatch.setattr(LLMEngine, "_verify", _slowed(LLMEngine, "_verify", 0.06, lambda spec, *_: spec.k == 0))
+        monkeypatch.setattr(Verifier, "verify", _slowed(Verifier, "verify", 0.06, lambda seqs, spec, *_: spec.k == 0))
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     with LLM(*tiny_pair, mode="auto", k=4, auto_explore_every=32, auto_probe_rounds=3) as llm:
         llm.generate(["def add(a, b):"], params)

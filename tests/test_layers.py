@@ -131,3 +131,21 @@ def test_the_check_finds_upward_and_forbidden_imports(module, source, expected):
 def test_the_check_passes_downward_imports_and_plain_words():
     source = "from ssd.core.protocol import MsgType\n# Ray actors: they place the workers.\nWORKER = 'ssd.worker'\n"
     assert violations(source, "ssd.engine.proposers") == []
+
+
+def mutual_imports(modules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other (type-checking imports included)."""
+    graph = {module: imported_modules(source, module) for module, source in modules}
+    return sorted((a, b) for a, targets in graph.items() for b in targets if a < b and a in graph.get(b, ()))
+
+
+def test_no_two_ssd_modules_import_each_other():
+    assert mutual_imports(ssd_modules()) == []
+
+
+def test_the_check_finds_two_modules_that_import_each_other():
+    modules = [
+        ("ssd.core.sequence", "from ssd.core.speculation import SpecMetrics"),
+        ("ssd.core.speculation", "if TYPE_CHECKING:\n    from ssd.core.sequence import Sequence"),
+    ]
+    assert mutual_imports(modules) == [("ssd.core.sequence", "ssd.core.speculation")]

@@ -22,7 +22,7 @@ from refimpl import chi_square_p
 from test_sampling_exactness import P_MIN, model_dirs, single_thread  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-import ssd.engine.llm_engine as llm_engine
+import ssd.engine.commit as commit
 from ssd import LLM, SamplingParams
 from ssd.core.grammar import GrammarCompiler, grammar_masks
 from ssd.core.structured import MAX_SCHEMA_DEPTH, StructuredOutputs
@@ -183,7 +183,7 @@ def test_the_check_fails_when_verification_masks_only_the_first_position(model_d
         return masks
 
     monkeypatch.setattr("ssd.core.token_masks.grammar_masks", first_position_only)
-    monkeypatch.setattr(llm_engine, "consume", lambda matcher, tokens: matcher.try_consume_tokens(tokens))
+    monkeypatch.setattr(commit, "consume", lambda matcher, tokens: matcher.try_consume_tokens(tokens))
     with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, mode="sd", k=3) as llm:
         prompt, texts = sample_choices(llm, 3000, seed_base=700_000)
         eos = llm.engine.stopper.eos_token_id

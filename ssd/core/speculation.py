@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ssd.core.sampling import BatchSampling, no_mass
-
-if TYPE_CHECKING:  # annotations only: a Sequence holds SpecMetrics, defined here
-    from ssd.core.sequence import Sequence
+from ssd.core.sampling import no_mass
 
 
 class Source(enum.IntEnum):
@@ -148,26 +144,3 @@ class SpecMetrics:
                 backup_fast_rounds=self.backup_fast,
             )
         return out
-
-
-class Proposer(Protocol):
-    """Drafting for the rows of the engine's running batch, in batch order.
-
-    The engine calls add() for newly admitted sequences (appended at the end of the batch),
-    propose() once per round, outcome_known() as soon as verification has decided (before the
-    engine's bookkeeping, which a proposer waiting on another process overlaps with that wait),
-    observe() after the bookkeeping (the sequences already hold the new tokens), and keep()
-    with the rows that stay after finished ones leave.
-    """
-
-    def add(self, seqs: list[Sequence]) -> None: ...
-
-    def propose(self, seqs: list[Sequence], k: int, sampling: BatchSampling) -> Speculation: ...
-
-    def outcome_known(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
-
-    def observe(self, seqs: list[Sequence], speculation: Speculation, outcome: RoundOutcome) -> None: ...
-
-    def keep(self, rows: torch.Tensor) -> None: ...
-
-    def close(self) -> None: ...

@@ -10,7 +10,7 @@ on which other sequences missed.
 Early: a new row's first round has nothing cached, so the target's neural backup asks for its
 speculation just in time (DRAFT_NOW) after its own prefill and waits K draft steps for it. A
 drafter that holds no other rows has nothing to do during that prefill (the target sends ADMIT
-before it: ssd/engine/llm_engine.py), so it drafts the speculation at admission: the same call
+before it: ssd/engine/scheduler.py), so it drafts the speculation at admission: the same call
 DRAFT_NOW would make, on the same cache, state and generators, hence the same tokens and
 probabilities. A DRAFT_NOW for exactly those rows is served from it. Anything else that comes
 first (BEGIN_ROUND after the fast backup speculated, another ADMIT, a RELEASE, a DRAFT_NOW for

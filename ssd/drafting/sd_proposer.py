@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from ssd.core.draft_forms import draft_form
+from ssd.core.proposer import Proposer
 from ssd.core.sampling import (
     BatchSampling,
     process_logits,
@@ -50,7 +51,7 @@ def draw_step(
     return sample_on_device(probs, uniforms), probs
 
 
-class SDProposer:
+class SDProposer(Proposer):
     """Keeps a draft KV cache per running sequence and drafts autoregressively.
 
     Invariant between rounds: the draft cache of row r holds the first cache.lengths()[r]
@@ -66,8 +67,9 @@ class SDProposer:
         # its tokens and probs stay on the draft's device, a token drawn from a distribution
         # without mass is -1 there (the host's sampler raises), and whoever copies them checks.
         self.device_round = runner.device.type != "cpu"
-        # Mode auto while another mode runs: new rows join with an empty cache, and the next
-        # proposal feeds their tokens with the rest the cache missed (most never get one).
+        # Between detach() and rejoin() (mode auto, rounds of another mode): new rows join with an
+        # empty cache, and the next proposal feeds their tokens with the rest the cache missed
+        # (most never get one): a prefill is a draft forward on the engine's thread.
         self.defer_prefill = False
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -79,6 +81,15 @@ class SDProposer:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.keep(rows)
+
+    def detach(self) -> None:
+        self.defer_prefill = True
+
+    def rejoin(self, seqs: list[Sequence]) -> None:
+        self.defer_prefill = False  # the next proposal feeds the deferred rows' tokens
+
+    def graph_runners(self) -> dict:
+        return {"draft": self.runner}
 
     def draft_probs(self, logits: torch.Tensor, sampling: BatchSampling, on_device: bool = False) -> torch.Tensor:
         """Draft logits [b, n, V_draft] -> probs [b, n, V_target] (zero beyond the draft vocab:

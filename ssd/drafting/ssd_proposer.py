@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd.core.config import EngineConfig
+from ssd.core.proposer import Proposer
 from ssd.core.protocol import (
     RANK_DEPTH,
     AdmitMsg,
@@ -50,7 +51,7 @@ class _Prepared:
     source: Source
 
 
-class SSDProposer:
+class SSDProposer(Proposer):
     """config: the engine's (k, ssd_budget, ssd_autobudget, ssd_fanout, ssd_backup,
     ssd_reproducible, draft_deadline_s, tree_shards); client: the drafter, wherever it runs."""
 
@@ -60,7 +61,7 @@ class SSDProposer:
         self.vocab = target_vocab
         self.estimates = OnlineEstimates()
         # Every miss-law observation so far, outcome k -> {F -> [sequence-rounds, of which in
-        # the tree]}, for reports that fit the law over a whole run (ssd.bench.miss_law); never
+        # the tree]}, for reports that fit the law over a whole run (benchmarks.miss_law); never
         # reset. And k -> {bonus token's rank (RANK_DEPTH: that or beyond) -> sequence-rounds}.
         self.miss_law_counts: dict[int, dict[int, list[int]]] = {}
         self.miss_law_ranks: dict[int, dict[int, int]] = {}

@@ -6,7 +6,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-from ssd.core.speculation import SpecMetrics
+from ssd.core.speculation import Source, SpecMetrics, Speculation
 
 
 @dataclass
@@ -25,7 +25,8 @@ class EngineMetrics:
     hit_steps: int = 0
     hit_step_seconds: float = 0.0
     hit_step_tokens: int = 0
-    extra: dict = field(default_factory=dict)  # proposer-specific figures (SSD: fan-out, backup, ...)
+    # Proposer-specific figures by mode (Proposer.stats: SSD's fan-out, backup, ...; the others have none)
+    extra: dict = field(default_factory=dict)
 
     @contextmanager
     def timed(self, what: str):
@@ -37,10 +38,19 @@ class EngineMetrics:
             name = f"{what}_seconds"
             setattr(self, name, getattr(self, name) + time.perf_counter() - start)
 
+    def record_step(self, seconds: float, spec: Speculation, tokens: int) -> None:
+        """A step's wall time and the tokens it committed; a step in which every row's
+        speculation came from the SSD cache counts towards Theorem 7's bound too."""
+        self.step_seconds += seconds
+        if spec.k > 0 and spec.source is not None and bool((spec.source == int(Source.CACHE)).all()):
+            self.hit_steps += 1
+            self.hit_step_seconds += seconds
+            self.hit_step_tokens += tokens
+
     def as_dict(self) -> dict:
         rounds = max(self.spec.rounds, 1)
         return {
-            **({"ssd": self.extra} if self.extra else {}),
+            **self.extra,
             **self.spec.as_dict(),
             "generated_tokens": self.generated_tokens,
             "finished_requests": self.finished_requests,

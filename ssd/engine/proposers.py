@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, available_cpus
 from ssd.core.forked import warm
-from ssd.core.speculation import Proposer
+from ssd.core.proposer import Proposer
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
 from ssd.drafting.tree_drafter import TreeDrafter
