@@ -59,10 +59,13 @@ class SDProposer(Proposer):
     proposal. The engine calls propose() only with k >= 1.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, rows: int = 1) -> None:
         self.runner = runner
         self.target_vocab = target_vocab
-        self.cache = runner.new_cache()
+        # rows: the most the engine runs (its max_num_seqs), allocated at the first forward, as the
+        # target's cache is: a cache sized by the batches seen so far doubled its rows at the first
+        # larger burst, a resident step in a long-running server (the soak found it).
+        self.cache = runner.new_cache(rows)
         # On an accelerator a proposal reads nothing back per token (tests force it on the CPU):
         # its tokens and probs stay on the draft's device, a token drawn from a distribution
         # without mass is -1 there (the host's sampler raises), and whoever copies them checks.

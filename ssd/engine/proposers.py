@@ -88,7 +88,7 @@ def build_proposers(
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
         runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
-        proposers["sd"] = SDProposer(runner, vocab)
+        proposers["sd"] = SDProposer(runner, vocab, config.max_num_seqs)
     if "ssd" in modes:
         proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
     return proposers
