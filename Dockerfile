@@ -51,10 +51,10 @@ ENV VIRTUAL_ENV=/app/.venv \
     PATH=/app/.venv/bin:${PATH} \
     NUMBA_CACHE_DIR=/app/.numba-cache \
     NUMBA_CPU_NAME=generic
-# The draft's processing on the host runs numba-compiled loops (ssd/core/host_draft_adjustments.py):
+# The draft's processing on the host runs numba-compiled loops (ssd/processing/host_draft_adjustments.py):
 # compiled here, once, for a generic x86-64 CPU (so the cache fits every node, not only the
 # builder's), into a cache the runtime user reads, instead of in every pod's first drafting process.
-RUN python -c "from ssd.core.host_draft_adjustments import compile_loops; compile_loops()" \
+RUN python -c "from ssd.processing.host_draft_adjustments import compile_loops; compile_loops()" \
     && chmod -R a+rwX /app/.numba-cache
 # KubeRay starts Ray with `/bin/bash -lc`: a login shell, whose /etc/profile resets PATH on
 # Debian. This puts the venv back in front for those shells too.

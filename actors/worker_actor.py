@@ -20,6 +20,7 @@ import threading
 import ray
 
 from ssd.core.config import EngineConfig, config_fingerprint
+from ssd.core.threads import set_process_threads
 from ssd.transport.connect import make_listener
 from ssd.worker.main import load_drafter, serve_sessions
 
@@ -32,9 +33,7 @@ class PoolMember:
     draft pool deployment (serve_app/deployments.py)."""
 
     def __init__(self, cfg: EngineConfig, vocab: int, registry, worker_id: str, heartbeat_s: float = 5.0) -> None:
-        import torch
-
-        torch.set_num_threads(cfg.draft_num_threads)
+        set_process_threads(cfg.draft_num_threads)
         self.worker_id, self.registry, self.heartbeat_s = worker_id, registry, heartbeat_s
         self.listener = make_listener(cfg.draft_transport, ray.util.get_node_ip_address(), cfg.draft_device)
         drafter = load_drafter(cfg, vocab)

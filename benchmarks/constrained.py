@@ -18,8 +18,8 @@ import time
 
 from ssd.bench.report import add_pair_arguments, write_json
 from ssd.core.sampling_params import SamplingParams
-from ssd.core.structured import StructuredOutputs
 from ssd.llm import LLM
+from ssd.processing.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 
 Two tokenizers: the demo pair's (258 byte tokens) and a byte-level BPE of 128256 tokens trained
 here on synthetic text (no hub download; Llama 3's vocabulary size, not its merges). For each:
-- `round_ms`: ssd/core/grammar.py's `grammar_masks` for a verification of K = 6 draft tokens
+- `round_ms`: ssd/processing/grammar.py's `grammar_masks` for a verification of K = 6 draft tokens
   (7 masks a row, walked and rolled back, unpacked to [b, 7, V] bool) at batch 1 and 8, mid-way
   through a JSON document;
 - `tree_ms`: an SSD drafter's grammar work for one round at batch 1 and 8 (ssd/drafting/
@@ -26,10 +26,10 @@ import time
 import torch
 
 from ssd.bench.report import write_json
-from ssd.core.grammar import GrammarCompiler, grammar_masks
 from ssd.core.sampling import SequenceSampling
-from ssd.core.structured import StructuredOutputs
 from ssd.drafting.draft_grammars import DraftGrammars, masked
+from ssd.processing.grammar import GrammarCompiler, grammar_masks
+from ssd.processing.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ history of 200 prompt and 300 output tokens that grows by 3 tokens a round; K = 
 Per vocabulary V and batch b (1, 8), what an SD round's processing costs the engine:
 - `carry_ms`: Adjustments.committed, the round's first position carried over from the last
   round's verification (2 drafts accepted and a bonus token: what most rounds do,
-  ssd/engine/round_adjustments.py);
-- `build_ms`: logits_processing.build for the first position instead, each row's tracked tokens
+  ssd/processing/round_adjustments.py);
+- `build_ms`: adjustments.build for the first position instead, each row's tracked tokens
   kept between rounds (TrackedHistory: the round folds in its 3 new tokens): what a round does
   when the batch gained a row or the carried table grew too wide;
 - `sd_draft_ms`: the SD draft's K positions in the draft's form on the host (draft_form once, then
@@ -20,7 +20,7 @@ Per vocabulary V and batch b (1, 8), what an SD round's processing costs the eng
   processing;
 - `sampling_ms`: process_logits on the same logits without any processing (the round's sampling
   cost with no processors, for scale);
-- `tree_ms`: an SSD drafter's (ssd/drafting/draft_processing.py, on the draft side): the fork's
+- `tree_ms`: an SSD drafter's (ssd/drafting/tree_adjustments.py, on the draft side): the fork's
   processing of the [b, K+1, V] glue logits and the branches' (12 a row) over K depths.
 Random logits: the cost does not depend on the values. Each apply adjusts in place where the
 engine's does (in_place: draft steps, tree depths, a verification without raw logprobs), so the
@@ -36,11 +36,12 @@ import time
 import torch
 
 from ssd.bench.report import write_json
-from ssd.core.draft_forms import draft_form
-from ssd.core.logits_processing import Adjustments, Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits
-from ssd.core.tracked import TrackedHistory
-from ssd.drafting.draft_processing import RoundProcessing
+from ssd.drafting.tree_adjustments import ForkAdjustments
+from ssd.processing.adjustments import Adjustments, build
+from ssd.processing.draft_adjustments import draft_form
+from ssd.processing.request import Processing
+from ssd.processing.tracked import TrackedHistory
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def measure(vocab: int, batch: int, repeats: int) -> dict:
     branch_logits = torch.randn(batch * BRANCHES, 1, vocab, generator=gen)
 
     def tree() -> None:
-        rnd = RoundProcessing(rows, drafted, vocab)
+        rnd = ForkAdjustments(rows, drafted, vocab)
         rnd.glue(logits, None)
         branches = rnd.tree(cand, outcome, plain)
         for _ in range(K):

@@ -27,10 +27,9 @@ from pathlib import Path
 
 from benchmarks.payload import build_pair
 from ssd.bench.report import add_pair_arguments, write_json
-from ssd.core import draft_adjustments, host_draft_adjustments, logits_processing
 from ssd.core.sampling_params import SamplingParams
-from ssd.engine import round_adjustments
 from ssd.llm import LLM
+from ssd.processing import adjustments, draft_adjustments, host_draft_adjustments, round_adjustments
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class _Timers:
 
 @contextlib.contextmanager
 def _timed_processing(timers: _Timers):
-    entries = [(logits_processing.Adjustments, m) for m in METHODS]
+    entries = [(adjustments.Adjustments, m) for m in METHODS]
     forms = (draft_adjustments.DraftAdjustments, host_draft_adjustments.HostDraftAdjustments)
     entries += [(form, m) for form in forms for m in DRAFT_METHODS]
     entries.append((round_adjustments, "build"))

@@ -13,26 +13,12 @@ plane to the workers it leases from the lease registry.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import ValidationError
 from ray.serve import Application
 
-from serve_app.config import AppConfig, ServeSettings
+from serve_app.config import AppConfig
 from serve_app.deployments import DraftPoolDeployment, IngressDeployment, TargetDeployment
 from serve_app.placement import draft_actor_options, target_actor_options, target_placement
-
-# Extra in-flight requests Serve may route to a full target replica: they are refused there at
-# once with the configured status (the replica's own bound is exact), instead of waiting in
-# Serve's router queue.
-ROUTER_SLACK = 16
-
-
-def model_name(settings: ServeSettings) -> str:
-    if settings.model_name:
-        return settings.model_name
-    target = settings.engine.target
-    return "ssd-demo" if target is None else Path(target.rstrip("/")).name
 
 
 def parse_config(args: dict | AppConfig | None) -> AppConfig:
@@ -61,10 +47,10 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         **_replicas(settings.target_replicas, settings.target_autoscaling),
         ray_actor_options=target_actor_options(config),
         **target_placement(config),
-        max_ongoing_requests=settings.capacity + ROUTER_SLACK,
-        max_queued_requests=max(1, settings.capacity * settings.target_replicas_max),
+        max_ongoing_requests=settings.target_max_ongoing,
+        max_queued_requests=settings.target_max_queued,
     ).bind(settings, pool)
-    return IngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(settings, target, model_name(settings))
+    return IngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(settings, target)
 
 
 def _replicas(fixed: int, autoscaling: dict | None) -> dict:

@@ -204,9 +204,7 @@ def _deploy(args: argparse.Namespace, config: AppConfig, owner: str) -> None:
 
 
 def _announce(args: argparse.Namespace, config: AppConfig, settings) -> None:
-    from serve_app.app import model_name
-
-    name = model_name(settings)
+    name = settings.model_name
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     auth = ' -H "Authorization: Bearer $SSD_API_KEY"' if settings.api_key_here() else ""
     sys.stdout.write(

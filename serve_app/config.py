@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,8 +26,16 @@ REQUEST_MODES = {"auto": "auto", "ssd": "ssd", "sd": "sd", "off": "ar"}
 WORKER_MODES = ("ssd", "auto")
 
 
-# Where a served engine differs from EngineArgs' defaults (offline: sd over shared memory).
+# Where a served engine differs from EngineArgs' defaults (offline: sd over shared memory); why:
+# docs/operations.md, "Defaults that differ".
 SERVE_ENGINE_DEFAULTS = {"mode": "auto", "draft_transport": "torch"}
+
+# Extra in-flight requests Serve may route to a full target replica: they are refused there at
+# once with the configured status (the replica's own bound is exact), instead of waiting in
+# Serve's router queue.
+ROUTER_SLACK = 16
+# The model id served when model_name is unset and the target is the bundled demo pair.
+DEMO_MODEL_NAME = "ssd-demo"
 
 
 def api_key_from(configured: str | None) -> str | None:
@@ -261,12 +270,16 @@ class AppConfig(BaseModel):
         fewest, most = (scaling.min_replicas, scaling.max_replicas) if scaling else (self.target_replicas,) * 2
         per_target = self.engine.draft_workers * self._leasing_engines()  # workers one target replica leases
         pool = self.draft_pool_size if self.draft_pool_size is not None else fewest * per_target
+        target = self.engine.target
+        capacity = self.engine.max_num_seqs + self.max_queue
         return ServeSettings(
             engine=self.engine,
             engine_modes=engine_modes,
             request_modes=served,
-            model_name=self.model_name,
-            capacity=self.engine.max_num_seqs + self.max_queue,
+            model_name=self.model_name or (DEMO_MODEL_NAME if target is None else Path(target.rstrip("/")).name),
+            capacity=capacity,
+            target_max_ongoing=capacity + ROUTER_SLACK,
+            target_max_queued=max(1, capacity * most),
             max_batch=self.engine.max_num_seqs,
             overload_status=self.overload_status,
             retry_after_s=self.retry_after_s,
@@ -294,8 +307,10 @@ class ServeSettings:
     engine: EngineArgs
     engine_modes: tuple[str, ...]  # engine modes each target replica runs; [0] serves requests that ask for none
     request_modes: tuple[str, ...]  # speculation.mode values accepted ("ssd", "sd", "off")
-    model_name: str | None
+    model_name: str  # the model id clients send: model_name, else the target's directory name
     capacity: int  # requests one target replica holds: running batch + queue
+    target_max_ongoing: int  # the Target deployment's max_ongoing_requests: capacity + ROUTER_SLACK
+    target_max_queued: int  # its max_queued_requests: every replica's capacity, at the most replicas
     max_batch: int
     overload_status: int
     retry_after_s: int

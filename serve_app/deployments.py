@@ -26,14 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.auth import HTTP_HINT, authorize
 from serve_app.config import WORKER_MODES, ServeSettings
 from serve_app.drain import DrainReporter
-from serve_app.engine_loop import EngineLoop, build_engines
+from serve_app.engine_loop import EngineLoop
 from serve_app.errors import APIError, engine_failed, overloaded, retried_elsewhere
 from serve_app.grpc_api import GrpcFrontend
+from serve_app.http_body import parse_body, read_body
 from serve_app.metrics import ServeMetrics
-from serve_app.openai_api import OpenAIFrontend, parse_body, read_body
+from serve_app.openai_api import OpenAIFrontend
 from serve_app.pool_scaling import WANTED, lessees
 from serve_app.replica_logs import use_replica_log
 from serve_app.types import GenerateChunk, GenerateRequest
+from ssd.engine.factory import EngineFactory, build_engines
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +90,11 @@ class DraftPoolDeployment:
 
 @serve.deployment(name="Target", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
 class TargetDeployment:
-    """A target replica: one EngineLoop (continuous batching) over one engine per served mode."""
+    """A target replica: one EngineLoop (continuous batching) over one engine per served mode,
+    built by `engine_factory` (as Ray Serve LLM's deployment takes its engine_cls): called with
+    the engine options, the served modes, this replica's worker provider and rank launcher."""
 
-    def __init__(self, settings: ServeSettings, draft_pool=None) -> None:
+    def __init__(self, settings: ServeSettings, draft_pool=None, engine_factory: EngineFactory = build_engines) -> None:
         use_replica_log()
         from actors.leased_workers import leased_workers
         from actors.tp_ranks import RayRanks
@@ -101,7 +105,7 @@ class TargetDeployment:
         # Ranks 1..t-1 as actors in this replica's placement group (serve_app/placement.py).
         ranks = RayRanks(settings.target_rank_resources) if engine.tensor_parallel_size > 1 else None
         self.loop = EngineLoop(
-            build_engines(engine, settings.engine_modes, partial(leased_workers, lessee_prefix=lessees(app)), ranks),
+            engine_factory(engine, settings.engine_modes, partial(leased_workers, lessee_prefix=lessees(app)), ranks),
             settings.capacity,
             settings.overload_status,
             settings.retry_after_s,
@@ -196,7 +200,7 @@ api = _http_app()
 class IngressDeployment:
     """Validation, auth, chat templates and streaming; forwards generations to the target."""
 
-    def __init__(self, settings: ServeSettings, target, model_name: str) -> None:
+    def __init__(self, settings: ServeSettings, target) -> None:
         use_replica_log()
         from ssd.model.loader import load_tokenizer
 
@@ -205,8 +209,8 @@ class IngressDeployment:
         self.api_key = settings.api_key_here()  # in this process: a key set in this pod's environment counts
         self.metrics = ServeMetrics("ingress")
         tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
-        self.openai = OpenAIFrontend(settings, model_name, tokenizer, self._generate)
-        self.grpc = GrpcFrontend(settings, model_name, self._generate, self.api_key, self._health)
+        self.openai = OpenAIFrontend(settings, tokenizer, self._generate)
+        self.grpc = GrpcFrontend(settings, self._generate, self.api_key, self._health)
         context = serve.get_replica_context()
         self.drain = DrainReporter(context.app_name, context.replica_tag)
 

@@ -2,8 +2,9 @@
 at round boundaries.
 
 A target replica holds one LLMEngine per served mode (ssd, sd, ar), all on one loaded copy of the
-models. Callers (the replica's asyncio loop) hand requests to the loop thread through an inbox;
-the thread admits them between rounds, runs a round of each engine that has work, and hands
+models, built by the engine factory the Target deployment is given (ssd/engine/factory.py by
+default). Callers (the replica's asyncio loop) hand requests to the loop thread through an
+inbox; the thread admits them between rounds, runs a round of each engine that has work, and hands
 each round's outputs back to the callers' queues. A caller that stops listening (the client
 disconnected) aborts its request: the engine drops the row and the draft pool its state at the
 next round boundary.
@@ -29,16 +30,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
-
 from serve_app.config import REQUEST_MODES
 from serve_app.errors import APIError, engine_failed, overloaded
 from serve_app.types import GenerateChunk, GenerateRequest
-from ssd.core.config import EngineArgs
 from ssd.core.sequence import CompletionOutput
 from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.proposers import WorkerProviderFactory, warm_fork_server
-from ssd.model.loader import load_pair
 
 logger = logging.getLogger(__name__)
 
@@ -74,41 +70,6 @@ def _settle(future: asyncio.Future, figures: Figures | None, err: BaseException 
         future.set_exception(err)
     else:
         future.set_result(figures)
-
-
-def build_engines(
-    engine: EngineArgs,
-    modes: tuple[str, ...],
-    worker_provider: WorkerProviderFactory | None = None,
-    rank_launcher=None,
-) -> dict[str, LLMEngine]:
-    """One engine per mode over one loaded model pair (the draft is loaded when a mode needs it);
-    worker_provider: where an ssd engine's draft pool gets its workers (ssd.engine.proposers);
-    rank_launcher: what starts a tensor-parallel target's other ranks (ssd.model.tp_launch)."""
-    configs = {mode: engine.model_copy(update={"mode": mode}).to_config() for mode in modes}
-    # The pair is loaded once, for every mode: with the draft's weights when a mode runs the draft
-    # in the engine's process (sd, auto), else with its config alone (ssd's workers load their own).
-    in_engine = [c for c in configs.values() if c.draft_in_engine]
-    with_draft = [c for c in configs.values() if c.draft is not None]
-    base = (in_engine or with_draft or list(configs.values()))[0]
-    if base.num_threads is not None:
-        torch.set_num_threads(base.num_threads)
-    # The fork server of the workers and ranks this replica forks imports while the models load.
-    for config in configs.values():
-        warm_fork_server(config, worker_provider, rank_launcher)
-    pair = load_pair(base, rank_launcher)
-    engines = {}
-    try:
-        for mode, config in configs.items():
-            engines[mode] = LLMEngine(
-                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
-            )
-    except BaseException:
-        for built in engines.values():
-            built.close()
-        pair.close()
-        raise
-    return engines
 
 
 def merge(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:

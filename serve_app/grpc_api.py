@@ -21,11 +21,10 @@ from pydantic import ValidationError
 from serve_app.auth import GRPC_HINT, authorize
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
-from serve_app.fan_out import check_model_and_n, fan_out
-from serve_app.openai_api import Generate, interleave
+from serve_app.fan_out import Generate, check_model_and_n, fan_out, interleave
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.core.sampling_params import SamplingParams
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +49,12 @@ class GrpcFrontend:
     def __init__(
         self,
         settings: ServeSettings,
-        model_name: str,
         generate: Generate,
         api_key: str | None,
         health: Callable[[], Awaitable[bool]],
     ) -> None:
         """api_key: the key every method but Health/Check requires (None: none)."""
-        self.settings, self.model_name, self._generate = settings, model_name, generate
+        self.settings, self.model_name, self._generate = settings, settings.model_name, generate
         self.api_key, self.health = api_key, health
         self.pb = _pb()
 

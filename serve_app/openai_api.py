@@ -1,8 +1,7 @@
-"""The OpenAI-compatible front end as a plain class: parse and validate a body, fan a request out
-into one generation per choice, and build the response or the server-sent events.
-
-`generate` is any function GenerateRequest -> async iterator of GenerateChunk: a Serve handle
-to the target deployment in production, an EngineLoop in-process in tests.
+"""The OpenAI-compatible front end as a plain class: validate a parsed body (its bytes are read and
+parsed by serve_app/http_body.py), fan a request out into one generation per choice, and build
+the response or the server-sent events. Its `generate` is a fan_out.Generate: a Serve handle to
+the target deployment in production, an EngineLoop in-process in tests.
 """
 
 from __future__ import annotations
@@ -12,19 +11,17 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
 from serve_app.config import ServeSettings
 from serve_app.errors import APIError, from_validation
-from serve_app.fan_out import check_model_and_n, fan_out
+from serve_app.fan_out import Generate, check_model_and_n, fan_out, interleave
 from serve_app.logprobs_format import chat_logprobs, completion_logprobs
 from serve_app.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serve_app.tool_calls import ToolCallReader
 from serve_app.types import GenerateChunk, GenerateRequest
-
-Generate = Callable[[GenerateRequest], AsyncIterator[GenerateChunk]]
 
 # Used when the tokenizer has no chat template of its own (documented in the README): one
 # "role: content" line per message, the tools as one JSON line before them and an assistant's calls
@@ -38,108 +35,14 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-# A body over the limit is read to its end, and dropped, before its 413 is sent, when it is at most
-# this long: the HTTP proxy closes a connection the client asked to close (`Connection: close`:
-# urllib, HTTP/1.0) once the response is sent, and closing a socket with unread data makes the
-# kernel reset the connection, which discards the 413 before the client, still sending, reads it.
-# A body declared longer than this gets the 413 at once (a keep-alive client still reads it).
-DRAIN_MAX_BYTES = 256 << 20
-
-
-def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"the body is larger than {limit} bytes", None, "body_too_large")
-
-
-async def read_body(parts: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
-    """The request body from its parts as they arrive (content_length: the header, None for a
-    chunked body); more than `limit` bytes, as declared or as read, raises 413 once the rest of
-    the body has been read and dropped (at most DRAIN_MAX_BYTES in all; see there why)."""
-    declared = int(content_length) if content_length is not None and content_length.isdigit() else None
-    if declared is not None and declared > DRAIN_MAX_BYTES:
-        raise body_too_large(limit)
-    raw, seen = bytearray(), 0
-    over = declared is not None and declared > limit
-    try:
-        async for part in parts:
-            seen += len(part)
-            if not over:
-                raw += part
-                over = len(raw) > limit
-            if over and seen > DRAIN_MAX_BYTES:
-                break
-    except Exception:  # noqa: BLE001 - the client left while its oversized body was dropped: 413 all the same
-        if not over:
-            raise
-    if over:
-        raise body_too_large(limit)
-    return bytes(raw)
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(
-            400,
-            f"the body is not valid JSON: {err.__class__.__name__} at position {getattr(err, 'pos', 0)}",
-            None,
-            "invalid_json",
-        ) from None
-    except RecursionError:  # nested deeper than the parser goes (a schema, say): the client's, not a 500
-        raise APIError(400, "the body nests JSON too deeply", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object", None, "invalid_json")
-    return body
-
-
-async def interleave(
-    streams: list[AsyncIterator[GenerateChunk]], firsts: list | None = None
-) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """The chunks of several generations (the choices of one request) as they arrive, each with
-    its stream's index; firsts[i], when given and not None, is stream i's chunk already read. A
-    stream that fails ends the whole with its APIError (500 for anything else); closing this
-    stops every stream, which cancels their generations."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int) -> None:
-        try:
-            if firsts is not None and firsts[index] is not None:
-                await queue.put((index, firsts[index]))
-            async for chunk in streams[index]:
-                await queue.put((index, chunk))
-            await queue.put((index, None))
-        except Exception as err:  # noqa: BLE001 - handed to the consumer, which reports it
-            await queue.put((index, err))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-    try:
-        running = len(streams)
-        while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise (
-                    item
-                    if isinstance(item, APIError)
-                    else APIError(500, "generation failed; retry the request", None, "engine_failed")
-                )
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-
-
 def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 class OpenAIFrontend:
-    def __init__(self, settings: ServeSettings, model_name: str, tokenizer, generate: Generate) -> None:
-        self.settings, self.model_name, self.tokenizer, self.generate = settings, model_name, tokenizer, generate
+    def __init__(self, settings: ServeSettings, tokenizer, generate: Generate) -> None:
+        self.settings, self.tokenizer, self.generate = settings, tokenizer, generate
+        self.model_name = settings.model_name
         self.chat_template = (
             settings.chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
         )

@@ -19,7 +19,7 @@ from serve_app.tool_calls import NO_PARAMETERS, required_schema
 from serve_app.tool_protocol import NamedToolChoice, Tool, ToolCall, template_tools
 from ssd.core.logprobs import MAX_LOGPROBS
 from ssd.core.sampling_params import SamplingParams
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.structured import StructuredOutputs
 
 # Prompts in one /v1/completions request (each gets n choices).
 MAX_PROMPTS = 32

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.structured import StructuredOutputs
 
 
 class FunctionCall(BaseModel):

@@ -5,14 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
-import torch
-
 from ssd.core.config import EngineArgs
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import CompletionOutput
-from ssd.engine.llm_engine import LLMEngine
-from ssd.engine.proposers import WorkerProviderFactory, warm_fork_server
-from ssd.model.loader import load_pair
+from ssd.engine.factory import build_engines
+from ssd.engine.proposers import WorkerProviderFactory
 
 Prompt = str | list[int]
 
@@ -33,21 +30,10 @@ class LLM:
         (default: processes this one starts; the serving package has one that leases Ray actors).
         rank_launcher: what starts a tensor-parallel target's ranks 1..t-1
         (ssd.model.tp_launch.RankLauncher; default: child processes on this host; the serving
-        package has one that starts Ray actors in the caller's placement group)."""
+        package has one that starts Ray actors in the caller's placement group). The engine is
+        built as every engine is (ssd/engine/factory.py)."""
         self.args = EngineArgs(target=target, draft=draft, **kwargs)
-        config = self.args.to_config()
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        # The fork server of SSD's workers (and of split models' ranks) imports while the models load.
-        warm_fork_server(config, worker_provider, rank_launcher)
-        pair = load_pair(config, rank_launcher)
-        try:
-            self.engine = LLMEngine(
-                config, pair.target, pair.draft, pair.tokenizer, pair.max_model_len, worker_provider
-            )
-        except BaseException:
-            pair.close()
-            raise
+        self.engine = build_engines(self.args, None, worker_provider, rank_launcher)[self.args.mode]
 
     @property
     def tokenizer(self):

@@ -7,7 +7,6 @@ import dataclasses
 
 import torch
 
-from ssd.core.logits_processing import Processing
 from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
@@ -22,6 +21,7 @@ from ssd.core.protocol import (
     SpeculationReply,
 )
 from ssd.core.sampling import SequenceSampling
+from ssd.processing.request import Processing
 
 
 def mixed_layout_probs(gen: torch.Generator) -> torch.Tensor:

@@ -75,7 +75,7 @@ def chi_square_p(counts, expected_probs, min_expected: float = 5.0) -> float:
 
 def adjusted_logits(logits, params, prompt: list[int], output: list[int], eos: int | None) -> np.ndarray:
     """A request's penalties, logit bias, allowed tokens and min_tokens applied to one position's
-    logits [V], given the tokens before it, in the order ssd/core/logits_processing.py documents.
+    logits [V], given the tokens before it, in the order ssd/processing/adjustments.py documents.
     Written independently of it on purpose (token by token, in float64)."""
     z = np.asarray(logits, dtype=np.float64).copy()
     for t in set(prompt) | set(output):

@@ -2,7 +2,7 @@
 that position's own history (the output so far plus the earlier drafts of the speculation).
 
 1. greedy output equals Hugging Face `generate` with its NoBadWordsLogitsProcessor, in ar, sd and
-   ssd (a 2-worker pool, whose drafters mask the words too: ssd/drafting/draft_processing.py);
+   ssd (a 2-worker pool, whose drafters mask the words too: ssd/drafting/tree_adjustments.py);
 2. sampled output follows the masked distribution (chi-square of the first two tokens, a
    two-token word making the second token's mask depend on the first), and the check fails on a
    version whose masks ignore the speculation's earlier drafts;
@@ -21,9 +21,9 @@ from test_penalties import ENGINES, SAMPLED
 from test_sampling_exactness import P_MIN, PROMPT, model_dirs, sample_first_two  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, NoBadWordsLogitsProcessor
 
-import ssd.core.token_masks
+import ssd.processing.token_masks
 from ssd import LLM, SamplingParams
-from ssd.core.bad_words import word_tokens
+from ssd.processing.bad_words import word_tokens
 
 GREEDY_PROMPT = "def add(a, b):\n    return"
 WORDS = ["self", "(", " de"]
@@ -65,7 +65,7 @@ def test_greedy_without_the_words_equals_hf_generate(demo_pair, mode):
 
 def masked(probs: np.ndarray, words: tuple[tuple[int, ...], ...], output: list[int]) -> np.ndarray:
     """The reference: probabilities with every word-completing token removed, renormalized.
-    Written apart from ssd/core/bad_words.py on purpose."""
+    Written apart from ssd/processing/bad_words.py on purpose."""
     probs = probs.copy()
     for word in words:
         *head, last = word
@@ -117,14 +117,14 @@ def test_sampled_output_follows_the_masked_distribution(model_dirs, mode):  # no
 
 
 def test_the_check_fails_when_masks_ignore_the_earlier_drafts(model_dirs, monkeypatch):  # noqa: F811
-    real = ssd.core.token_masks.token_masks
+    real = ssd.processing.token_masks.token_masks
 
     def round_start_only(seqs, drafted, vocab, last_only=False):
         # Every position masked with the history of the round's start (the drafts left out).
         at_start = real(seqs, drafted[:, :0], vocab, True)
         return at_start if last_only else at_start.expand(-1, drafted.shape[1] + 1, -1)
 
-    monkeypatch.setattr("ssd.engine.round_adjustments.token_masks", round_start_only)
+    monkeypatch.setattr("ssd.processing.round_adjustments.token_masks", round_start_only)
     monkeypatch.setattr("ssd.drafting.sd_proposer.token_masks", round_start_only)
     with pytest.raises(AssertionError, match="zero probability"):  # the refused byte after the word's first
         run_and_check(model_dirs, "sd")

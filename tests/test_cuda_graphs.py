@@ -82,7 +82,8 @@ def test_enforce_eager_reaches_every_runner_and_cpu_builds_no_graphs(tiny_pair, 
     """On CPU no runner has graphs whatever enforce_eager says, so the flag's path is checked
     where it is decided: the runners are built with it, and a CUDA runner built eager has none
     (building one touches no CUDA, so this runs here)."""
-    from ssd.engine import llm_engine, proposers
+    from ssd.drafting import build
+    from ssd.engine import llm_engine
     from ssd.model.runner import ModelRunner
 
     seen = []
@@ -95,7 +96,7 @@ def test_enforce_eager_reaches_every_runner_and_cpu_builds_no_graphs(tiny_pair, 
         return build
 
     monkeypatch.setattr(llm_engine, "target_runner", spy(llm_engine.target_runner))
-    monkeypatch.setattr(proposers, "draft_runner", spy(proposers.draft_runner))
+    monkeypatch.setattr(build, "draft_runner", spy(build.draft_runner))
     with LLM(*tiny_pair, mode="sd", enforce_eager=True) as llm:
         assert llm.engine.target.graphs is None and llm.engine.proposers["sd"].runner.graphs is None
         model = llm.engine.target.model

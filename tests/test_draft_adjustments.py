@@ -1,4 +1,4 @@
-"""A draft's forms of the adjustments (ssd/core/draft_adjustments.py's tensor operations and
+"""A draft's forms of the adjustments (ssd/processing/draft_adjustments.py's tensor operations and
 host_draft_adjustments.py's compiled loops): applied and advanced token by token, each processes
 each position as a table built from scratch with that position's whole history does, up to a
 rounding, for every kind of row (penalties, bias and min_tokens crossing its minimum, allowed
@@ -14,11 +14,10 @@ import pytest
 import torch
 from test_penalties import _random_rows
 
-from ssd.core import draft_adjustments, host_draft_adjustments, logits_processing
-from ssd.core.draft_adjustments import DraftAdjustments
-from ssd.core.draft_forms import draft_form
-from ssd.core.host_draft_adjustments import HostDraftAdjustments
-from ssd.core.logits_processing import build
+from ssd.processing import adjustments, draft_adjustments, host_draft_adjustments
+from ssd.processing.adjustments import build
+from ssd.processing.draft_adjustments import DraftAdjustments, draft_form
+from ssd.processing.host_draft_adjustments import HostDraftAdjustments
 
 VOCAB, STEPS = 20, 7
 FORMS = pytest.mark.parametrize("form_of", [DraftAdjustments.of, HostDraftAdjustments.of], ids=["tensor", "host"])
@@ -92,7 +91,7 @@ def test_the_host_form_spells_the_column_places_of_the_tables():
         draft_adjustments.POS, draft_adjustments.NEG, draft_adjustments.SHIFT, draft_adjustments.OUT,
         draft_adjustments.BANNED,
     )  # fmt: skip
-    table = logits_processing
+    table = adjustments
     assert (host.COUNT, host.SEEN, host.BIAS, host.HELD_BACK) == (table.COUNT, table.SEEN, table.BIAS, table.BANNED)
 
 
@@ -100,7 +99,7 @@ def test_no_writable_cache_names_the_setting_to_change(monkeypatch):
     """Where numba finds no writable place for its cache, a draft's first host form says what
     to set (a read-only install as a user without a home, say)."""
     monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])
-    monkeypatch.delitem(sys.modules, "ssd.core.host_draft_adjustments")  # put back after
+    monkeypatch.delitem(sys.modules, "ssd.processing.host_draft_adjustments")  # put back after
     rows = _random_rows(torch.Generator().manual_seed(0), VOCAB)
     first = build(rows, torch.zeros(len(rows), 0, dtype=torch.long), VOCAB)
     with pytest.raises(RuntimeError, match="set NUMBA_CACHE_DIR"):

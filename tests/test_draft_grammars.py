@@ -8,10 +8,10 @@ import torch
 
 from ssd.core.protocol import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
 from ssd.core.sampling import SequenceSampling
-from ssd.core.structured import StructuredOutputs
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.demo_models import EOS_ID, build_tokenizer
 from ssd.model.runner import draft_runner
+from ssd.processing.structured import StructuredOutputs
 
 DIGITS = StructuredOutputs(regex="[0-9]{12}").grammar_text()
 PROMPT = list(b"n = ")

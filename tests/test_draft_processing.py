@@ -1,4 +1,4 @@
-"""SSD's drafters process their speculations as verification will (ssd/drafting/draft_processing.py):
+"""SSD's drafters process their speculations as verification will (ssd/drafting/tree_adjustments.py):
 penalties, bias, allowed tokens, min_tokens and bad words, each position with its own history.
 
 1. the fork's position k and every tree branch at every depth are processed as a row built from
@@ -18,10 +18,11 @@ from test_penalties import hf_adjusted_greedy
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
-from ssd.core.bad_words import bad_word_masks
-from ssd.core.logits_processing import Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling
-from ssd.drafting.draft_processing import RoundProcessing, processes
+from ssd.drafting.tree_adjustments import ForkAdjustments, processes
+from ssd.processing.adjustments import build
+from ssd.processing.bad_words import bad_word_masks
+from ssd.processing.request import Processing
 
 VOCAB = 24
 K = 3
@@ -54,7 +55,7 @@ def test_the_fork_and_every_branch_are_processed_with_their_own_history():
     gen = torch.Generator().manual_seed(0)
     table = rows()
     spec = torch.tensor([[7, 8, 5], [6, 4, 9], [1, 1, 1]])
-    rnd = RoundProcessing(table, spec, VOCAB)
+    rnd = ForkAdjustments(table, spec, VOCAB)
     glue = torch.randn(3, K + 1, VOCAB, generator=gen)
     got = rnd.glue(glue, None)
     for r, (sampling, tokens) in enumerate(table):
@@ -76,7 +77,7 @@ def test_the_fork_and_every_branch_are_processed_with_their_own_history():
                 k, c = int(outcome[r, n]), int(cand[r, n])
                 history = tokens + spec[r, :k].tolist() + [c] + [int(d[r, n]) for d in drawn]
                 expected = from_scratch(sampling, history, logits[r, n])
-                # A draft's form rounds a penalty otherwise (ssd/core/draft_adjustments.py); -inf where it is.
+                # A draft's form rounds a penalty otherwise (ssd/processing/draft_adjustments.py); -inf where it is.
                 torch.testing.assert_close(processed[r, n], expected, rtol=1e-6, atol=1e-6, msg=str((depth, r, n)))
         drawn.append(torch.randint(4, 20, (3, 4), generator=gen))
         # Branch (0, 1) ends in its candidate 7 (so 8 is refused at depth 0), draws 4 (8 allowed

@@ -11,10 +11,11 @@ import asyncio
 import pytest
 from refimpl import hf_greedy
 
-from serve_app.engine_loop import EngineLoop, build_engines
+from serve_app.engine_loop import EngineLoop
 from serve_app.errors import APIError
 from serve_app.types import GenerateRequest
 from ssd import EngineArgs, SamplingParams
+from ssd.engine.factory import build_engines
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n"]
 MAX_TOKENS = 16

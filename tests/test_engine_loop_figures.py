@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from serve_app.engine_loop import EngineLoop, build_engines
+from serve_app.engine_loop import EngineLoop
 from serve_app.types import GenerateRequest
 from ssd import EngineArgs, SamplingParams
+from ssd.engine.factory import build_engines
 
 PROMPT = "def add(a, b):\n    return"
 

@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SSD = ROOT / "ssd"
 
 # Lower numbers are lower layers; a module may import its own subpackage and strictly lower
-# layers only (so two subpackages of one layer never import each other). The modules at the top
+# layers only (so two subpackages of one layer never import each other). processing/ is below
+# core/: core's types (SamplingParams, Sequence, SequenceSampling) hold its values. The modules at the top
 # of ssd/ are layers of their own: the Python API (llm), the bench over it, the command line, and
 # the package's lazy exports.
 LAYERS = {
-    "core": 0, "model": 1, "drafting": 2, "transport": 2, "worker": 3, "engine": 4,
-    "llm": 5, "bench": 6, "cli": 7, "": 8,
+    "processing": 0, "core": 1, "model": 2, "drafting": 3, "transport": 3, "worker": 4, "engine": 5,
+    "llm": 6, "bench": 7, "cli": 8, "": 9,
 }  # fmt: skip
 # A module path or name of the upper layers (prose may say "Ray actors", not "actors/x.py").
 FORBIDDEN = re.compile(r"\bserve_app\b|\bactors(?:[./][A-Za-z_]|['\"])")

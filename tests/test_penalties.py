@@ -24,9 +24,10 @@ from test_sampling_exactness import P_MIN, model_dirs, sample_first_two, single_
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from ssd import LLM, SamplingParams
-from ssd.core.logits_processing import Processing, build
 from ssd.core.sampling import BatchSampling, SequenceSampling, process_logits, process_logits_on_device
-from ssd.core.tracked import TrackedHistory
+from ssd.processing.adjustments import build
+from ssd.processing.request import Processing
+from ssd.processing.tracked import TrackedHistory
 
 PROMPTS = ["def add(a, b):\n    return", "x", "import os\nimport sys\n"]
 MAX_TOKENS = 24

@@ -1,5 +1,5 @@
 """The engine carries the batch's penalties and bias from each round's verification to the next
-round's first position (ssd/engine/round_adjustments.py) instead of building them from every
+round's first position (ssd/processing/round_adjustments.py) instead of building them from every
 row's history: round after round, through retirements, admissions, stop rules and compaction,
 the carried adjustments equal a build from the rows' whole histories."""
 
@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from ssd.core.logits_processing import Adjustments, Processing, build
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import Sequence
-from ssd.engine import round_adjustments
-from ssd.engine.round_adjustments import RoundAdjustments
+from ssd.processing import round_adjustments
+from ssd.processing.adjustments import Adjustments, build
+from ssd.processing.request import Processing
+from ssd.processing.round_adjustments import RoundAdjustments
 
 VOCAB, K = 24, 4
 PARAMS = [

@@ -9,7 +9,7 @@ import pytest
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.structured import StructuredOutputs
 
 PROMPT = "def add(a, b):\n    return"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}

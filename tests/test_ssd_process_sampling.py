@@ -53,7 +53,7 @@ CASES = {
     ),
     # A pool of two workers sharing the branch grid (each row's hit comes from either share),
     # with penalties, bias and min_p: each branch drafts with its own history
-    # (draft_processing.py) and the target verifies each position with its own; the check's
+    # (tree_adjustments.py) and the target verifies each position with its own; the check's
     # distributions apply them. (The pool without processing is the same path: no case of its own.)
     "two_workers_penalties": (
         SamplingParams(

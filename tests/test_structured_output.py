@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 import ssd.engine.commit as commit
 from ssd import LLM, SamplingParams
-from ssd.core.grammar import GrammarCompiler, grammar_masks
-from ssd.core.structured import MAX_SCHEMA_DEPTH, StructuredOutputs
+from ssd.processing.grammar import GrammarCompiler, grammar_masks
+from ssd.processing.structured import MAX_SCHEMA_DEPTH, StructuredOutputs
 
 ENGINES = {
     "ar": dict(mode="ar"),
@@ -182,7 +182,7 @@ def test_the_check_fails_when_verification_masks_only_the_first_position(model_d
         masks[:, 1:] = True
         return masks
 
-    monkeypatch.setattr("ssd.core.token_masks.grammar_masks", first_position_only)
+    monkeypatch.setattr("ssd.processing.token_masks.grammar_masks", first_position_only)
     monkeypatch.setattr(commit, "consume", lambda matcher, tokens: matcher.try_consume_tokens(tokens))
     with LLM(model_dirs["target"], model_dirs["close"], max_num_seqs=4096, mode="sd", k=3) as llm:
         prompt, texts = sample_choices(llm, 3000, seed_base=700_000)

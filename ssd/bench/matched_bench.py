@@ -36,6 +36,7 @@ from ssd.bench.matched_pair import (
 )
 from ssd.bench.projection import format_projection, project
 from ssd.bench.real_shapes import SHAPES, save_for_engine
+from ssd.core.threads import set_process_threads
 
 SMALL_SHAPES = {  # CPU-sized, the draft's hidden size still the default rank: the acceptance of the real shapes
     "small-target": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -128,8 +129,9 @@ def _record(before: dict, after: dict, wall: float) -> dict:
 def measure_modes(args, root: Path, target, draft, prompts: list[list[int]]) -> list[dict]:
     """Every mode at every temperature, one engine per mode."""
     from ssd.core.config import EngineArgs
-    from ssd.engine.llm_engine import LLMEngine
+    from ssd.engine.factory import engines_over
     from ssd.model.demo_models import build_tokenizer
+    from ssd.model.loader import LoadedPair
 
     rows = []
     for mode in args.modes.split(","):
@@ -139,7 +141,8 @@ def measure_modes(args, root: Path, target, draft, prompts: list[list[int]]) -> 
             num_threads=args.threads,
         ).to_config()  # fmt: skip
         in_process_draft = draft if mode in ("sd", "auto") else None
-        engine = LLMEngine(config, target, in_process_draft, build_tokenizer(), args.positions)
+        pair = LoadedPair(target, in_process_draft, build_tokenizer(), args.positions)
+        engine = engines_over(pair, {mode: config})[mode]
         try:
             for temperature in args.temperatures:
                 row = {"mode": mode, "temperature": temperature, "setting": args.device}
@@ -240,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads is None and args.device == "cpu":
         args.threads = 1  # tiny forwards: more threads only wait on each other, and on SSD's worker
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_process_threads(args.threads)
     args.positions = 4 * (128 + args.tokens + args.k + 8)  # held-out prompts are 128 bytes
     out = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -120,14 +120,16 @@ def save_for_engine(root: Path, target, draft) -> None:
 def measure_mode(args, root: Path, mode: str, target, draft, prompt: list[int]) -> dict:
     """One mode's engine over the built models -> its tokens/s, round time and forwards' time."""
     from ssd.core.config import EngineArgs
-    from ssd.engine.llm_engine import LLMEngine
+    from ssd.engine.factory import engines_over
     from ssd.model.demo_models import build_tokenizer
+    from ssd.model.loader import LoadedPair
 
     config = EngineArgs(
         target=str(root / "target"), draft=str(root / "draft"), mode=mode, k=args.k, dtype="bfloat16",
         device=args.device, max_num_seqs=1, ssd_autobudget=False, enforce_eager=args.enforce_eager,
     ).to_config()  # fmt: skip
-    engine = LLMEngine(config, target, draft if mode == "sd" else None, build_tokenizer(), args.context * 4)
+    pair = LoadedPair(target, draft if mode == "sd" else None, build_tokenizer(), args.context * 4)
+    engine = engines_over(pair, {mode: config})[mode]
     try:
         seconds, round_ms, metrics = decode(engine, prompt, args.tokens, args.temperature)
         forwards_ms = forward_ms(engine.target, args.k + 1 if mode != "ar" else 1, args.context)

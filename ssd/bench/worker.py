@@ -227,7 +227,9 @@ def worker_main(spec_path: str) -> int:
     try:
         import torch
 
-        torch.set_num_threads(spec["threads"])
+        from ssd.core.threads import set_process_threads
+
+        set_process_threads(spec["threads"])
         try:
             import transformers
 

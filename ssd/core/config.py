@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -253,47 +253,13 @@ class EngineArgs(BaseModel):
 CONNECTABLE_TRANSPORTS = ("torch", "grpc")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """EngineArgs resolved (EngineArgs.to_config): the same fields, none of them None that has a
-    derived value. It travels to draft worker processes as a dict (dataclasses.asdict)."""
+class _Resolved:
+    """What EngineConfig adds to EngineArgs' fields: the type of each field that to_config resolves
+    (declared here, once: never None once resolved), and the values that follow from several fields."""
 
-    target: str
-    draft: str | None
-    mode: str
-    auto_explore_every: int
-    auto_probe_rounds: int
-    k: int
-    max_num_seqs: int
-    max_model_len: int | None
-    dtype: str
-    draft_dtype: str
-    device: str
-    tensor_parallel_size: int
-    draft_device: str
-    draft_tensor_parallel_size: int
-    num_threads: int | None
-    seed: int
-    ssd_budget: int
-    ssd_autobudget: bool
-    ssd_fanout: str
-    saguaro_c: float
-    ssd_backup: str
-    ssd_reproducible: bool
-    draft_transport: str
-    draft_split: str
-    draft_launcher: str
-    draft_worker_resources: dict | None
-    draft_start_workers: bool
-    draft_workers: int
-    draft_spin_ms: float
-    draft_num_threads: int
-    draft_deadline_s: float
-    lean_forward: bool
-    pack_target_weights: bool
-    enforce_eager: bool
-    trust_remote_code: bool
-    logprobs_mode: str
+    target: str  # the bundled demo target's directory when none was given
+    draft_dtype: str  # dtype when none was given
+    draft_device: str  # device when none was given
 
     @property
     def draft_in_engine(self) -> bool:
@@ -316,6 +282,32 @@ class EngineConfig:
         when each drafts whole trees of its own sequences. The tree covers tree_shards x ssd_budget
         branches (ssd_budget is one worker's share, what the budget sizer sizes)."""
         return self.draft_workers if self.draft_split == "outcomes" else 1
+
+
+def _config_fields() -> list[tuple[str, object]]:
+    """EngineConfig's fields: EngineArgs' own, in their order, with the resolved types of _Resolved."""
+    resolved = _Resolved.__annotations__
+    return [(name, resolved.get(name, field.annotation)) for name, field in EngineArgs.model_fields.items()]
+
+
+if TYPE_CHECKING:  # what a type checker sees: EngineArgs' fields, the resolved ones with their types
+
+    class EngineConfig(_Resolved, EngineArgs):
+        pass
+
+else:
+    # Generated from EngineArgs, so that no field is declared twice.
+    EngineConfig = make_dataclass(
+        "EngineConfig",
+        _config_fields(),
+        bases=(_Resolved,),
+        frozen=True,
+        namespace={
+            "__module__": __name__,
+            "__doc__": "EngineArgs resolved (EngineArgs.to_config): the same fields, none of them None that has "
+            "a derived value. It travels to draft worker processes as a dict (dataclasses.asdict).",
+        },
+    )
 
 
 def available_cpus() -> int:

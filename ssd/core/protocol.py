@@ -202,7 +202,7 @@ class DrafterCounters:
     drafted_early: int = 0  # rows whose first speculation was drafted at admission and served (neural_backup.py)
     # Where the builds' time went (every tree built, but those of predicted rounds that went stale
     # while building): trees, their depths, and host microseconds preparing them (glue forward,
-    # fork, shaping) and decoding them. On a device the preparation counts until its queued
+    # fork, processing) and decoding them. On a device the preparation counts until its queued
     # kernels have run (tree_decode.decode_tree). Against a verification's time these say whether
     # a tree can reach depth K before the outcome comes.
     built: int = 0

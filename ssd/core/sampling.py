@@ -2,8 +2,8 @@
 
 Glossary (shapes per round, b = batch, n = positions scored, V = vocab):
     logits          # [b, n, V] raw model outputs (float32)
-    probs           # [b, n, V] processed distribution: the request's penalties, bias and masks
-                    #   (verification only: logits_processing.py), temperature, min_p, top-k, top-p.
+    probs           # [b, n, V] processed distribution: the rows' adjustments (penalties, bias,
+                    #   masks: ssd/processing/), then the shaping: temperature, min_p, top-k, top-p.
                     #   Greedy rows (temperature 0) are one-hot on the argmax, so the general
                     #   acceptance rule reduces to "accept while equal to the argmax".
     uniforms        # [b, n] in [0, 1): every random choice is an inverse-CDF lookup of a
@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ssd.core.draft_adjustments import DraftAdjustments
-from ssd.core.logits_processing import Adjustments, Processing
 from ssd.core.transfer import to_device
+from ssd.processing.adjustments import Adjustments
+from ssd.processing.draft_adjustments import DraftAdjustments
+from ssd.processing.request import Processing
 
 if TYPE_CHECKING:
-    from ssd.core.host_draft_adjustments import HostDraftAdjustments
+    from ssd.processing.host_draft_adjustments import HostDraftAdjustments
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,18 @@ class SequenceSampling:
     output_from: int = 0
     grammar_eos: int = -1
     # Penalties, bias, allowed tokens, min_tokens, min_p and bad words, for a drafter that
-    # processes its speculations as verification will (ssd/drafting/draft_processing.py).
+    # processes its speculations as verification will (ssd/drafting/tree_adjustments.py).
     processing: Processing = field(default_factory=Processing)
 
     @classmethod
     def of(cls, params) -> "SequenceSampling":
         """From a request's SamplingParams."""
         return cls(params.temperature, params.top_k, params.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        """As SamplingParams.greedy (a temperature below its epsilon is stored as 0)."""
+        return self.temperature == 0
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,9 @@ class BatchSampling:
     temperature: torch.Tensor  # [b] float, 0 = greedy
     top_k: torch.Tensor  # [b] long, 0 = disabled
     top_p: torch.Tensor  # [b] float, 1 = disabled
-    # Penalties, bias, masks and min_p of the round's verification (logits_processing.py), or of
-    # a draft's position (draft_adjustments.py; host_draft_adjustments.py on the host); None when
-    # no row has any (the common case costs nothing).
+    # The rows' adjustments (ssd/processing/): the exact form for verification, the draft form
+    # for a draft's position (HostDraftAdjustments on the host); None when no row has any (the
+    # common case costs nothing).
     adjust: Adjustments | DraftAdjustments | HostDraftAdjustments | None = None
 
     @classmethod

@@ -6,9 +6,9 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ssd.core.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from ssd.core.logprobs import MAX_LOGPROBS
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+from ssd.processing.structured import StructuredOutputs
 
 # Temperatures below this are greedy (stored as 0, the epsilon vLLM uses too): a token then keeps
 # weight exp(-gap / T) relative to the argmax, so only logits within a few 1e-4 of the max, the

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.detokenizer import IncrementalDetokenizer
-from ssd.core.logits_processing import Processing
 from ssd.core.logprobs import TokenLogprobs
 from ssd.core.sampling import SequenceSampling
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.speculation import SpecMetrics
-from ssd.core.tracked import TrackedHistory
+from ssd.processing.request import Processing
+from ssd.processing.tracked import TrackedHistory
 
 
 class FinishReason(str, enum.Enum):
@@ -44,10 +44,10 @@ class Sequence:
     # params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # With params.structured_outputs: the grammar's matcher, at the end of output_ids (grammar.py).
+    # With params.structured_outputs: the grammar's matcher, at the end of output_ids (ssd/processing/grammar.py).
     matcher: object | None = field(default=None, repr=False)
     # The request's penalties, bias, allowed tokens, stop ids and bad words' token ids, resolved
-    # once at admission (logits_processing.Processing): what verification and every drafter read.
+    # once at admission (ssd/processing/request.py): what verification and every drafter read.
     processing: Processing = field(default_factory=Processing)
     # Its prompt and output as the processing's tracked tokens, brought up to date each round.
     tracked: TrackedHistory = field(default_factory=TrackedHistory, repr=False, compare=False)
@@ -64,12 +64,12 @@ class Sequence:
 
     @property
     def adjusted(self) -> bool:
-        """Whether its logits change beyond temperature, top-k and top-p (logits_processing.py)."""
+        """Whether its logits have adjustments, not only shaping (ssd/processing/)."""
         return self.processing.any or self.matcher is not None
 
     @property
     def bad_words(self) -> tuple[tuple[int, ...], ...]:
-        """Each of params.bad_words' token ids (bad_words.py; tokenized once, at admission)."""
+        """Each of params.bad_words' token ids (ssd/processing/bad_words.py; tokenized once, at admission)."""
         return self.processing.bad_words
 
     @property

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from ssd.core.grammar import GrammarCompiler, unpack
 from ssd.core.sampling import SequenceSampling
+from ssd.processing.grammar import GrammarCompiler, unpack
 
 logger = logging.getLogger(__name__)
 

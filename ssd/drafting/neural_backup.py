@@ -30,8 +30,8 @@ import torch
 from ssd.core.sampling import BatchSampling, SequenceSampling
 from ssd.core.speculation import Speculation
 from ssd.drafting.draft_grammars import DraftGrammars
-from ssd.drafting.draft_processing import DraftView, first_position, processes
 from ssd.drafting.sd_proposer import SDProposer
+from ssd.drafting.tree_adjustments import DraftView, first_position, processes
 
 
 @dataclass

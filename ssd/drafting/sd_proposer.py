@@ -6,7 +6,6 @@ from functools import partial
 
 import torch
 
-from ssd.core.draft_forms import draft_form
 from ssd.core.proposer import Proposer
 from ssd.core.sampling import (
     BatchSampling,
@@ -18,11 +17,12 @@ from ssd.core.sampling import (
 )
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
-from ssd.core.token_masks import token_masks
 from ssd.drafting.saguaro import saguaro_probs
 from ssd.model.kv_cache import StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
 from ssd.model.step_graphs import run_step
+from ssd.processing.draft_adjustments import draft_form
+from ssd.processing.token_masks import token_masks
 
 
 def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

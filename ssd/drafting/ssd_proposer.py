@@ -275,7 +275,7 @@ class SSDProposer(Proposer):
         index = self.ngram[seq.seq_id]
         # Committed tokens are never taken back, so the index only needs the ones it has not seen.
         index.extend(seq.tokens_from(len(index)))
-        greedy = seq.params.temperature == 0  # its verification reads no draft distribution
+        greedy = seq.params.greedy  # its verification reads no draft distribution
         found, probs = fast_speculation(index, self.config.k, self.vocab, self.backup_rng[seq.seq_id], not greedy)
         return _Prepared(found, probs, Source.FAST)
 
@@ -310,7 +310,7 @@ class SSDProposer(Proposer):
 
 def _greedy(seqs: list[Sequence]) -> list[bool]:
     """Whether each row is greedy: the backup choice keeps its figures by that (backup_choice.py)."""
-    return [s.params.temperature == 0 for s in seqs]
+    return [s.params.greedy for s in seqs]
 
 
 def _row(probs: torch.Tensor | None, r: int) -> torch.Tensor | None:

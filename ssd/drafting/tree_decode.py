@@ -6,7 +6,7 @@ drawing one token per branch and feeding it to the next.
 
 On an accelerator a depth reads nothing back: the draw, Saguaro's scaling and the kept
 distributions stay on the device until the reply. (A round in which a row has a grammar or
-processing runs on the host: their shaping follows host-side matchers and histories.) A draw
+adjustments runs on the host: their processing follows host-side matchers and histories.) A draw
 from a distribution without mass is -1 there (the host's sampler raises); the reply refuses a
 branch holding one (SpeculationTree.branches). The host waits for each depth to finish before
 it polls `halt`: what cuts the tree short and what times the build must see real progress, not
@@ -34,8 +34,8 @@ from ssd.core.sampling import BatchSampling, sample_from, sample_on_device, samp
 from ssd.core.transfer import to_device, to_host_async
 from ssd.drafting.saguaro import saguaro_probs
 from ssd.drafting.sd_proposer import draw_step, to_vocab
-from ssd.drafting.shaping import TreeShaping
 from ssd.drafting.tree import BranchProbs
+from ssd.drafting.tree_processing import BranchProcessing
 from ssd.model.kv_cache import StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
 from ssd.model.step_graphs import run_step
@@ -104,7 +104,7 @@ def decode_tree(
     draft_probs: Callable[..., torch.Tensor],
     vocab: int,
     on_device: bool,
-    shaped: TreeShaping | None,
+    processed: BranchProcessing | None,
     halt: Halt,
 ) -> tuple[torch.Tensor, BranchProbs, float] | None:
     """-> tokens [b, N, depth] (on the host: copied depth by depth as the depths run), their
@@ -113,19 +113,19 @@ def decode_tree(
     run, so that a build's preparation and its depths are timed apart); None when `halt` said
     stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
     scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
-    the target's vocabulary of `vocab` tokens; shaped: the branches' grammars and processing
-    (shaping.py), None when no row has any."""
+    the target's vocabulary of `vocab` tokens; processed: the branches' grammars and adjustments
+    (tree_processing.py), None when no row has any."""
     b, n, k = *rnd.candidates.shape, rnd.uniforms.shape[1]
     tree_start = rnd.mask.shape[-1] - k * n
     greedy = rnd.sampling.greedy.tolist()
-    # A greedy batch without shaping draws each branch's argmax, which is what sampling its one-hot
+    # A greedy batch without processing draws each branch's argmax, which is what sampling its one-hot
     # distribution gives (process_logits, Saguaro's scaling keeps it one-hot), and keeps none.
-    argmax_only = shaped is None and all(greedy)
-    one_hot = not on_device and all(greedy)  # a greedy batch with shaping: its draws are argmaxes too
+    argmax_only = processed is None and all(greedy)
+    one_hot = not on_device and all(greedy)  # a greedy batch with processing: its draws are argmaxes too
     # Sampled rows kept sparse: top-k ones, by their counted support, on the host.
     narrow = (rnd.sampling.top_k > 0).tolist()
     sampling = rnd.sampling.to(rnd.candidates.device)
-    if on_device and shaped is None and not argmax_only:  # each branch a row of the depths' draw step
+    if on_device and processed is None and not argmax_only:  # each branch a row of the depths' draw step
         flat_settings = tuple(t.repeat_interleave(n) for t in sampling_tensors(sampling))  # [b N] each
     tokens, kept = [], BranchProbs(vocab, greedy)
 
@@ -137,9 +137,9 @@ def decode_tree(
         step = runner.forward(cache, feed, positions=positions, attn_mask=mask, columns=columns, on_host=not on_device)
         if argmax_only:
             return _Depth.queued(to_vocab(step, vocab).argmax(-1), None)  # [b, N]
-        if on_device and shaped is None:
+        if on_device and processed is None:
             return _Depth.queued(*_draw_on_device(runner, step, rnd, d, flat_settings, saguaro_c, vocab))
-        return _Depth.queued(*_draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, shaped))
+        return _Depth.queued(*_draw(step, rnd, d, sampling, saguaro_c, draft_probs, on_device, one_hot, processed))
 
     # A device round queues depth d + 1 before it waits for depth d, so that the device never idles
     # while the host issues a depth (module doc); a cut then drops the depth queued past it.
@@ -158,8 +158,8 @@ def decode_tree(
         if depth.probs is not None:
             kept.add(depth.probs, narrow, counted=not on_device)
             kept.done, kept.device = depth.done, depth.probs.device
-        if shaped is not None and d < k - 1:
-            shaped.advance(depth.drawn)
+        if processed is not None and d < k - 1:
+            processed.advance(depth.drawn)
         said = halt(d)
         if said == "stale":
             return None
@@ -201,7 +201,7 @@ class _Depth:
 
 
 def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, flat_settings: tuple, saguaro_c, vocab):
-    """_draw of a depth without shaping on the draft's device, as one step (draw_step) that
+    """_draw of a depth without processing on the draft's device, as one step (draw_step) that
     replays a CUDA graph where the runner has them. The b x N branches are the step's rows (each
     draws from its own logits with its row's settings, flat_settings [b N] each), so that its
     captures vary with b N in power-of-two buckets, not with every budget and batch size."""
@@ -213,15 +213,15 @@ def _draw_on_device(runner: ModelRunner, step, rnd: TreeRound, d: int, flat_sett
     return tokens.view(b, n), probs.view(b, n, -1)
 
 
-def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, one_hot, shaped):
+def _draw(step, rnd: TreeRound, d: int, sampling: BatchSampling, saguaro_c, draft_probs, on_device, one_hot, processed):
     """Depth d's draw from the draft's logits step [b, N, V_draft]: -> (tokens [b, N], the
     distributions [b, N, V] they were drawn from, Saguaro's scaling included); one_hot: every
     row is greedy (sample_from)."""
     b, n = rnd.candidates.shape
-    if shaped is None:
+    if processed is None:
         probs = draft_probs(step, sampling, on_device)  # [b, N, V]
     else:
-        probs = shaped.probs(step, rnd.sampling, draft_probs)
+        probs = processed.probs(step, rnd.sampling, draft_probs)
     if saguaro_c < 1:
         probs = saguaro_probs(probs, rnd.fanout[d].expand(b, n), saguaro_c)
     u = rnd.uniforms[:, d]

@@ -57,10 +57,10 @@ from ssd.drafting.draft_grammars import DraftGrammars
 from ssd.drafting.neural_backup import NeuralBackup, SeqState
 from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
-from ssd.drafting.shaping import RoundShaping, TreeShaping
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
 from ssd.drafting.tree_answers import backed_up, commit_outcomes, known_rows, look_up
 from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
+from ssd.drafting.tree_processing import BranchProcessing, ForkProcessing
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -162,7 +162,7 @@ class TreeDrafter:
 
     def _greedy(self, seq_ids: list[int]) -> torch.Tensor:
         """[b] bool: greedy rows (temperature 0), whose replies carry tokens only (SpeculationReply)."""
-        return torch.tensor([self.states[s].sampling.temperature == 0 for s in seq_ids], dtype=torch.bool)
+        return torch.tensor([self.states[s].sampling.greedy for s in seq_ids], dtype=torch.bool)
 
     # ---- the round ----------------------------------------------------------------------------
 
@@ -193,11 +193,11 @@ class TreeDrafter:
         assert shard.numel() > 0, "the pool's budget gives every drafter at least one branch"
         spec = [msg.spec_tokens[r][: int(msg.num_draft[r])].tolist() for r in range(len(seq_ids))]
         rows = [(self.states[s].sampling, self.states[s].tokens) for s in seq_ids]
-        shaping = RoundShaping(self.grammars, seq_ids, rows, spec, msg.spec_tokens, self.k)
-        # Grammars and processing follow host-side matchers and histories: such rounds run on the host.
-        on_device = self.device_round and not shaping.active
+        processing = ForkProcessing(self.grammars, seq_ids, rows, spec, msg.spec_tokens, self.k)
+        # Grammars and adjustments follow host-side matchers and histories: such rounds run on the host.
+        on_device = self.device_round and not processing.active
         glue = self._glue(seq_ids, spec, on_device)
-        glue = dataclasses.replace(glue, logits=shaping.glue(glue.logits))
+        glue = dataclasses.replace(glue, logits=processing.glue(glue.logits))
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
             return False
@@ -209,9 +209,9 @@ class TreeDrafter:
         if on_grid is not None:  # on a device this waits for the glue and the fork, not for the tree
             on_grid(GridMsg(msg.round_id, seq_ids, grid.outcome, grid.candidates.cpu()))
         sampling = self._sampling(seq_ids)
-        shaped = shaping.tree(cand, outcome, sampling)
+        processed = processing.tree(cand, outcome, sampling)
         tree = self._tree_decode(
-            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, shaped, on_device
+            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, processed, on_device
         )
         if tree is None:
             return False
@@ -246,7 +246,7 @@ class TreeDrafter:
         interrupted: Callable[[], bool] | None,
         stale: Callable[[], bool] | None,
         sampling: BatchSampling,
-        shaped: TreeShaping | None,
+        processed: BranchProcessing | None,
         on_device: bool,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
@@ -272,7 +272,7 @@ class TreeDrafter:
             return "cut" if interrupted is not None and interrupted() else None
 
         probs_of, vocab = self.jit.draft_probs, self.jit.target_vocab
-        tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, shaped, halt)
+        tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, processed, halt)
         if tree is None:
             self._take_back(seq_ids, undo, glue.columns)
         return tree
@@ -320,7 +320,7 @@ class TreeDrafter:
         rnd, seq_ids, k = self.round, list(msg.seq_ids), self.k
         b = len(seq_ids)
         mine = [a == self.shard for a in msg.answering] if msg.answering else [True] * b
-        greedy = [self.states[s].sampling.temperature == 0 for s in seq_ids]
+        greedy = [self.states[s].sampling.greedy for s in seq_ids]
         tokens = torch.zeros(b, k, dtype=torch.long)
         probs = None if all(greedy) else torch.zeros(b, k, self.jit.target_vocab)
         hit, covered, rank = self._look_up(rnd, msg, greedy, tokens, probs)

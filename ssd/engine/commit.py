@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ssd.core.grammar import consume
 from ssd.core.sequence import CompletionOutput, Sequence
 from ssd.core.speculation import Source, SpecMetrics, Speculation
 from ssd.engine.logprob_recorder import LogprobRecorder
 from ssd.engine.metrics import EngineMetrics
 from ssd.engine.stopping import StopChecker
 from ssd.engine.verifier import Verdict
+from ssd.processing.grammar import consume
 
 
 @dataclass(frozen=True)

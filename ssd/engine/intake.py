@@ -8,12 +8,12 @@ import itertools
 
 import torch
 
-from ssd.core.bad_words import word_tokens
-from ssd.core.grammar import GrammarCompiler
-from ssd.core.logits_processing import Processing
 from ssd.core.sampling_params import SamplingParams
 from ssd.core.sequence import Sequence
 from ssd.engine.request_checks import check_fits, prompt_ids
+from ssd.processing.bad_words import word_tokens
+from ssd.processing.grammar import GrammarCompiler
+from ssd.processing.request import Processing
 
 
 class Intake:

@@ -4,13 +4,13 @@ drafter is in this thread (draft_transport="inprocess") or a pool of workers fro
 The provider is injected: `worker_provider(config, vocab) -> WorkerProvider` is what the caller
 passes (LLM(worker_provider=...); the serving package passes its Ray one). Without one, the
 engine forks worker processes of its own (ssd/transport/spawn.py) running the worker package's
-entry point, from a fork server that has imported what they import; its caller starts that
-server before loading the models (`warm_fork_server`), so that it imports while they load.
+entry point, from a fork server that has imported what they import; the engine factory
+(ssd/engine/factory.py) starts that server before loading the models (`warm_fork_server`), so
+that it imports while they load.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -18,11 +18,9 @@ from collections.abc import Callable
 from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, available_cpus
 from ssd.core.forked import warm
 from ssd.core.proposer import Proposer
+from ssd.drafting.build import build_tree_drafter, config_draft_runner
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.ssd_proposer import SSDProposer
-from ssd.drafting.tree_drafter import TreeDrafter
-from ssd.model.loader import load_tokenizer
-from ssd.model.runner import draft_runner
 from ssd.transport.link import WorkerProvider
 from ssd.transport.pool_client import PoolClient
 from ssd.transport.spawn import SpawnedWorkers
@@ -87,8 +85,7 @@ def build_proposers(
     assert draft_model is not None or not config.draft_in_engine, "the pair was loaded without the draft's weights"
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
-        runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
-        proposers["sd"] = SDProposer(runner, vocab, config.max_num_seqs)
+        proposers["sd"] = SDProposer(config_draft_runner(config, draft_model), vocab, config.max_num_seqs)
     if "ssd" in modes:
         proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
     return proposers
@@ -96,12 +93,7 @@ def build_proposers(
 
 def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
     if config.draft_transport == "inprocess":
-        runner = draft_runner(draft_model, config.draft_device, config.lean_forward, config.enforce_eager)
-        tokenizer = functools.partial(load_tokenizer, config.target, config.trust_remote_code)
-        drafter = TreeDrafter(
-            runner, vocab, config.k, config.saguaro_c, tokenizer=tokenizer, early_drafts=config.ssd_backup != "fast"
-        )
-        return SSDProposer(drafter, config, vocab)
+        return SSDProposer(build_tree_drafter(config, draft_model, vocab), config, vocab)
     provider = resolve_provider(config, worker_provider)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)
 

@@ -28,9 +28,9 @@ from ssd.core.sampling import BatchSampling, no_mass, process_logits, process_lo
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
 from ssd.engine.logprob_recorder import LogprobRecorder
-from ssd.engine.round_adjustments import RoundAdjustments
 from ssd.engine.verify import verify, verify_greedy, verify_step
 from ssd.model.step_graphs import run_step
+from ssd.processing.round_adjustments import RoundAdjustments
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ssd.core.threads import set_process_threads
+
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
@@ -248,7 +250,7 @@ def build_demo_models(
     draft_only: keep the target already in out_dir/target and distil a new draft from it (as
     the engine will run it: the saved fp16 weights in fp32)."""
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads)
+    set_process_threads(cfg.threads)
     out_dir = Path(out_dir)
     started = time.perf_counter()
     train = load_corpus(heldout=False, holdout_every=cfg.holdout_every)

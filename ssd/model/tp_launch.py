@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ssd.core.forked import ForkedChild, ForkedProcess, fork
+from ssd.core.threads import set_process_threads
 from ssd.model.fast_forward import can_pack, unsupported_config_reason
 from ssd.model.model_config import read_config
 from ssd.model.runner import ModelRunner
@@ -194,7 +195,7 @@ def start_split(
     launcher = launcher or LocalRanks()
     threads = num_threads or max(1, (os.cpu_count() or 1) // world)
     if torch.device(device).type == "cpu" and role == "target":
-        torch.set_num_threads(threads)
+        set_process_threads(threads)
     # Rank 0 serves the store; wait_for_workers=False: the ranks connect while rank 0 loads.
     store = dist.TCPStore(launcher.host, 0, world, True, JOIN_TIMEOUT, wait_for_workers=False)
     spec = {
@@ -217,7 +218,7 @@ def run_rank(spec: dict, host: str) -> None:
     """Rank spec["rank"]: load its shard, join rank 0's groups, run rank 0's steps until STOP.
     host: this rank's own address (its collectives listen there)."""
     if rank_device(spec, 0).type == "cpu":
-        torch.set_num_threads(spec["threads"])
+        set_process_threads(spec["threads"])
     store_host, port = spec["store"]
     store = dist.TCPStore(store_host, port, spec["world"], False, JOIN_TIMEOUT)
     # As rank 0 read it (ssd.model.loader.load_split): without transformers' config classes where it can.

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.core.logits_processing import Processing
 from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
@@ -32,6 +31,7 @@ from ssd.core.protocol import (
     SpeculationReply,
 )
 from ssd.core.sampling import SequenceSampling
+from ssd.processing.request import Processing
 from ssd.transport.body import BodyReader, flat_ints
 from ssd.transport.reply_probs import pack_probs, unpack_probs
 

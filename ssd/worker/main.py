@@ -10,20 +10,18 @@ failure is reported to the target as an ERROR message before the process exits.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import logging
 import os
 import threading
 
-import torch
-
 from ssd.core.config import EngineConfig, config_fingerprint
 from ssd.core.forked import ForkedChild
 from ssd.core.protocol import MsgType
+from ssd.core.threads import set_process_threads
+from ssd.drafting.build import build_tree_drafter
 from ssd.drafting.tree_drafter import TreeDrafter
-from ssd.model.loader import load_draft, load_tokenizer
-from ssd.model.runner import draft_runner
+from ssd.model.loader import load_draft
 from ssd.transport.channel import Channel, ChannelTimeout, Listener
 from ssd.transport.connect import make_listener
 from ssd.transport.spawn import WORKER_NAME
@@ -75,9 +73,7 @@ def _channel(link: dict, fp: int, child: ForkedChild) -> Channel:
 def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
     """The drafter of `cfg`'s draft, loaded onto its draft device (split over ranks, child
     processes of this one, when cfg.draft_tensor_parallel_size > 1)."""
-    runner = draft_runner(load_draft(cfg), cfg.draft_device, cfg.lean_forward, cfg.enforce_eager)
-    tokenizer = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
-    return TreeDrafter(runner, vocab, cfg.k, cfg.saguaro_c, tokenizer=tokenizer, early_drafts=cfg.ssd_backup != "fast")
+    return build_tree_drafter(cfg, load_draft(cfg), vocab)
 
 
 def run_forked(child: ForkedChild, spec: dict) -> int:
@@ -92,7 +88,7 @@ def run_forked(child: ForkedChild, spec: dict) -> int:
         format=f"%(asctime)s %(levelname)s [{WORKER_NAME} {os.getpid()}] %(name)s: %(message)s",
     )
     cfg = EngineConfig(**spec["config"])
-    torch.set_num_threads(cfg.draft_num_threads)
+    set_process_threads(cfg.draft_num_threads)
     fp = config_fingerprint(cfg, spec["vocab"])
     link = spec["link"]
     if link["kind"] == "listen":

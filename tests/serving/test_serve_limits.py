@@ -237,13 +237,13 @@ def test_a_40_mb_body_gets_413_from_a_client_that_closes_the_connection(served, 
 
 
 def test_an_oversized_body_is_read_to_its_end_before_its_413(monkeypatch):
-    """serve_app.openai_api.read_body, without a server: over the limit (declared or as read), the
+    """serve_app.http_body.read_body, without a server: over the limit (declared or as read), the
     rest is read and dropped up to DRAIN_MAX_BYTES, then 413; a client leaving meanwhile changes
     nothing; a body declared past DRAIN_MAX_BYTES gets its 413 at once."""
-    from serve_app import openai_api
+    from serve_app import http_body
     from serve_app.errors import APIError
 
-    monkeypatch.setattr(openai_api, "DRAIN_MAX_BYTES", 8 << 20)
+    monkeypatch.setattr(http_body, "DRAIN_MAX_BYTES", 8 << 20)
     read = []
 
     async def parts(n: int, leave_at: int | None = None):
@@ -256,7 +256,7 @@ def test_an_oversized_body_is_read_to_its_end_before_its_413(monkeypatch):
     def outcome(body, length: str | None):
         read.clear()
         try:
-            return asyncio.run(openai_api.read_body(body, length, 65536))
+            return asyncio.run(http_body.read_body(body, length, 65536))
         except APIError as err:
             return err.status, err.code, len(read)
 

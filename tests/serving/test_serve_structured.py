@@ -17,7 +17,7 @@ requests = pytest.importorskip("requests")
 from serve_app._proto import ssd_serve_pb2 as pb  # noqa: E402
 from serve_app._proto import ssd_serve_pb2_grpc as pb_grpc  # noqa: E402
 from ssd import LLM, SamplingParams  # noqa: E402
-from ssd.core.structured import StructuredOutputs  # noqa: E402
+from ssd.processing.structured import StructuredOutputs  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return"
 SCHEMA = {

@@ -1,5 +1,5 @@
 """The tokens a round's penalties, bias and stop ids touch, per row: the tracked columns that
-`logits_processing.Adjustments` gathers, adjusts and scatters back.
+`adjustments.Adjustments` gathers, adjusts and scatters back.
 
 A row tracks every token of its prompt and output (repetition penalty: seen; frequency and
 presence penalty: counted in the output), its bias keys and stop ids (from the start, so that a
@@ -34,7 +34,7 @@ def tracked_columns(
     """The tracked columns of every row: ids [b, m] and their values [b, m, 4] (count, seen, bias,
     banned: Adjustments.columns). One pass over all active rows at once: every token is keyed
     row * vocab + token, so one sorted unique gives each row's ids in order and where each token
-    sits among them. rows: per row (Processing, prompt_ids, output_ids), logits_processing.Row; histories:
+    sits among them. rows: per row (Processing, prompt_ids, output_ids), adjustments.Row; histories:
     per row, its sequence's TrackedHistory or None (None, or None for a row: read the row's whole
     history); those given are brought up to date."""
     b = len(rows)

@@ -1,13 +1,14 @@
-"""What a request's penalties, bias and token masks do to the target's logits, position by
-position, before temperature, top-k and top-p (ssd/core/sampling.py).
+"""The exact form of a batch's adjustments (`Adjustments`): what its rows' processing
+(request.py) does to logits [b, n, V] at every position, each position with its own history.
+The target's verification applies it (round_adjustments.py builds and carries it); the SSD
+fork applies it at K + 1 positions; every draft starts from its first position (the draft form,
+draft_adjustments.py). The glossary is ssd/processing/__init__.py's.
 
-Speculation stays lossless under any of them as long as verification compares the draft's
+Speculation stays lossless under any processing as long as verification compares the draft's
 proposals with the *processed* target distribution at each position, computed from that
 position's own history: the committed output plus the earlier draft tokens of the same
-speculation. That is what `Adjustments` holds. The draft need not apply them (verification is
-exact for any draft distribution), but accepts less often when it does not: the SD draft applies
-them position by position (`advanced`), SSD's drafters per tree branch (`branched`;
-ssd/drafting/draft_processing.py).
+speculation. That is what `Adjustments` holds, built on the host (`build`) from each row's
+tracked columns (tracked.py) and its token masks (token_masks.py).
 
 Order, per position (the same as the reference in tests/refimpl.py):
     1. repetition_penalty  (Hugging Face / vLLM): a token seen in the prompt or the output so
@@ -20,66 +21,18 @@ Order, per position (the same as the reference in tests/refimpl.py):
        structured_outputs  so does every token the grammar refuses at that position (grammar.py)
        bad_words           and every token that would complete a bad word there (bad_words.py)
     5. min_tokens          EOS and the stop token ids get -inf while the output is shorter
-then temperature, min_p (drop tokens whose probability is below min_p times the largest), top-k
-and top-p.
+then the shaping (ssd/core/sampling.py's process_logits): temperature, min_p (drop tokens whose
+probability is below min_p times the largest: `min_p_filtered`), top-k and top-p.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from ssd.core.tracked import TrackedHistory, tracked_columns
-
-
-@dataclass(frozen=True)
-class Processing:
-    """A request's logits processing as every role that processes logits for it needs it: the
-    engine's verification and SD draft, and SSD's drafters (the draft protocol carries it, so it
-    holds token ids, not text). The fields mean what SamplingParams' of the same names mean, with
-    two resolved at admission: stop_token_ids includes EOS unless the request ignores it (what
-    min_tokens holds back), and bad_words holds each word's token ids (bad_words.word_tokens)."""
-
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    allowed_token_ids: tuple[int, ...] | None = None  # sorted, unique
-    stop_token_ids: tuple[int, ...] = ()  # sorted, unique
-    bad_words: tuple[tuple[int, ...], ...] = ()
-
-    @classmethod
-    def of(cls, params, eos: int | None, bad_words: tuple[tuple[int, ...], ...] = ()) -> "Processing":
-        """From a request's SamplingParams, the tokenizer's EOS and its bad words' token ids."""
-        stops = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
-        allowed = None if params.allowed_token_ids is None else tuple(sorted(set(params.allowed_token_ids)))
-        return cls(
-            params.repetition_penalty, params.frequency_penalty, params.presence_penalty, params.min_p,
-            params.min_tokens, dict(params.logit_bias), allowed, tuple(sorted(stops)), tuple(bad_words),
-        )  # fmt: skip
-
-    @property
-    def active(self) -> bool:
-        """Whether `build` must give the row its real scalars and tracked columns (a row without
-        gets neutral ones and no tracked tokens; its bad words are token masks, not this)."""
-        return bool(
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty
-            or self.presence_penalty
-            or self.logit_bias
-            or self.allowed_token_ids is not None
-            or self.min_tokens
-            or self.min_p
-        )
-
-    @property
-    def any(self) -> bool:
-        """Whether it changes the row's distribution at all (bad words included)."""
-        return self.active or bool(self.bad_words)
-
+from ssd.processing.request import Processing
+from ssd.processing.tracked import TrackedHistory, tracked_columns
 
 COUNT, SEEN, BIAS, BANNED = range(4)  # the values of a tracked column (Adjustments.columns)
 

@@ -1,10 +1,11 @@
-"""A request's adjustments in the form a draft steps them: one position at a time, each drafted
-token appended to the history before the next position is processed (the SD draft, SSD's tree
-branches and neural backup).
+"""The draft form of a batch's adjustments (`DraftAdjustments`, on the draft's device; its host
+twin is host_draft_adjustments.py): one position at a time, each drafted token appended to the
+history before the next position is processed (the SD draft, SSD's tree branches and neural
+backup). `draft_form` chooses between the two by where a draft's rows are processed.
 
-`Adjustments` (logits_processing.py) keeps per column what the reference's steps read (counts,
-seen, bias, banned) and derives each column's factor and shift in every `apply`: 17 tensor
-operations at one position. A draft applies K times a round and advances K - 1 times, and at
+`Adjustments` (adjustments.py, the exact form) keeps per column what the reference's steps read
+(counts, seen, bias, banned) and derives each column's factor and shift in every `apply`: 17
+tensor operations at one position. A draft applies K times a round and advances K - 1 times, and at
 batch 1 each operation costs 3-4 us in the engine whatever its size, so this form keeps the
 derived values instead, which `apply` reads in 7 operations and `advanced` updates in 13:
 
@@ -25,10 +26,14 @@ could notice, by a rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from ssd.core.logits_processing import Adjustments, masked_in_place, min_p_filtered, moved
+from ssd.processing.adjustments import Adjustments, masked_in_place, min_p_filtered, moved
+
+if TYPE_CHECKING:
+    from ssd.processing.host_draft_adjustments import HostDraftAdjustments
 
 POS, NEG, SHIFT, OUT, BANNED = range(5)  # the values of a column (DraftAdjustments.columns)
 
@@ -112,3 +117,22 @@ class DraftAdjustments:
     def min_p_filtered(self, scaled: torch.Tensor) -> torch.Tensor:
         """As Adjustments.min_p_filtered."""
         return min_p_filtered(self.min_p, scaled)
+
+
+def draft_form(first: Adjustments, device: torch.device) -> DraftAdjustments | HostDraftAdjustments:
+    """first's draft form for a draft whose rows are processed on `device` (the same methods): on
+    the host, compiled loops (host_draft_adjustments.py); elsewhere tensor operations (above)."""
+    if device.type != "cpu":
+        return DraftAdjustments.of(first).to(device)
+    # Imported here: numba takes ~0.4 s to import, which only a process drafting with adjusted
+    # rows on the host pays.
+    try:
+        from ssd.processing.host_draft_adjustments import HostDraftAdjustments
+    except RuntimeError as e:  # numba's, where it finds no writable place for its cache
+        if "cannot cache" not in str(e):
+            raise
+        raise RuntimeError(
+            f"{e}. The draft's compiled loops need a writable cache: set NUMBA_CACHE_DIR to a "
+            "writable directory (numba tries __pycache__ beside the module, then ~/.cache/numba)"
+        ) from e
+    return HostDraftAdjustments.of(first)

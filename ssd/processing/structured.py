@@ -1,10 +1,10 @@
 """Structured output: a request's constraint on the shape of its text (a JSON schema, any JSON
 object, a regular expression, a choice among strings or a Lark grammar), as the user gives it.
 
-The constraint becomes a grammar (`grammar_text`) that ssd/core/grammar.py compiles against the
-tokenizer; the token masks it yields are applied to the target's logits at every position, the
-way logits_processing.py's masks are, so speculation stays exact with respect to the masked
-target distribution. Shaped like vLLM's `StructuredOutputsParams`.
+The constraint becomes a grammar (`grammar_text`) that grammar.py compiles against the
+tokenizer; the token masks it yields (token_masks.py) are among the adjustments applied to the
+target's logits at every position (adjustments.py), so speculation stays exact with respect to
+the masked target distribution. Shaped like vLLM's `StructuredOutputsParams`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class StructuredOutputs(BaseModel):
         return next(k for k in KINDS if self._value(k) not in (None, False))
 
     def grammar_text(self) -> str:
-        """The constraint as an llguidance grammar (what ssd/core/grammar.py compiles)."""
+        """The constraint as an llguidance grammar (what grammar.py compiles)."""
         from llguidance import LLMatcher
 
         if self.json_schema is not None:

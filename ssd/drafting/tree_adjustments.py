@@ -1,15 +1,16 @@
-"""A drafter's logits processing: its speculations are processed as verification will process
-the target's (penalties, logit_bias, allowed_token_ids, min_tokens, min_p and bad_words;
-ssd/core/logits_processing.py), so that they are accepted.
+"""An SSD drafter's adjustments: its speculations are processed as verification will process
+the target's (penalties, logit_bias, allowed_token_ids, min_tokens, min_p and bad_words; the
+glossary is ssd/processing/__init__.py's), so that they are accepted. Its grammars are
+draft_grammars.py's; tree_processing.py applies both.
 
 Every position's processing depends on the history before it, and in SSD's tree each position
 has its own history:
   - the fork ranks the bonus candidates of outcome k (k drafts accepted) with the committed
-    tokens plus s_T[:k] (`RoundProcessing.glue`), which is the history the target's bonus token
-    is drawn with;
+    tokens plus s_T[:k] (`ForkAdjustments.glue`: the exact form at K + 1 positions), which is
+    the history the target's bonus token is drawn with;
   - each branch then drafts with the committed tokens, s_T[:k], its candidate and its own
-    earlier tokens (`TreeProcessing`): one row of adjustments per branch, advanced by the token
-    the branch draws at each depth;
+    earlier tokens (`BranchAdjustments`): one row per branch in the draft form on the host,
+    advanced by the token the branch draws at each depth;
   - the neural backup drafts a miss's speculation position by position, as SD's draft does
     (`first_position`).
 Exactness never depends on any of this: verification uses the draft probabilities the drafter
@@ -28,22 +29,22 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.bad_words import refused
-from ssd.core.draft_forms import draft_form
-from ssd.core.logits_processing import build
 from ssd.core.sampling import BatchSampling, SequenceSampling
-from ssd.core.token_masks import joined, token_masks
 from ssd.drafting.sd_proposer import to_vocab
+from ssd.processing.adjustments import build
+from ssd.processing.bad_words import refused
+from ssd.processing.draft_adjustments import draft_form
+from ssd.processing.token_masks import joined, token_masks
 
 
 def processes(sampling: SequenceSampling) -> bool:
-    """Whether a sequence's speculations need processing beyond temperature, top-k and top-p
-    (its grammar is draft_grammars.py's)."""
+    """Whether a sequence's speculations need adjustments beyond the shaping (temperature, top-k,
+    top-p; its grammar is draft_grammars.py's)."""
     return sampling.processing.any
 
 
-class RoundProcessing:
-    """The processing of one round's rows at the fork: position k follows the committed tokens
+class ForkAdjustments:
+    """The adjustments of one round's rows at the fork: position k follows the committed tokens
     and s_T[:k]."""
 
     def __init__(self, rows: list[tuple[SequenceSampling, list[int]]], spec_tokens: torch.Tensor, vocab: int) -> None:
@@ -76,15 +77,15 @@ class RoundProcessing:
                 allowed[r, j, refused(words, tail + spec[r][:j])] = False
         return allowed
 
-    def tree(self, cand: torch.Tensor, outcome: torch.Tensor, sampling: BatchSampling) -> TreeProcessing:
-        """The branches' processing: cand, outcome [b, N] (this shard's); sampling: the rows'."""
-        return TreeProcessing(self, cand, outcome, sampling)
+    def tree(self, cand: torch.Tensor, outcome: torch.Tensor, sampling: BatchSampling) -> BranchAdjustments:
+        """The branches' adjustments: cand, outcome [b, N] (this shard's); sampling: the rows'."""
+        return BranchAdjustments(self, cand, outcome, sampling)
 
 
-class TreeProcessing:
-    """One row of adjustments per branch, at the branch's next position."""
+class BranchAdjustments:
+    """One row of adjustments per branch, at the branch's next position (the draft form)."""
 
-    def __init__(self, rnd: RoundProcessing, cand: torch.Tensor, outcome: torch.Tensor, sampling: BatchSampling):
+    def __init__(self, rnd: ForkAdjustments, cand: torch.Tensor, outcome: torch.Tensor, sampling: BatchSampling):
         b, n = cand.shape
         k = rnd.spec.shape[1]
         self.shape, self.vocab = (b, n), rnd.vocab
@@ -94,7 +95,7 @@ class TreeProcessing:
         places = torch.arange(k + 1)
         j = outcome.reshape(-1, 1)
         prefix = torch.where(places < j, spec, cand.reshape(-1, 1))
-        # Shaping runs on the host (shaping.py): the host form.
+        # A tree with adjustments is processed on the host (tree_processing.py): the host form.
         self.adjust = draft_form(rnd.adjust.branched(rows, prefix, places <= j), torch.device("cpu"))
         self.sampling = BatchSampling(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
         # Bad words look at a history's last tokens only: each branch keeps that tail.
@@ -135,7 +136,7 @@ class TreeProcessing:
 class DraftView:
     """A sequence as SDProposer.propose reads it, for a drafter's neural backup: its committed
     tokens, the generator its draws come from, its grammar's matcher (None: none), bad words and
-    output (token_masks.py reads them)."""
+    output (ssd/processing/token_masks.py reads them)."""
 
     def __init__(self, tokens: list[int], sampling: SequenceSampling, generator: torch.Generator, matcher) -> None:
         self.generator, self.matcher = generator, matcher

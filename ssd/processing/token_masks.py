@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.bad_words import bad_word_masks
-from ssd.core.grammar import grammar_masks
+from ssd.processing.bad_words import bad_word_masks
+from ssd.processing.grammar import grammar_masks
 
 
 def token_masks(seqs: list, drafted: torch.Tensor, vocab: int, last_only: bool = False) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
-"""The running batch's penalties, bias and token masks round after round (logits_processing.py's
-Adjustments), as the engine reads them: at each round's first position (SD's draft advances
-them from there) and at every position of the speculation (verification).
+"""The target's adjustments of the running batch round after round (`RoundAdjustments`, in the
+exact form: adjustments.py), as the engine's verifier reads them: at each round's first position
+(SD's draft advances them from there) and at every position of the speculation (verification).
 
 A round's verification already tracks every token its rows will commit (the drafts have
 columns, only the bonus token may be new), so the next round's first position is carried over
@@ -16,14 +16,35 @@ adds K + 1, padding mostly).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
-from ssd.core.logits_processing import Adjustments, build
-from ssd.core.sequence import Sequence
-from ssd.core.token_masks import token_masks
+from ssd.processing.adjustments import Adjustments, build
+from ssd.processing.request import Processing
+from ssd.processing.token_masks import token_masks
+from ssd.processing.tracked import TrackedHistory
 
 COMPACT_AFTER = 64  # columns a carried table may gain over its last build before the next build
+
+
+class Sequence(Protocol):
+    """What the round's adjustments read of a running sequence (ssd/core/sequence.py's, a layer
+    above this one): its history, its processing and tracked tokens, its grammar's matcher and
+    bad words (token_masks.py)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    processing: Processing
+    tracked: TrackedHistory
+    matcher: object | None
+
+    @property
+    def adjusted(self) -> bool: ...
+
+    @property
+    def bad_words(self) -> tuple[tuple[int, ...], ...]: ...
 
 
 class RoundAdjustments:

@@ -1,6 +1,6 @@
-"""The draft's form of the adjustments (draft_adjustments.py) for rows a draft processes on the
-host: the same columns and arithmetic, each step one compiled loop (numba) instead of a
-sequence of tensor operations.
+"""The draft form of a batch's adjustments on the host (`HostDraftAdjustments`): for rows a draft
+processes on the host, draft_adjustments.py's columns and arithmetic, each step one compiled
+loop (numba) instead of a sequence of tensor operations.
 
 Why a second implementation: on a CPU a draft step's processing is a dozen tiny tensor
 operations, and inside the engine each one cost 7-15 us, not its 2-4 us in a warm loop: the
@@ -23,11 +23,12 @@ import numba
 import numpy as np
 import torch
 
-from ssd.core.logits_processing import Adjustments, Processing, build, masked_in_place, min_p_filtered
+from ssd.processing.adjustments import Adjustments, build, masked_in_place, min_p_filtered
+from ssd.processing.request import Processing
 
 # The columns' places, spelled here and not imported: numba compiles them into the cached loops
 # and checks only this file for changes, so a cache would outlive a change made elsewhere.
-# tests/test_draft_adjustments.py holds them to draft_adjustments' and logits_processing's.
+# tests/test_draft_adjustments.py holds them to draft_adjustments' and adjustments'.
 POS, NEG, SHIFT, OUT, BANNED = range(5)  # DraftAdjustments.columns'
 COUNT, SEEN, BIAS, HELD_BACK = range(4)  # Adjustments.columns' (HELD_BACK: its BANNED)
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ssd.core.structured import StructuredOutputs
+from ssd.processing.structured import StructuredOutputs
 
 # Compiled grammars kept per process (a template matcher each, copied per request): a schema
 # a client sends with every request compiles once.
