@@ -33,7 +33,7 @@ from ssd.model.demo_models import heldout_prompts
 
 def test_two_workers_greedy_matches_hf_and_both_shards_hit(tiny_pair, prompts, tiny_reference):
     target, draft = tiny_pair
-    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2) as llm:
+    with ssd_llm(target, draft, draft_workers=2, draft_split="outcomes", ssd_backup="neural", max_num_seqs=2) as llm:
         assert len(live_draft_workers()) == 2
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()

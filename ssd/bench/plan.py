@@ -122,8 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-splits",
         default=None,
-        help="Comma-separated ways D > 1 draft workers share the work (outcomes, sequences; see draft_split): every "
-        "SSD mode runs once per value (rows labelled split=...). Default: the engine's default (outcomes).",
+        help="Comma-separated ways D > 1 draft workers share the work (auto, outcomes, sequences; see draft_split): "
+        "every SSD mode runs once per value (rows labelled split=...). Default: the engine's default (auto: the "
+        "engine measures both and runs the faster).",
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -284,9 +285,9 @@ def _draft_splits(splits: str | None) -> list[str] | None:
     if splits is None:
         return None
     names = _split(splits, "draft-splits")
-    unknown = [s for s in names if s not in ("outcomes", "sequences")]
+    unknown = [s for s in names if s not in ("auto", "outcomes", "sequences")]
     if unknown:
-        raise ValueError(f"--draft-splits: unknown {unknown}; choose from outcomes, sequences")
+        raise ValueError(f"--draft-splits: unknown {unknown}; choose from auto, outcomes, sequences")
     return names
 
 

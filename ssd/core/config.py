@@ -128,13 +128,15 @@ class EngineArgs(BaseModel):
         "this host or, as Ray actors, anywhere. grpc: the same over a gRPC bidirectional stream. inprocess: the "
         "drafter in the engine's own thread (no overlap with verification; tests and debugging).",
     )
-    draft_split: Literal["outcomes", "sequences"] = Field(
-        "outcomes",
+    draft_split: Literal["auto", "outcomes", "sequences"] = Field(
+        "auto",
         description="SSD with draft_workers > 1: how the workers share the work. outcomes: every worker drafts every "
         "sequence and builds its shard of each round's tree (the tree covers draft_workers x ssd_budget "
         "branches, so more outcomes hit). sequences: each worker drafts its own sequences with whole trees of "
         "ssd_budget branches (each build is smaller, the hit rate stays that of one worker); for large batches, "
-        "where one worker cannot build every sequence's tree within a verification.",
+        "where one worker cannot build every sequence's tree within a verification. auto (default): each SSD "
+        "round in whichever split gives the most tokens per second at the current batch size, as this engine "
+        "measures them (ssd/engine/split_policy.py).",
     )
     draft_launcher: Literal["auto", "process", "ray"] = Field(
         "auto",
@@ -277,11 +279,16 @@ class _Resolved:
         return max(1, (cpus - busy) // self.tensor_parallel_size)
 
     @property
-    def tree_shards(self) -> int:
-        """Workers that share one sequence's speculation tree: D when they split the outcomes, 1
-        when each drafts whole trees of its own sequences. The tree covers tree_shards x ssd_budget
-        branches (ssd_budget is one worker's share, what the budget sizer sizes)."""
-        return self.draft_workers if self.draft_split == "outcomes" else 1
+    def first_split(self) -> str:
+        """The split SSD's draft workers start in: draft_split, or outcomes when auto chooses."""
+        return "outcomes" if self.draft_split == "auto" else self.draft_split
+
+    def tree_shards(self, split: str) -> int:
+        """Workers that share one sequence's speculation tree in `split`: D when they split the
+        outcomes, 1 when each drafts whole trees of its own sequences. The tree covers
+        tree_shards x ssd_budget branches (ssd_budget is one worker's share, what the budget
+        sizer sizes)."""
+        return self.draft_workers if split == "outcomes" else 1
 
 
 def _config_fields() -> list[tuple[str, object]]:

@@ -24,8 +24,10 @@ class Proposer(Protocol):
     with the rows that stay after finished ones leave.
 
     Mode auto runs rounds of other modes between a proposer's own: it calls detach() when they
-    start and rejoin() when the proposer's rounds resume. The methods with bodies below are what a
-    proposer that subclasses this one gets when it has nothing to do there.
+    start and rejoin() when the proposer's rounds resume. A proposer whose drafters can share the
+    work in more than one way (splits) is resplit between a detach() and a rejoin(). The methods
+    with bodies below are what a proposer that subclasses this one gets when it has nothing to do
+    there.
     """
 
     def add(self, seqs: list[Sequence]) -> None: ...
@@ -46,6 +48,16 @@ class Proposer(Protocol):
 
     def rejoin(self, seqs: list[Sequence]) -> None:
         """This proposer's rounds resume after detach(); seqs: the running batch, in order."""
+
+    def splits(self) -> tuple[str, ...]:
+        """The ways this proposer's drafters may share a round's work (draft_split), the one in
+        use first; () or one: no choice."""
+        return ()
+
+    def resplit(self, split: str) -> None:
+        """Share the work `split`'s way (one of splits()) from the next rejoin() on; called only
+        while detached."""
+        raise NotImplementedError(f"{type(self).__name__} has no splits")
 
     def stats(self) -> dict:
         """The proposer's own figures, which the engine's metrics report under its mode's name

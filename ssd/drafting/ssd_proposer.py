@@ -53,7 +53,8 @@ class _Prepared:
 
 class SSDProposer(Proposer):
     """config: the engine's (k, ssd_budget, ssd_autobudget, ssd_fanout, ssd_backup,
-    ssd_reproducible, draft_deadline_s, tree_shards); client: the drafter, wherever it runs."""
+    ssd_reproducible, draft_deadline_s, draft_workers, draft_split); client: the drafter, wherever it
+    runs (a pool of draft_workers > 1 can be resplit between rounds: splits, resplit)."""
 
     def __init__(self, client: DraftClient, config: EngineConfig, target_vocab: int) -> None:
         self.client = client
@@ -80,6 +81,8 @@ class SSDProposer(Proposer):
         self.sizer = BudgetSizer(budget, min_budget=min(budget, config.k + 1))
         self.drafter_counters = DrafterCounters()  # as of the drafter's latest reply
         self._learned_rounds = 0  # rounds that fed the miss law (it is refitted every MISS_LAW_REFIT_ROUNDS)
+        self.split = config.first_split  # how the pool's workers share the work (config.draft_split)
+        self.tree_shards = config.tree_shards(self.split)  # workers that build one sequence's tree
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -137,6 +140,19 @@ class SSDProposer(Proposer):
         assert [s.seq_id for s in seqs] == self.order, "rejoin() with the batch the proposer holds"
         self.attached = True
         self._admit(seqs)
+
+    def splits(self) -> tuple[str, ...]:
+        """The ways the drafters may share the work, the one in use first: a pool of more than one
+        worker splits the outcomes or the sequences; a single drafter has no choice (())."""
+        if self.config.draft_workers < 2 or not hasattr(self.client, "resplit"):
+            return ()
+        return (self.split, *(s for s in ("outcomes", "sequences") if s != self.split))
+
+    def resplit(self, split: str) -> None:
+        """Share the work `split`'s way from the next rejoin() on (while detached: no row held)."""
+        assert not self.attached, "resplit() between detach() and rejoin()"
+        self.client.resplit(split)
+        self.split, self.tree_shards = split, self.config.tree_shards(split)
 
     def close(self) -> None:
         self.client.close()
@@ -268,7 +284,7 @@ class SSDProposer(Proposer):
         self.drafter_counters = reply.counters
         build = reply.build_seconds / self._verify_s
         if self.config.ssd_autobudget and self.fanout:
-            self.sizer.observe(sum(self.fanout) / self.config.tree_shards, build)
+            self.sizer.observe(sum(self.fanout) / self.tree_shards, build)
         self.backup.observe_reply([bool(h) for h in reply.hit.tolist()], greedy, build, wait / self._verify_s)
 
     def _fast(self, seq: Sequence) -> _Prepared:
@@ -281,7 +297,7 @@ class SSDProposer(Proposer):
 
     def _fanout(self) -> list[int]:
         # ssd_budget unless autobudget, per shard; at least one branch per shard
-        k, budget = self.config.k, max(1, int(round(self.sizer.budget))) * self.config.tree_shards
+        k, budget = self.config.k, max(1, int(round(self.sizer.budget))) * self.tree_shards
         caps = [self.vocab - 1] * k + [self.vocab]
         if self.config.ssd_fanout == "uniform":
             return uniform_fanout(budget, k, caps)
@@ -295,7 +311,7 @@ class SSDProposer(Proposer):
             **self.backup.stats(self.sizer.c0),
             "fanout": self.fanout,
             "budget": sum(self.fanout),
-            "draft_workers": self.config.tree_shards,
+            "tree_shards": self.tree_shards,
             "acceptance_estimate": round(self.estimates.a, 4),
             "miss_exponent_estimate": round(self.estimates.r, 4),
             "miss_intercept_estimate": round(self.estimates.m, 4),

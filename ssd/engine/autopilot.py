@@ -90,7 +90,13 @@ class ModeChooser:
     modes: tuple[str, ...] = AUTO_MODES
     explore_every: int = 512
     probe_rounds: int = 12
-    steady_probe_rounds: int = 4  # of a probe of ar (at most probe_rounds)
+    steady_probe_rounds: int = 4  # of a probe of a `steady` mode (at most probe_rounds)
+    # Modes whose tokens per round are the batch size (ar): a probe only needs to average their
+    # round time, which varies little.
+    steady: tuple[str, ...] = ("ar",)
+    # Modes whose drafters re-admit the batch when entered (ssd): the second round after a switch
+    # may still miss, as the drafters prefilled during the first and may not have a tree for it.
+    rebuilt: tuple[str, ...] = ("ssd",)
     warmup: int = 1
     margin: float = 0.05
     # Of a new round in the moving averages of the mode in use: SSD's rounds are bimodal (a hit
@@ -203,9 +209,7 @@ class ModeChooser:
         self._since_explore += 1
         total = self._totals[mode]
         total.rounds, total.tokens, total.seconds = total.rounds + 1, total.tokens + tokens, total.seconds + seconds
-        # ssd's second round after a switch may still miss: its drafters prefilled the rejoined
-        # sequences during the first, and may not have finished a tree for it.
-        warmup = self.warmup + (mode == "ssd")
+        warmup = self.warmup + (mode in self.rebuilt)
         if self._since_switch <= warmup:
             return  # a switch's first rounds pay for the switch: not what the mode costs per round
         key = (mode, (greedy, bucket_of(batch)))
@@ -258,7 +262,7 @@ class ModeChooser:
             self.current, self._since_switch = mode, 0
             self.switches += 1
         if probe:
-            rounds = min(self.probe_rounds, self.steady_probe_rounds) if mode == "ar" else self.probe_rounds
+            rounds = min(self.probe_rounds, self.steady_probe_rounds) if mode in self.steady else self.probe_rounds
             self._probe_left, self._probe = rounds, []
         return mode
 

@@ -95,7 +95,7 @@ def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider
     if config.draft_transport == "inprocess":
         return SSDProposer(build_tree_drafter(config, draft_model, vocab), config, vocab)
     provider = resolve_provider(config, worker_provider)(config, vocab)
-    return SSDProposer(PoolClient(provider, config.draft_workers, config.draft_split), config, vocab)
+    return SSDProposer(PoolClient(provider, config.draft_workers, config.first_split), config, vocab)
 
 
 def resolve_provider(config: EngineConfig, given: WorkerProviderFactory | None) -> WorkerProviderFactory:

@@ -103,6 +103,18 @@ class PoolClient:
             seeds = [shard_seed(v.seed, w, shard.incarnation) for v in views]
             link.admit(AdmitMsg(mine, [list(v.tokens) for v in views], seeds, [v.sampling for v in views]))
 
+    def resplit(self, split: str) -> None:
+        """Share the work `split`'s way from now on (draft_split: outcomes or sequences). Only with
+        no sequence admitted (the proposer detached: every row released), as a worker joins a
+        pool before any is: each live worker is sent its new place (JOIN), and the next ADMIT
+        brings the rows back, split the new way."""
+        assert split in ("outcomes", "sequences") and not self.order, (split, self.order)
+        if split == self.split:
+            return
+        self.split, self.owner = split, {}
+        self.tally.resplits += 1
+        self._each(lambda w, link: link.join(JoinMsg(w, self.d) if split == "outcomes" else JoinMsg(0, 1)))
+
     def _fail(self, w: int, err: BaseException) -> None:
         shard = self.shards[w]
         link, shard.link = shard.link, None
@@ -359,7 +371,7 @@ class PoolClient:
         return self.tally.counters()
 
     def stats(self) -> dict:
-        return self.tally.stats([s.link for s in self.shards if s.link is not None])
+        return {**self.tally.stats([s.link for s in self.shards if s.link is not None]), "draft_split": self.split}
 
     def close(self) -> None:
         self.refills.close()

@@ -62,6 +62,7 @@ class PoolTally:
     replacements: int = 0  # links attached after a failure
     rejected_replies: int = 0  # stale or duplicated replies dropped, by links that are gone
     hints: int = 0  # PREDICT messages sent
+    resplits: int = 0  # changes of the way the workers share the work (PoolClient.resplit)
     grids_missed: int = 0  # rounds whose grid shard was lost before its grid came: every shard answered
     rounds: int = 0
     replies_awaited: int = 0  # replies waited for, over all rounds
@@ -111,6 +112,7 @@ class PoolTally:
             "draft_worker_replacements": self.replacements,
             "draft_shard_hits": list(self.shard_hits),
             "draft_predict_hints": self.hints,
+            "draft_resplits": self.resplits,
             "draft_grids_missed": self.grids_missed,
             # The target's side of each round (begin_round, resolve, reply), its forwards excluded:
             # the median over recent rounds, and the replies it waited for per round.
