@@ -18,7 +18,7 @@ from ssd.core.sampling import (
 from ssd.core.sequence import Sequence
 from ssd.core.speculation import RoundOutcome, Speculation
 from ssd.drafting.saguaro import saguaro_probs
-from ssd.model.kv_cache import StaticKVCache
+from ssd.model.kv_cache import COLUMN_MULTIPLE, StaticKVCache
 from ssd.model.runner import ModelRunner, pad_rows
 from ssd.model.step_graphs import run_step
 from ssd.processing.draft_adjustments import draft_form
@@ -59,13 +59,14 @@ class SDProposer(Proposer):
     proposal. The engine calls propose() only with k >= 1.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, rows: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> None:
         self.runner = runner
         self.target_vocab = target_vocab
-        # rows: the most the engine runs (its max_num_seqs), allocated at the first forward, as the
-        # target's cache is: a cache sized by the batches seen so far doubled its rows at the first
-        # larger burst, a resident step in a long-running server (the soak found it).
-        self.cache = runner.new_cache(rows)
+        # rows, columns: the most the engine runs (its max_num_seqs) and the longest sequence it
+        # admits (max_model_len), allocated at the first forward, as the target's cache is: a
+        # cache sized by the batches and lengths seen so far doubled at the first larger burst or
+        # longer sequence, a resident step in a long-running server (the soak found both).
+        self.cache = runner.new_cache(rows, columns)
         # On an accelerator a proposal reads nothing back per token (tests force it on the CPU):
         # its tokens and probs stay on the draft's device, a token drawn from a distribution
         # without mass is -1 there (the host's sampler raises), and whoever copies them checks.

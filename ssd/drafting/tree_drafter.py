@@ -61,6 +61,7 @@ from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
 from ssd.drafting.tree_answers import backed_up, commit_outcomes, known_rows, look_up
 from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
 from ssd.drafting.tree_processing import BranchProcessing, ForkProcessing
+from ssd.model.kv_cache import COLUMN_MULTIPLE
 from ssd.model.runner import ModelRunner, pad_rows
 
 
@@ -78,17 +79,22 @@ class TreeDrafter:
         num_shards: int = 1,
         tokenizer: Callable[[], object] | None = None,
         early_drafts: bool = True,
+        rows: int = 1,
+        columns: int = COLUMN_MULTIPLE,
     ) -> None:
         """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
         (draft_grammars.py); None: their speculations are unmasked. early_drafts: draft new rows'
         first speculations at admission (neural_backup.py; off where the backup is fixed to fast,
-        which never asks for them)."""
+        which never asks for them). rows, columns: the cache's size at its first forward (the most
+        sequences admitted at once; their longest plus a tree's scratch columns)."""
         assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
         self.saguaro_c = saguaro_c
         self.shard, self.num_shards = shard, num_shards
-        self.jit = SDProposer(runner, target_vocab)  # the neural backup; shares the cache and probs handling
+        self.jit = SDProposer(
+            runner, target_vocab, rows, columns
+        )  # the neural backup; shares the cache and probs handling
         self.cache = self.jit.cache
         # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
         self.device_round = runner.device.type != "cpu"

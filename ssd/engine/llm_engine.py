@@ -59,8 +59,10 @@ class LLMEngine:
         self.vocab_size = self.target.vocab_size
         # A draft split over ranks in this process (SD's), watched as the split target is (broken()).
         self.split_draft = draft_model if isinstance(draft_model, TensorParallelRunner) else None
-        self.cache = self.target.new_cache(config.max_num_seqs)
-        self.proposers: dict[str, Proposer] = build_proposers(config, draft_model, self.vocab_size, worker_provider)
+        self.cache = self.target.new_cache(config.max_num_seqs, max_model_len)
+        self.proposers: dict[str, Proposer] = build_proposers(
+            config, draft_model, self.vocab_size, max_model_len, worker_provider
+        )
         threads = round_threads(config, worker_provider, torch.get_num_threads())
         self.policy = mode_policy(config, self.proposers, threads)
         eos = eos_token_id(target_model, tokenizer)

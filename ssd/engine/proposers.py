@@ -78,22 +78,25 @@ def build_proposers(
     config: EngineConfig,
     draft_model,
     vocab: int,
+    max_model_len: int,
     worker_provider: WorkerProviderFactory | None = None,
 ) -> dict[str, Proposer]:
-    """The proposer of every mode the engine may run a round in (ar has none): auto runs both."""
+    """The proposer of every mode the engine may run a round in (ar has none): auto runs both.
+    max_model_len: the longest sequence the engine admits (what the draft caches are sized for)."""
     modes = ("ssd", "sd") if config.mode == "auto" else (config.mode,)
     assert draft_model is not None or not config.draft_in_engine, "the pair was loaded without the draft's weights"
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
-        proposers["sd"] = SDProposer(config_draft_runner(config, draft_model), vocab, config.max_num_seqs)
+        runner = config_draft_runner(config, draft_model)
+        proposers["sd"] = SDProposer(runner, vocab, config.max_num_seqs, max_model_len)
     if "ssd" in modes:
-        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, worker_provider)
+        proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, max_model_len, worker_provider)
     return proposers
 
 
-def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, worker_provider) -> SSDProposer:
+def _ssd_proposer(config: EngineConfig, draft_model, vocab: int, max_model_len: int, worker_provider) -> SSDProposer:
     if config.draft_transport == "inprocess":
-        return SSDProposer(build_tree_drafter(config, draft_model, vocab), config, vocab)
+        return SSDProposer(build_tree_drafter(config, draft_model, vocab, max_model_len), config, vocab)
     provider = resolve_provider(config, worker_provider)(config, vocab)
     return SSDProposer(PoolClient(provider, config.draft_workers, config.first_split), config, vocab)
 

@@ -21,9 +21,11 @@ torch's scaled_dot_product_attention (on CPU, and the eager path on GPU), which 
 keys in one strided tensor, so blocks would be gathered into one every forward. A slab per
 layer is read as a view, with no copy, and a row's rollback stays a length.
 
-Memory stays flat: the buffers are created at the first forward with room for the rows the owner
-expects and a few hundred columns, grow (doubling) when a forward needs more, a bounded number of
-times since the context limit bounds the columns, and never shrink. They are zero-filled: a
+Memory stays flat: the buffers are created at the first forward with room for the rows and
+columns the owner expects (an engine's caches: max_num_seqs rows of max_model_len columns, plus a
+draft tree's scratch columns, so that a server's memory is what its first request made it; the
+soak, loadtest/soak.py, found a cache sized by the sequences seen so far doubling its columns
+minutes into the run), grow (doubling, logged) when a forward needs more, and never shrink. They are zero-filled: a
 column no row has written is still read (masked) by rows shorter than the widest, and attention
 multiplies masked values by a weight of 0, which keeps garbage out only if it is finite.
 
@@ -36,9 +38,13 @@ length hold its first lengths[r] tokens in order, so lengths[r] is the row's nex
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ssd.core.transfer import to_device
+
+logger = logging.getLogger(__name__)
 
 COLUMN_MULTIPLE = 256  # first growth step of the columns (then they double): few sizes over a server's life
 
@@ -62,6 +68,11 @@ class _Storage:
         new_columns = self.columns
         if columns > self.columns:
             new_columns = max(_round_up(columns, COLUMN_MULTIPLE), 2 * self.columns)
+        if self.layers:  # the buffers exist: they move (a resident step of a long-running process)
+            logger.info(
+                "KV cache grows from %d x %d to %d x %d (rows x columns) for a forward of %d x %d",
+                self.rows, self.columns, new_rows, new_columns, rows, columns,
+            )  # fmt: skip
         for index, pair in self.layers.items():
             self.layers[index] = tuple(_moved(t, new_rows, new_columns) for t in pair)
         self.captured.clear()

@@ -12,7 +12,7 @@ import torch
 from ssd.core.transfer import to_device
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.model.kv_cache import StaticKVCache
+from ssd.model.kv_cache import COLUMN_MULTIPLE, StaticKVCache
 from ssd.model.lean_model import LeanModel
 from ssd.model.step_graphs import StepGraphs
 from ssd.model.tensor_parallel import TensorParallelRunner
@@ -78,9 +78,10 @@ class ModelRunner:
         """Why this runner cannot run a forward: never, in-process (see TensorParallelRunner)."""
         return None
 
-    def new_cache(self, rows: int = 1) -> StaticKVCache:
-        """An empty cache with room for `rows` rows at its first forward (it grows past that)."""
-        return StaticKVCache(rows)
+    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> StaticKVCache:
+        """An empty cache with room for `rows` rows of `columns` columns at its first forward (it
+        grows past that)."""
+        return StaticKVCache(rows, columns)
 
     @torch.inference_mode()
     def forward(

@@ -41,7 +41,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ssd.model.kv_cache import StaticKVCache, additive_mask
+from ssd.model.kv_cache import COLUMN_MULTIPLE, StaticKVCache, additive_mask
 from ssd.model.shards import ShardPlan
 
 HEADER = 8
@@ -220,10 +220,10 @@ class TensorParallelRunner:
             return f"tensor-parallel {self.role}: {self.ranks.describe()}"
         return self.failure
 
-    def new_cache(self, rows: int = 1) -> MirroredCache:
+    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> MirroredCache:
         cache_id = self._caches
         self._caches += 1
-        local = self.run(NEW_CACHE, cache_id, (rows,), then=lambda: self.local.new_cache(rows))
+        local = self.run(NEW_CACHE, cache_id, (rows, columns), then=lambda: self.local.new_cache(rows, columns))
         return MirroredCache(self, cache_id, local, False)
 
     def forward(
@@ -274,7 +274,7 @@ def serve_steps(runner, comm: ShardComm) -> None:
         if op == STOP:
             return
         if op == NEW_CACHE:
-            caches[cache_id] = runner.new_cache(a)
+            caches[cache_id] = runner.new_cache(a, b)
         elif op == ADD_ROWS:
             windows[cache_id] = caches[cache_id].add_rows(a)
         elif op == KEEP:
