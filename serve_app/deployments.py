@@ -29,7 +29,7 @@ from serve_app.drain import DrainReporter
 from serve_app.engine_loop import EngineLoop
 from serve_app.errors import APIError, engine_failed, overloaded, retried_elsewhere
 from serve_app.grpc_api import GrpcFrontend
-from serve_app.http_body import parse_body, read_body
+from serve_app.http_body import drain, parse_body, read_body
 from serve_app.metrics import ServeMetrics
 from serve_app.openai_api import OpenAIFrontend
 from serve_app.pool_scaling import WANTED, lessees
@@ -184,6 +184,7 @@ def _http_app() -> FastAPI:
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         status = err.status_code if err.status_code in (404, 405) else 400
+        await drain(request.stream())  # no route read the body (http_body.drain)
         return JSONResponse(
             APIError(status, "no such route" if status == 404 else "method not allowed", None, "not_found").body(),
             status_code=status,
@@ -295,7 +296,11 @@ class IngressDeployment:
         return bool(stats.get("healthy"))
 
     async def _body(self, request: Request) -> dict:
-        self._authorize(request)
+        try:
+            self._authorize(request)
+        except APIError:
+            await drain(request.stream())  # a 401 answered with the body unread (http_body.drain)
+            raise
         length = request.headers.get("content-length")
         return parse_body(await read_body(request.stream(), length, self.settings.max_body_bytes))
 

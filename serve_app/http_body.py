@@ -45,6 +45,21 @@ async def read_body(parts: AsyncIterator[bytes], content_length: str | None, lim
     return bytes(raw)
 
 
+async def drain(parts: AsyncIterator[bytes]) -> None:
+    """Read and drop what is left of the body of a request refused before its body was read (401,
+    404, 405), at most DRAIN_MAX_BYTES, for the reason given there: a client that asked to close
+    the connection would otherwise get a reset instead of the refusal. A body already read, or a
+    client gone, leaves nothing to do."""
+    seen = 0
+    try:
+        async for part in parts:
+            seen += len(part)
+            if seen > DRAIN_MAX_BYTES:
+                return
+    except Exception:  # noqa: BLE001 - consumed already, or the client left: the refusal goes out as it is
+        return
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)

@@ -236,6 +236,25 @@ def test_a_40_mb_body_gets_413_from_a_client_that_closes_the_connection(served, 
         connection.close()
 
 
+@pytest.mark.parametrize(
+    "path, key, status, code",
+    [("/v1/completions", "wrong", 401, "invalid_api_key"), ("/v1/nowhere", None, 404, "not_found")],
+    ids=["wrong key", "no such route"],
+)
+def test_a_40_mb_body_refused_unread_gets_its_refusal_not_a_reset(served, path, key, status, code):
+    """A refusal that comes before the body is read (a wrong API key, a route that does not exist)
+    from a client that closes the connection (urllib): the rest of the body is read and dropped
+    first, as for a 413, so the client gets the status and its envelope, not a TCP reset."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {key or served.api_key}", "Content-Type": "application/json"}
+    request = urllib.request.Request(served.http + path, data=b"{" * (40 << 20), headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=120)
+    assert err.value.code == status and json.loads(err.value.read())["error"]["code"] == code
+
+
 def test_an_oversized_body_is_read_to_its_end_before_its_413(monkeypatch):
     """serve_app.http_body.read_body, without a server: over the limit (declared or as read), the
     rest is read and dropped up to DRAIN_MAX_BYTES, then 413; a client leaving meanwhile changes
