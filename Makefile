@@ -57,7 +57,7 @@ bench: install
 	$(BIN)/ssd bench
 
 # Against a running `make serve` (another terminal): 4 users for 60 s, every speculation mode the
-# server serves (its /v1/models card lists them: auto and off by default), reports in
+# server serves (its /v1/models card lists them: auto and ar by default), reports in
 # bench_results/loadtest_*.csv and bench_results/loadtest.html.
 loadtest: install
 	mkdir -p bench_results

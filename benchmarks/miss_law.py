@@ -1,7 +1,7 @@
 """Does the fitted miss law predict what more draft workers buy? (`python -m benchmarks.miss_law`)
 
-With D draft workers the round's tree covers D times `ssd_budget` branches, so each outcome k has a
-larger fan-out F_k, and the hit rate should rise as the miss law 1 - p_hit(F) = m F^(-r) says.
+With D draft workers the round's tree covers D times `ssd_budget` branches, so each outcome j has a
+larger fan-out F_j, and the hit rate should rise as the miss law 1 - p_hit(F) = m F^(-r) says.
 This command runs the same prompts with D = 1, 2, 4 (one engine each, `LLM(mode="ssd")` with
 its own worker processes), collects every sequence-round's (F at the real outcome, whether the
 outcome was in the tree) from `llm.metrics()["ssd"]["miss_law_counts"]`, fits (m, r) on D = 1
@@ -55,20 +55,20 @@ class DRun:
     temperature: float
     workers: int
     fanout: list[int]  # the round's fan-out over outcomes 0..K (fixed: ssd_reproducible)
-    counts: dict[int, dict[int, list[int]]]  # outcome k -> {F there -> [sequence-rounds, in the tree]}
-    ranks: dict[int, dict[int, int]]  # outcome k -> {bonus token's rank (RANK_DEPTH: or beyond) -> sequence-rounds}
+    counts: dict[int, dict[int, list[int]]]  # outcome j -> {F there -> [sequence-rounds, in the tree]}
+    ranks: dict[int, dict[int, int]]  # outcome j -> {bonus token's rank (RANK_DEPTH: or beyond) -> sequence-rounds}
     cache_hit_rate: float
     tokens_per_round: float
     seconds: float
     rounds: int = 0  # sequence-rounds with a tree
     observed: float = 0.0  # in-tree rate
     # In-tree rate predicted from the smallest D's run, by: the law fitted on its ranks (the
-    # engine's own fit); the same law, one per outcome k; the paper's law (m = 1) fitted on its
+    # engine's own fit); the same law, one per outcome j; the paper's law (m = 1) fitted on its
     # ranks; the law fitted on its hits and misses only (no ranks); its ranks' empirical law.
     predicted: dict[str, float] = field(default_factory=dict)
 
 
-PREDICTORS = ("law", "law per k", "paper's law", "hits only", "empirical")
+PREDICTORS = ("law", "law per outcome", "paper's law", "hits only", "empirical")
 
 
 def run_engine(
@@ -100,8 +100,8 @@ def run_engine(
         llm.generate(prompts, params)
         metrics = llm.metrics()
     ssd = metrics["ssd"]
-    counts = {int(k): {int(f): list(n) for f, n in c.items()} for k, c in ssd["miss_law_counts"].items()}
-    ranks = {int(k): {int(x): n for x, n in c.items()} for k, c in ssd["miss_law_ranks"].items()}
+    counts = {int(j): {int(f): list(n) for f, n in c.items()} for j, c in ssd["miss_law_counts"].items()}
+    ranks = {int(j): {int(x): n for x, n in c.items()} for j, c in ssd["miss_law_ranks"].items()}
     return DRun(
         temperature,
         workers,
@@ -126,7 +126,7 @@ def _tensors(rows: list[tuple[float, float, float]]):
 
 
 def fit_ranks(ranks: dict[int, dict[int, int]], cap: int, intercept: bool = True) -> tuple[float, float]:
-    """(m, r) of the miss law from outcome k -> {rank -> sequence-rounds} (fit_miss_law), ranks
+    """(m, r) of the miss law from outcome j -> {rank -> sequence-rounds} (fit_miss_law), ranks
     censored at `cap`: the law is fitted over the fan-outs 1..cap it is asked about, and for those
     a rank of cap or more is a miss like any other."""
     from ssd.drafting.saguaro import fit_miss_law, rank_interval
@@ -136,7 +136,7 @@ def fit_ranks(ranks: dict[int, dict[int, int]], cap: int, intercept: bool = True
 
 
 def fit_hits(counts: dict[int, dict[int, list[int]]]) -> tuple[float, float]:
-    """(m, r) from hits and misses alone: k -> {F -> [sequence-rounds, in the tree]}."""
+    """(m, r) from hits and misses alone: outcome j -> {F -> [sequence-rounds, in the tree]}."""
     from ssd.drafting.saguaro import fit_miss_law, hit_interval
 
     rows = [
@@ -149,9 +149,9 @@ def fit_hits(counts: dict[int, dict[int, list[int]]]) -> tuple[float, float]:
 
 
 def predicted_rate(counts: dict[int, dict[int, list[int]]], p_hit) -> float:
-    """Mean over the sequence-rounds of p_hit(k, F): p_hit is a function of outcome and fan-out."""
+    """Mean over the sequence-rounds of p_hit(j, F): p_hit is a function of outcome and fan-out."""
     total = sum(n for c in counts.values() for n, _ in c.values())
-    return sum(n * p_hit(k, f) for k, c in counts.items() for f, (n, _) in c.items()) / max(total, 1)
+    return sum(n * p_hit(j, f) for j, c in counts.items() for f, (n, _) in c.items()) / max(total, 1)
 
 
 def _law(m: float, r: float):
@@ -159,21 +159,21 @@ def _law(m: float, r: float):
 
     from ssd.drafting.saguaro import miss_law_hit_rate
 
-    return lambda k, f: float(miss_law_hit_rate(torch.tensor([f]), m, r)[0])
+    return lambda j, f: float(miss_law_hit_rate(torch.tensor([f]), m, r)[0])
 
 
 def predictors(base: DRun, cap: int) -> dict[str, object]:
-    """What each predictor of PREDICTORS makes of the base run (ranks censored at cap): p_hit(k, F)."""
-    per_k = {k: fit_ranks({k: c}, cap) for k, c in base.ranks.items()}
+    """What each predictor of PREDICTORS makes of the base run (ranks censored at cap): p_hit(j, F)."""
+    per_outcome = {j: fit_ranks({j: c}, cap) for j, c in base.ranks.items()}
     pooled = fit_ranks(base.ranks, cap)
 
-    def empirical(k: int, f: int) -> float:
-        c = base.ranks.get(k) or {x: n for row in base.ranks.values() for x, n in row.items()}
+    def empirical(j: int, f: int) -> float:
+        c = base.ranks.get(j) or {x: n for row in base.ranks.values() for x, n in row.items()}
         return sum(n for x, n in c.items() if x < f) / max(sum(c.values()), 1)
 
     return {
         "law": _law(*pooled),
-        "law per k": lambda k, f: _law(*per_k.get(k, pooled))(k, f),
+        "law per outcome": lambda j, f: _law(*per_outcome.get(j, pooled))(j, f),
         "paper's law": _law(*fit_ranks(base.ranks, cap, intercept=False)),
         "hits only": _law(*fit_hits(base.counts)),
         "empirical": empirical,
@@ -282,8 +282,8 @@ def load_runs(path: str) -> tuple[dict, list[DRun]]:
     doc = json.loads(Path(path).read_text())
     runs = []
     for r in doc["runs"]:
-        counts = {int(k): {int(f): list(n) for f, n in c.items()} for k, c in r["counts"].items()}
-        ranks = {int(k): {int(x): n for x, n in c.items()} for k, c in r["ranks"].items()}
+        counts = {int(j): {int(f): list(n) for f, n in c.items()} for j, c in r["counts"].items()}
+        ranks = {int(j): {int(x): n for x, n in c.items()} for j, c in r["ranks"].items()}
         runs.append(
             DRun(
                 r["temperature"],

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Round messages each way (MsgType names); everything else is sent once per sequence or session.
-ROUND_TO_WORKERS = ("BEGIN_ROUND", "PREDICT", "RESOLVE", "DRAFT_NOW")
-ROUND_FROM_WORKERS = ("REPLY", "DRAFT_REPLY")
+ROUND_TO_WORKERS = ("BEGIN_ROUND", "PREDICT", "RESOLVE", "NEURAL_BACKUP")
+ROUND_FROM_WORKERS = ("REPLY", "NEURAL_BACKUP_REPLY")
 MB = 1_000_000  # decimal, as the README quotes sizes
 # Prompt ids are drawn from [MIN_VOCAB, vocab): above the demo tokenizer's 258 ids (bytes, EOS,
 # PAD), so no prompt holds a special token.

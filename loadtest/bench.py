@@ -1,11 +1,11 @@
-"""Load benchmark: the speculation modes (auto, ssd, sd, plain decoding: off) at several
+"""Load benchmark: the speculation modes (auto, ssd, sd, plain decoding: ar) at several
 concurrent user counts, against a running server (in another terminal: `make serve` serves auto
-and off; `.venv/bin/ssd serve --extra-modes sd off` auto, sd and off; a config file with
-`extra_modes: [ssd, sd, "off"]` all four, docs/serving.md). --modes defaults to every mode the
+and ar; `.venv/bin/ssd serve --extra-modes sd ar` auto, sd and ar; a config file with
+`extra_modes: [ssd, sd, ar]` all four, docs/serving.md). --modes defaults to every mode the
 server serves (its /v1/models card lists them); a mode named there that it does not serve is
 refused before the first run.
 
-    python -m loadtest.bench --users 1,4,16 --duration 30 --modes auto,ssd,sd,off
+    python -m loadtest.bench --users 1,4,16 --duration 30 --modes auto,ssd,sd,ar
 
 Each (mode, users) cell is one headless Locust run of loadtest/locustfile.py in which every
 request asks for that speculation mode (greedy, the prompt mix, 75% streamed). Reported per cell:

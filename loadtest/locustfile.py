@@ -1,7 +1,7 @@
 """Locust load test of the OpenAI endpoints of `ssd serve`.
 
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \
-        --csv bench_results/loadtest --html bench_results/loadtest.html [--spec-modes auto,off]
+        --csv bench_results/loadtest --html bench_results/loadtest.html [--spec-modes auto,ar]
 
 Each user sends requests drawn from a prompt mix (loadtest/prompts.jsonl: one JSON object per
 line with `kind` "completion" or "chat", `prompt`, `max_tokens`), streaming or not
@@ -43,7 +43,7 @@ def _arguments(parser) -> None:
     parser.add_argument(
         "--spec-modes",
         default="",
-        help="Comma-separated speculation modes to draw from (auto, ssd, sd, off; 'default' = none sent); "
+        help="Comma-separated speculation modes to draw from (auto, ssd, sd, ar; 'default' = none sent); "
         "default: every mode the server serves. A mode it does not serve stops the run at its start.",
     )
     parser.add_argument("--model", default="ssd-demo", help="The model id the server serves.")

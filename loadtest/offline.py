@@ -2,7 +2,7 @@
 users, through the engine in this process (no HTTP, no Serve, no Ray), for the served/offline
 ratio of each mode.
 
-    python -m loadtest.offline --users 1,4 --duration 20 --modes sd,off
+    python -m loadtest.offline --users 1,4 --duration 20 --modes sd,ar
 
 Compare with `python -m loadtest.bench --think-ms 0` (its users also send their next request the
 moment the last one ends) against `ssd serve` with the same engine settings. Prompts are drawn
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.offline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=None, help="Target model directory (default: the demo pair's).")
     parser.add_argument("--draft", default=None, help="Draft model directory (default: the demo pair's).")
-    parser.add_argument("--modes", default="sd,off", help=f"Comma-separated, of: {', '.join(REQUEST_MODES)}.")
+    parser.add_argument("--modes", default="sd,ar", help=f"Comma-separated, of: {', '.join(REQUEST_MODES)}.")
     parser.add_argument("--users", default="1,4", help="Comma-separated closed-loop user counts.")
     parser.add_argument("--duration", type=float, default=20.0, help="Seconds per cell.")
     parser.add_argument(

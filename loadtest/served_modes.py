@@ -1,7 +1,7 @@
 """The speculation modes a running server serves, for the load tests (loadtest/locustfile.py,
 loadtest/bench.py): read from its model card (GET /v1/models lists them as `speculation_modes`),
-so that a load test asks only for modes the server serves (`ssd serve` serves auto and off by
-default, a config may serve any of auto, ssd, sd and off) and refuses, before sending any request,
+so that a load test asks only for modes the server serves (`ssd serve` serves auto and ar by
+default, a config may serve any of auto, ssd, sd and ar) and refuses, before sending any request,
 a mode it was told to ask for that the server does not serve.
 
 Standard library only: the locustfile imports it beside itself, the benchmark as loadtest.served_modes.

@@ -4,7 +4,7 @@ process's resident memory, then checking that nothing is left held once traffic 
     python -m loadtest.soak --minutes 10 --users 8
 
 It starts `ssd serve` on free ports (a Ray cluster of its own, the demo pair, auto by default with
-sd and off served too), runs loadtest/locustfile.py headless with the prompt mix over all three
+sd and ar served too), runs loadtest/locustfile.py headless with the prompt mix over all three
 modes (75% streamed), and samples the RSS of every Serve replica, controller and proxy process every
 --sample-s seconds. After the run, with no traffic, it waits two health-check periods and reads
 the leak gauges from Ray's metrics endpoint: sequences held by target replicas, sequences and
@@ -39,7 +39,7 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # extra modes (the load asks for none it does not serve). auto's own SSD rounds cover ssd: serving
 # ssd as a mode of its own too would double the draft pool (one leased worker per SSD-capable
 # engine), which a 2-core machine cannot place beside the target replica.
-MODES = ("auto", "sd", "off")
+MODES = ("auto", "sd", "ar")
 LEAK_GAUGES = ("ray_ssd_target_sequences", "ray_ssd_draft_sequences", "ray_ssd_draft_cache_rows")
 
 

@@ -20,8 +20,14 @@ from ssd.core.config import EngineArgs
 # has to be written into a Serve config file or a KubeRay manifest).
 API_KEY_ENV = "SSD_API_KEY"
 
-# Per-request speculation modes a client may ask for, and the engine mode that serves each.
-REQUEST_MODES = {"auto": "auto", "ssd": "ssd", "sd": "sd", "off": "ar"}
+# The speculation modes a request may ask for: the engine's own (EngineArgs.mode; ar = plain
+# decoding of the target), reported by these names everywhere.
+SPECULATION_MODES = ("auto", "ssd", "sd", "ar")
+# Deprecated spellings of a mode, still accepted wherever a client or a config names one (a
+# request's speculation.mode, extra_modes, --extra-modes) and read as that mode.
+MODE_ALIASES = {"off": "ar"}
+# Every spelling a request may use -> the mode it asks for.
+REQUEST_MODES = {**{mode: mode for mode in SPECULATION_MODES}, **MODE_ALIASES}
 # Engine modes whose engine leases draft workers of its own from the pool.
 WORKER_MODES = ("ssd", "auto")
 
@@ -117,12 +123,12 @@ class AppConfig(BaseModel):
         "name (or 'ssd-demo' for "
         "the demo pair).",
     )
-    extra_modes: list[Literal["auto", "ssd", "sd", "off"]] = Field(
-        default_factory=lambda: ["off"],
+    extra_modes: list[Literal["auto", "ssd", "sd", "ar", "off"]] = Field(
+        default_factory=lambda: ["ar"],
         description="Per-request speculation modes served besides engine.mode (each is one more "
         "engine on the same loaded "
-        "weights in every target replica; 'off' = plain decoding of the target). A request asking for a mode "
-        "not served gets 400.",
+        "weights in every target replica; 'ar' = plain decoding of the target, 'off' its deprecated spelling, "
+        "read as 'ar'). A request asking for a mode not served gets 400.",
     )
     target_replicas: int = Field(
         1, ge=1, le=1024, description="Target deployment replicas (each runs continuous batching over its requests)."
@@ -222,6 +228,11 @@ class AppConfig(BaseModel):
     def _engine_defaults(cls, v):
         return {**SERVE_ENGINE_DEFAULTS, **v} if isinstance(v, dict) else v
 
+    @field_validator("extra_modes")
+    @classmethod
+    def _mode_names(cls, v):
+        return [REQUEST_MODES[m] for m in v]  # a deprecated spelling as the mode's name
+
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         self.engine.to_config()  # the engine's own checks, with its messages
@@ -258,14 +269,13 @@ class AppConfig(BaseModel):
 
     def _leasing_engines(self) -> int:
         """Engines per target replica that lease draft workers (ssd and auto each do)."""
-        modes = {self.engine.mode, *(REQUEST_MODES[m] for m in self.extra_modes)}
+        modes = {self.engine.mode, *self.extra_modes}
         return sum(m in WORKER_MODES for m in modes)
 
     def to_settings(self) -> "ServeSettings":
         """Every derived value, computed here once."""
-        modes = [self.engine.mode] + [REQUEST_MODES[m] for m in self.extra_modes]
-        engine_modes = tuple(dict.fromkeys(modes))  # first one is the default
-        served = tuple(name for name, mode in REQUEST_MODES.items() if mode in engine_modes)
+        engine_modes = tuple(dict.fromkeys([self.engine.mode, *self.extra_modes]))  # first one is the default
+        served = tuple(mode for mode in SPECULATION_MODES if mode in engine_modes)
         scaling = self.target_autoscaling
         fewest, most = (scaling.min_replicas, scaling.max_replicas) if scaling else (self.target_replicas,) * 2
         per_target = self.engine.draft_workers * self._leasing_engines()  # workers one target replica leases
@@ -306,7 +316,7 @@ class ServeSettings:
 
     engine: EngineArgs
     engine_modes: tuple[str, ...]  # engine modes each target replica runs; [0] serves requests that ask for none
-    request_modes: tuple[str, ...]  # speculation.mode values accepted ("ssd", "sd", "off")
+    request_modes: tuple[str, ...]  # the speculation.mode values served ("auto", "ssd", "sd", "ar")
     model_name: str  # the model id clients send: model_name, else the target's directory name
     capacity: int  # requests one target replica holds: running batch + queue
     target_max_ongoing: int  # the Target deployment's max_ongoing_requests: capacity + ROUTER_SLACK

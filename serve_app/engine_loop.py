@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from serve_app.config import REQUEST_MODES
+from serve_app.config import REQUEST_MODES, SPECULATION_MODES
 from serve_app.errors import APIError, engine_failed, overloaded
 from serve_app.types import GenerateChunk, GenerateRequest
 from ssd.core.sequence import CompletionOutput
@@ -83,20 +83,21 @@ def merge(first: GenerateChunk, then: GenerateChunk) -> GenerateChunk:
     )
 
 
+# How an engine's refusal starts -> the request parameter it names (the engine's per-request k is
+# the request's speculation.k).
+REFUSED_PARAMS = {
+    **{p: p for p in ("stop_token_ids", "logit_bias", "allowed_token_ids", "structured_outputs", "prompt")},
+    "k must": "speculation.k",
+}
+
+
 def request_error(err: ValueError) -> APIError:
     """An engine's refusal of a request -> 400 naming the parameter its message starts with."""
     text = str(err)
     if "context length" in text:
         return APIError(400, text, "max_tokens", "context_length_exceeded")
-    param = next(
-        (
-            p
-            for p in ("stop_token_ids", "logit_bias", "allowed_token_ids", "structured_outputs", "max_draft", "prompt")
-            if text.startswith(p)
-        ),
-        None,
-    )
-    return APIError(400, text, "speculation.k" if param == "max_draft" else param, "invalid_value")
+    param = next((name for start, name in REFUSED_PARAMS.items() if text.startswith(start)), None)
+    return APIError(400, text, param, "invalid_value")
 
 
 class EngineLoop:
@@ -149,12 +150,13 @@ class EngineLoop:
         return self.failure is None and self._thread.is_alive()
 
     def engine_for(self, mode: str | None) -> str:
-        """The engine mode serving a request's speculation mode (None = the default)."""
+        """The engine serving a request's speculation mode (None = the default; a deprecated
+        spelling, MODE_ALIASES, is read as its mode)."""
         if mode is None:
             return self.default_mode
         engine_mode = REQUEST_MODES.get(mode)
         if engine_mode not in self.engines:
-            served = sorted(name for name, m in REQUEST_MODES.items() if m in self.engines)
+            served = sorted(m for m in SPECULATION_MODES if m in self.engines)
             raise APIError(
                 400,
                 f"speculation.mode {mode!r} is not served here; served: {served}",

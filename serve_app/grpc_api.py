@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pydantic import ValidationError
 
 from serve_app.auth import GRPC_HINT, authorize
-from serve_app.config import ServeSettings
+from serve_app.config import REQUEST_MODES, ServeSettings
 from serve_app.errors import APIError, from_validation
 from serve_app.fan_out import Generate, check_model_and_n, fan_out, interleave
 from serve_app.types import GenerateChunk, GenerateRequest
@@ -101,8 +101,11 @@ class GrpcFrontend:
             raise from_validation(err) from None
         spec = request.speculation
         mode = spec.mode or None
-        if mode not in (None, "auto", "ssd", "sd", "off"):
-            raise APIError(400, "speculation.mode must be auto, ssd, sd or off", "speculation.mode", "invalid_value")
+        if mode is not None and mode not in REQUEST_MODES:
+            raise APIError(
+                400, "speculation.mode must be auto, ssd, sd or ar ('off' = ar)", "speculation.mode", "invalid_value"
+            )
+        mode = None if mode is None else REQUEST_MODES[mode]  # a deprecated spelling as the mode's name
         k = spec.k if spec.HasField("k") else None
         if k is not None and k > 32:
             raise APIError(400, "speculation.k must be at most 32", "speculation.k", "invalid_value")

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.config import REQUEST_MODES
 from serve_app.tool_calls import NO_PARAMETERS, required_schema
 from serve_app.tool_protocol import NamedToolChoice, Tool, ToolCall, template_tools
 from ssd.core.logprobs import MAX_LOGPROBS
@@ -32,10 +33,10 @@ class Speculation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["auto", "ssd", "sd", "off"] | None = Field(
+    mode: Literal["auto", "ssd", "sd", "ar", "off"] | None = Field(
         None,
-        description="auto (the fastest of the three, as measured), ssd, sd or off (plain decoding); None = the "
-        "server's default.",
+        description="auto (the fastest of the three, as measured), ssd, sd or ar (plain decoding; 'off' is its "
+        "deprecated spelling, read as ar); None = the server's default.",
     )
     k: int | None = Field(
         None,
@@ -43,6 +44,11 @@ class Speculation(BaseModel):
         le=32,
         description="Most draft tokens verified per round for this request (at most the server's K; 0 = none).",
     )
+
+    @field_validator("mode")
+    @classmethod
+    def _mode_name(cls, v):
+        return None if v is None else REQUEST_MODES[v]  # a deprecated spelling as the mode's name
 
 
 class StreamOptions(BaseModel):

@@ -15,7 +15,7 @@ class GenerateRequest:
     request_id: str
     prompt: str | list[int]  # text (tokenized by the target replica) or token ids
     params: SamplingParams
-    mode: str | None = None  # speculation mode asked for: "ssd", "sd", "off"; None = the server's default
+    mode: str | None = None  # speculation mode asked for: "auto", "ssd", "sd", "ar"; None = the server's default
     k: int | None = None  # per-request cap on draft tokens per round; None = the engine's K
 
 

@@ -11,11 +11,11 @@ from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
-    DraftNowMsg,
     ErrorMsg,
     GridMsg,
     JoinMsg,
     MsgType,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -73,7 +73,7 @@ def every_message() -> list[tuple[MsgType, object]]:
                 23, [5, 9], torch.tensor([[0, 0, 1, 2], [0, 1, 1, 4]]), torch.tensor([[7, 250, 3, 0], [1, 2, 3, 9]])
             ),
         ),
-        (MsgType.DRAFT_NOW, DraftNowMsg(19, [2, 5], [True, False])),
+        (MsgType.NEURAL_BACKUP, NeuralBackupMsg(19, [2, 5], [True, False])),
         (
             MsgType.REPLY,
             SpeculationReply(
@@ -90,7 +90,7 @@ def every_message() -> list[tuple[MsgType, object]]:
             ),
         ),  # fmt: skip
         (
-            MsgType.DRAFT_REPLY,
+            MsgType.NEURAL_BACKUP_REPLY,
             SpeculationReply(
                 20,
                 [1],
@@ -128,7 +128,7 @@ def every_message() -> list[tuple[MsgType, object]]:
             ),
         ),  # fmt: skip
         (
-            MsgType.DRAFT_REPLY,
+            MsgType.NEURAL_BACKUP_REPLY,
             SpeculationReply(
                 24,
                 [7, 8, 9],

@@ -2,7 +2,7 @@
 module: a local Ray cluster, Serve's HTTP and gRPC proxies on ports the OS picked, and two
 applications:
 
-- "main" at /: SSD over the torch data plane on the tiny pair, with sd, off and auto served too,
+- "main" at /: SSD over the torch data plane on the tiny pair, with sd, ar and auto served too,
   an API key, room for 32 concurrent streams, hermes tool calls;
 - "small" at /small: plain SD with a batch of 1 and a queue of 1 answering 429, for backpressure.
 """
@@ -23,7 +23,7 @@ MAIN = {
         "draft_transport": "torch",
         "max_num_seqs": 8,
     },
-    "extra_modes": ["sd", "off", "auto"],
+    "extra_modes": ["sd", "ar", "auto"],
     "max_queue": 64,
     "api_key": API_KEY,
     "max_n": 3,

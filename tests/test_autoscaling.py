@@ -24,7 +24,7 @@ def settings(**app):
 
 
 def test_the_targets_scale_and_the_pool_follows_at_the_targets_pace():
-    s = settings(target_autoscaling={**SCALING, "downscale_delay_s": 7}, extra_modes=["off", "auto"])
+    s = settings(target_autoscaling={**SCALING, "downscale_delay_s": 7}, extra_modes=["ar", "auto"])
     assert s.target_autoscaling == {
         **SCALING,
         **{"upscale_delay_s": 30.0, "downscale_delay_s": 7.0, "look_back_period_s": 30.0, "metrics_interval_s": 10.0},

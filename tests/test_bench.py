@@ -244,7 +244,7 @@ def test_repeats_and_ssd_variants(pair, tmp_path):
         assert r["ratio_to_sd"] == pytest.approx(sorted(paired)[1], rel=1e-2)
     assert runs["ssd C=0.5 B=4"]["saguaro_c"] == 0.5 and runs["ssd C=0.5 B=4"]["ssd_budget"] == 4
     assert runs["ssd C=1 B=4"]["base_mode"] == "ssd" and 0 <= runs["ssd C=1 B=4"]["cache_hit_rate"] <= 1
-    assert runs["ssd C=0.5 B=4"]["ssd"]["budget"] == 4  # a swept budget is fixed (no adaptive sizing)
+    assert runs["ssd C=0.5 B=4"]["ssd"]["tree_branches"] == 4  # a swept budget is fixed (no adaptive sizing)
     table = bench.format_table(results["runs"])
     assert "ssd C=0.5 B=4" in table and table.splitlines()[0].split().count("range") == 2
 
@@ -271,7 +271,9 @@ def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
     runs = {r["mode"]: r for r in results["runs"]}
     assert list(runs) == ["ssd B=4 D=2 tr=grpc"], list(runs)
     two = runs["ssd B=4 D=2 tr=grpc"]
-    assert two["draft_workers"] == 2 and two["ssd"]["draft_workers"] == 2 and two["ssd"]["budget"] == 8, two["ssd"]
+    assert two["draft_workers"] == 2 and two["ssd"]["draft_workers"] == 2 and two["ssd"]["tree_branches"] == 8, two[
+        "ssd"
+    ]
     assert two["draft_transport"] == "grpc" and 0 <= two["cache_hit_rate"] <= 1
     assert "ssd B=4 D=2 tr=grpc" in bench.format_table(results["runs"])
     if os.cpu_count() < 3:

@@ -96,7 +96,7 @@ def _drafter(tiny_pair, device_round: bool, saguaro_c: float) -> TreeDrafter:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], local_files_only=True).eval()
     d = TreeDrafter(draft_runner(model, "cpu", True), model.config.vocab_size, 4, saguaro_c=saguaro_c)
-    d.device_round = d.jit.device_round = device_round
+    d.device_round = d.just_in_time.device_round = device_round
     return d
 
 
@@ -171,7 +171,7 @@ def test_the_engine_gives_the_same_tokens_with_the_drafts_device_round(tiny_pair
     options = {"ssd_reproducible": True, "draft_transport": "inprocess"} if mode == "ssd" else {}
     with LLM(*tiny_pair, max_num_seqs=4, mode=mode, k=4, **options) as llm:
         proposer = llm.engine.proposers[mode]
-        drafts = [proposer] if mode == "sd" else [proposer.client, proposer.client.jit]
+        drafts = [proposer] if mode == "sd" else [proposer.client, proposer.client.just_in_time]
 
         def generate(device_round: bool, params) -> list[list[int]]:
             llm.engine.device_round = device_round

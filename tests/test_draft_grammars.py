@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ssd.core.protocol import AdmitMsg, BeginRoundMsg, DraftNowMsg, ReleaseMsg, ResolveMsg
+from ssd.core.protocol import AdmitMsg, BeginRoundMsg, NeuralBackupMsg, ReleaseMsg, ResolveMsg
 from ssd.core.sampling import SequenceSampling
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.demo_models import EOS_ID, build_tokenizer
@@ -37,8 +37,8 @@ def test_every_branch_follows_the_grammar(tiny_pair):
     assert d.begin_round(BeginRoundMsg(1, [1], spec, torch.tensor([4]), fanout))
     tree = d.round
     digits = set(b"0123456789")
-    for n, (k, candidate) in enumerate(zip(tree.grid.outcome[0].tolist(), tree.grid.candidates[0].tolist())):
-        assert candidate in digits, (k, candidate)  # the fork ranked digits only
+    for n, (accepted, candidate) in enumerate(zip(tree.grid.outcome[0].tolist(), tree.grid.candidates[0].tolist())):
+        assert candidate in digits, (accepted, candidate)  # the fork ranked digits only
         assert set(tree.tokens[0, n].tolist()) <= digits  # and the branch drafted digits only
     # The outcome commits s_T[:2] and a bonus; the next round's drafts follow from there.
     d.resolve(ResolveMsg(1, [1], torch.tensor([2]), torch.tensor([ord("9")]), False, fanout))
@@ -62,7 +62,7 @@ def test_the_neural_backup_drafts_under_the_grammar_too(tiny_pair):
     d = drafter(tiny_pair)
     admitted(d, list(b"12"))
     for round_id in range(1, 6):  # several draws: an unmasked draft of the random model is rarely a digit
-        reply = d.draft_now(DraftNowMsg(round_id, [1], [True]))
+        reply = d.neural_backup(NeuralBackupMsg(round_id, [1], [True]))
         drafted = reply.tokens[0, : int(reply.num_draft[0])].tolist()
         assert set(drafted) <= set(b"0123456789"), drafted
         # Each drafted token's reported probability is the masked distribution's: it sums to 1

@@ -39,7 +39,7 @@ def test_two_workers_greedy_matches_hf_and_both_shards_hit(tiny_pair, prompts, t
         m = llm.metrics()
     ssd = m["ssd"]
     assert ssd["draft_workers"] == 2 and ssd["draft_workers_live"] == 2, ssd
-    assert ssd["budget"] == 2 * 12, ssd  # the fan-out covers both shards
+    assert ssd["tree_branches"] == 2 * 12, ssd  # the fan-out covers both shards
     assert min(ssd["draft_shard_hits"]) > 0, ssd  # each worker held some of the hits
     assert ssd["draft_worker_failures"] == 0 and ssd["drafter_rejected_messages"] == 0, ssd
     assert m["backup_neural_rounds"] > 0, m
@@ -52,7 +52,9 @@ def test_two_workers_by_sequence_greedy_matches_hf(tiny_pair, prompts, tiny_refe
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     ssd = m["ssd"]
-    assert ssd["budget"] == 12 and min(ssd["draft_shard_hits"]) > 0, ssd  # whole trees of ssd_budget, both workers
+    assert ssd["tree_branches"] == 12 and min(ssd["draft_shard_hits"]) > 0, (
+        ssd
+    )  # whole trees of ssd_budget, both workers
     assert ssd["draft_predict_hints"] == 0 and ssd["draft_worker_failures"] == 0, ssd
     assert m["backup_neural_rounds"] > 0 and m["cache_hits"] > 0, m
 
@@ -94,7 +96,7 @@ def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_refer
 
 def duplicate_in_both_directions(llm) -> None:
     """A duplicating network on every link: each BEGIN_ROUND and RESOLVE the target sends goes
-    out twice (the copy straight after), and each reply (REPLY, DRAFT_REPLY) the target receives
+    out twice (the copy straight after), and each reply (REPLY, NEURAL_BACKUP_REPLY) the target receives
     comes in twice (the copy with the next receive)."""
     for shard in llm.engine.proposer.client.shards:
         channel = shard.link.channel
@@ -110,7 +112,7 @@ def duplicate_in_both_directions(llm) -> None:
             if pending:
                 return pending.pop()
             got = recv(timeout)
-            if got[0] in (MsgType.REPLY, MsgType.DRAFT_REPLY):
+            if got[0] in (MsgType.REPLY, MsgType.NEURAL_BACKUP_REPLY):
                 pending.append(got)
             return got
 

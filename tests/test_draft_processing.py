@@ -1,8 +1,8 @@
 """SSD's drafters process their speculations as verification will (ssd/drafting/tree_adjustments.py):
 penalties, bias, allowed tokens, min_tokens and bad words, each position with its own history.
 
-1. the fork's position k and every tree branch at every depth are processed as a row built from
-   scratch with that position's whole history (committed tokens, s_T[:k], the branch's
+1. the fork's position j and every tree branch at every depth are processed as a row built from
+   scratch with that position's whole history (committed tokens, s_T[:j], the branch's
    candidate and its earlier tokens): the fork exactly, the branches up to a rounding;
 2. a 2-worker pool under penalties gives the greedy output of Hugging Face `generate` with the
    same processing and is accepted as often as SD's processed draft (a drafter that ignores the
@@ -59,9 +59,10 @@ def test_the_fork_and_every_branch_are_processed_with_their_own_history():
     glue = torch.randn(3, K + 1, VOCAB, generator=gen)
     got = rnd.glue(glue, None)
     for r, (sampling, tokens) in enumerate(table):
-        for k in range(K + 1):
-            assert torch.equal(got[r, k], from_scratch(sampling, tokens + spec[r, :k].tolist(), glue[r, k]))
-    # Branches: outcome k, candidate c; then two depths of drawn tokens.
+        for accepted in range(K + 1):
+            history = tokens + spec[r, :accepted].tolist()
+            assert torch.equal(got[r, accepted], from_scratch(sampling, history, glue[r, accepted]))
+    # Branches: outcome (accepted count), candidate c; then two depths of drawn tokens.
     outcome = torch.tensor([[0, 1, 2, 3], [0, 0, 3, 3], [1, 2, 2, 0]])
     cand = torch.tensor([[8, 7, 9, 13], [5, 6, 7, 4], [3, 2, 7, 8]])
     tree = rnd.tree(cand, outcome, BatchSampling.of([s for s, _ in table]))
@@ -74,8 +75,8 @@ def test_the_fork_and_every_branch_are_processed_with_their_own_history():
             processed = processed.masked_fill(~masks, float("-inf"))
         for r, (sampling, tokens) in enumerate(table):
             for n in range(4):
-                k, c = int(outcome[r, n]), int(cand[r, n])
-                history = tokens + spec[r, :k].tolist() + [c] + [int(d[r, n]) for d in drawn]
+                accepted, c = int(outcome[r, n]), int(cand[r, n])
+                history = tokens + spec[r, :accepted].tolist() + [c] + [int(d[r, n]) for d in drawn]
                 expected = from_scratch(sampling, history, logits[r, n])
                 # A draft's form rounds a penalty otherwise (ssd/processing/draft_adjustments.py); -inf where it is.
                 torch.testing.assert_close(processed[r, n], expected, rtol=1e-6, atol=1e-6, msg=str((depth, r, n)))

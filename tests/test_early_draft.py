@@ -1,5 +1,5 @@
 """A drafter holding no other rows drafts a new row's first speculation at admission, while the
-target prefills it (ssd/drafting/neural_backup.py): served to the neural backup's DRAFT_NOW for
+target prefills it (ssd/drafting/neural_backup.py): served to the neural backup's NEURAL_BACKUP for
 exactly those rows, or taken back, with the rows' generators restored, when anything else comes
 first. Either way what is drafted and sampled is what it would be without it."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.core.protocol import AdmitMsg, DraftNowMsg, ReleaseMsg
+from ssd.core.protocol import AdmitMsg, NeuralBackupMsg, ReleaseMsg
 from ssd.core.sampling import SequenceSampling
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.model.runner import draft_runner
@@ -54,7 +54,7 @@ def admitted(model, early: bool) -> TreeDrafter:
 
 @pytest.mark.parametrize("then", ["asked", "other order", "one row", "release"])
 def test_what_comes_after_an_early_draft_gets_what_it_would_have_got(draft_model, then):
-    """DRAFT_NOW for the admitted rows in their order is served from the early draft; in another
+    """NEURAL_BACKUP for the admitted rows in their order is served from the early draft; in another
     order, for some of them, or after a RELEASE it is drafted afresh from generators put back:
     the replies and the generators' states equal a drafter's that never drafted early."""
     drafters = [admitted(draft_model, True), admitted(draft_model, False)]
@@ -66,7 +66,7 @@ def test_what_comes_after_an_early_draft_gets_what_it_would_have_got(draft_model
         for d in drafters:
             d.release(ReleaseMsg([2]))
         ids, need = [1], [True]
-    replies = [d.draft_now(DraftNowMsg(1, ids, need)) for d in drafters]
+    replies = [d.neural_backup(NeuralBackupMsg(1, ids, need)) for d in drafters]
     needed = torch.tensor(need)
     assert torch.equal(replies[0].tokens[needed], replies[1].tokens[needed])
     assert torch.equal(replies[0].probs[needed], replies[1].probs[needed])

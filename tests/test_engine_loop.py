@@ -43,7 +43,7 @@ def test_two_modes_batched_equal_hf(loop, tiny_pair):
     expected = hf_greedy(tiny_pair[0], PROMPTS, MAX_TOKENS)
 
     async def run():
-        calls = [collect(loop, req(i, PROMPTS[i % 2], mode)) for i, mode in enumerate(["sd", "off", None])]
+        calls = [collect(loop, req(i, PROMPTS[i % 2], mode)) for i, mode in enumerate(["sd", "ar", None])]
         return await asyncio.gather(*calls)
 
     outs = asyncio.run(run())
@@ -89,7 +89,7 @@ def test_a_failing_round_fails_its_requests_and_the_loop(loop):
         assert failed.value.status == 500 and "forward" not in failed.value.message
         assert not loop.healthy()
         with pytest.raises(APIError) as refused:
-            await collect(loop, req(1, PROMPTS[0], "off"))
+            await collect(loop, req(1, PROMPTS[0], "ar"))
         assert refused.value.status == 503
 
     asyncio.run(run())
@@ -112,7 +112,7 @@ def test_a_prefill_that_raises_fails_its_request_instead_of_hanging(loop):
     async def run():
         with pytest.raises(APIError) as failed:
             await asyncio.wait_for(
-                collect(loop, GenerateRequest("p", [1, 7, 2], SamplingParams(temperature=0, max_tokens=4), "off")), 30
+                collect(loop, GenerateRequest("p", [1, 7, 2], SamplingParams(temperature=0, max_tokens=4), "ar")), 30
             )
         assert failed.value.status == 500 and not loop.healthy() and loop.num_requests == 0
 
@@ -129,6 +129,8 @@ def test_requests_the_engine_refuses_name_the_param(loop):
     assert too_long.status == 400 and too_long.param == "max_tokens" and too_long.code == "context_length_exceeded"
     assert asyncio.run(run(req(1, [10**7]))).param == "prompt"
     assert asyncio.run(run(req(2, PROMPTS[0], mode="ssd"))).param == "speculation.mode"  # not served here
+    negative_k = GenerateRequest("r3", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), "sd", -1)
+    assert asyncio.run(run(negative_k)).param == "speculation.k"  # the engine's own k check
 
 
 def test_a_split_target_that_lost_a_rank_while_idle_is_unhealthy(tiny_pair):

@@ -22,10 +22,10 @@ def _ranks(n: int, m: float, r: float, gen: torch.Generator) -> list[int]:
     return torch.where(u >= m, torch.zeros_like(u), (u / m).pow(-1 / r).floor()).clamp(max=128).long().tolist()
 
 
-def _run(workers: int, fanout: list[int], ranks_by_k: dict[int, list[int]]) -> DRun:
-    """A run whose outcome k had fan-out fanout[k] and these bonus-token ranks."""
-    counts = {k: {fanout[k]: [len(xs), sum(x < fanout[k] for x in xs)]} for k, xs in ranks_by_k.items()}
-    ranks = {k: {x: xs.count(x) for x in set(xs)} for k, xs in ranks_by_k.items()}
+def _run(workers: int, fanout: list[int], ranks_by_outcome: dict[int, list[int]]) -> DRun:
+    """A run whose outcome j had fan-out fanout[j] and these bonus-token ranks."""
+    counts = {j: {fanout[j]: [len(xs), sum(x < fanout[j] for x in xs)]} for j, xs in ranks_by_outcome.items()}
+    ranks = {j: {x: xs.count(x) for x in set(xs)} for j, xs in ranks_by_outcome.items()}
     return DRun(1.0, workers, fanout, counts, ranks, 0.0, 0.0, 0.0)
 
 
@@ -33,19 +33,19 @@ def test_the_law_fitted_on_one_workers_ranks_predicts_wider_trees():
     gen = torch.Generator().manual_seed(0)
     m, r = 0.3, 0.8
     fanouts = {1: [4, 3, 2, 1], 2: [8, 6, 4, 2], 4: [16, 12, 8, 4]}
-    runs = [_run(d, f, {k: _ranks(1500, m, r, gen) for k in range(4)}) for d, f in fanouts.items()]
+    runs = [_run(d, f, {j: _ranks(1500, m, r, gen) for j in range(4)}) for d, f in fanouts.items()]
     fits = analyse(runs)[1.0]
     assert fits["within_tolerance"], fits
     for d, fit in fits["by_workers"].items():  # fitted on D = 1's ranks, censored at D's widest fan-out
         assert fit["rank_cap"] == fanouts[d][0]
         assert fit["law"][0] == pytest.approx(m, abs=0.04) and fit["law"][1] == pytest.approx(r, abs=0.2), fits
     for run in runs:
-        for name in ("law", "law per k", "empirical"):
+        for name in ("law", "law per outcome", "empirical"):
             assert abs(run.predicted[name] - run.observed) <= TOLERANCE, (name, run)
         # The paper's law (m = 1) predicts no hit at F = 1 where 70% of these hit.
         assert run.predicted["paper's law"] < run.observed - 0.1, run
     # F = 0 (nothing cached) is a certain miss in every prediction.
-    assert predicted_rate({0: {0: [1, 0], 4: [1, 1]}}, lambda k, f: 0.0 if f == 0 else 0.5) == 0.25
+    assert predicted_rate({0: {0: [1, 0], 4: [1, 1]}}, lambda j, f: 0.0 if f == 0 else 0.5) == 0.25
 
 
 def test_the_check_end_to_end_on_the_demo_pair(tmp_path, capsys):

@@ -109,7 +109,7 @@ def test_the_check_fails_on_a_broken_carrier(broken, monkeypatch):
 
 
 def test_a_draft_of_minus_one_past_a_rows_speculation_is_processed_as_token_0():
-    """On a device a draw without mass is -1; past a row's num_draft (a request's max_draft cap)
+    """On a device a draw without mass is -1; past a row's num_draft (a request's own k)
     nothing raises for it and no verification reads it. Verification's adjustments must still be
     made (a column of -1 could not be gathered): such a draft counts as token 0, as the target's
     forward feeds it."""

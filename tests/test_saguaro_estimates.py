@@ -70,7 +70,7 @@ class ScriptedDrafter:
         out, self.pending = self.pending, None
         return out
 
-    def draft_now(self, msg) -> SpeculationReply:
+    def neural_backup(self, msg) -> SpeculationReply:
         b = len(msg.seq_ids)
         return self._reply(msg.round_id, list(msg.seq_ids), torch.zeros(b, dtype=torch.bool), torch.full((b,), K))
 

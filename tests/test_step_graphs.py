@@ -130,7 +130,7 @@ def test_the_device_round_through_step_buffers_gives_the_host_rounds_tokens(tiny
     with LLM(*tiny_pair, max_num_seqs=4, mode=mode, k=4, **options) as llm:
         engine, stats = llm.engine, GraphStats()
         proposer = engine.proposers.get(mode)
-        drafts = [] if mode == "ar" else [proposer] if mode == "sd" else [proposer.client, proposer.client.jit]
+        drafts = [] if mode == "ar" else [proposer] if mode == "sd" else [proposer.client, proposer.client.just_in_time]
         runners = [engine.target] + [d.runner for d in drafts]
         for runner in runners:
             runner.steps = StepGraphs(CPU, stats, capture=False)

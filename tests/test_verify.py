@@ -211,11 +211,11 @@ def test_greedy_one_hot_rows():
     assert torch.equal(fast.num_accepted, ref.num_accepted)
     assert torch.equal(fast.bonus_tokens, ref.bonus_tokens)
     for r in range(b):
-        k = 0
-        while k < int(num_draft[r]) and int(draft_tokens[r, k]) == int(argmax[r, k]):
-            k += 1
-        assert int(fast.num_accepted[r]) == k
-        assert int(fast.bonus_tokens[r]) == int(argmax[r, k])
+        accepted = 0
+        while accepted < int(num_draft[r]) and int(draft_tokens[r, accepted]) == int(argmax[r, accepted]):
+            accepted += 1
+        assert int(fast.num_accepted[r]) == accepted
+        assert int(fast.bonus_tokens[r]) == int(argmax[r, accepted])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -308,9 +308,9 @@ def _residual(target, draft):
 
 @pytest.mark.parametrize("K", [1, 2, 3])
 def test_acceptance_law_and_bonus_distributions(K):
-    """Position-wise independent target_probs[j] / draft_probs[j]: the number accepted follows
-    P(k) = prod_{j<k} a_j * (1 - a_k) with a_j = sum(min(target_j, draft_j)); after a rejection at k
-    the bonus follows the residual norm(max(0, target_k - draft_k)) (k = 0 is the all-rejected
+    """Position-wise independent target_probs[i] / draft_probs[i]: the number accepted follows
+    P(j) = prod_{i<j} a_i * (1 - a_j) with a_i = sum(min(target_i, draft_i)); after a rejection at j
+    the bonus follows the residual norm(max(0, target_j - draft_j)) (j = 0 is the all-rejected
     path); after K acceptances it follows target_K; the first emitted token follows target_0."""
     n = 20000
     pairs = [_fixed_pair(10 * K + j) for j in range(K + 1)]
@@ -330,16 +330,16 @@ def test_acceptance_law_and_bonus_distributions(K):
     )
 
     alpha = torch.minimum(target[:K], draft).sum(-1).double()  # [K]
-    law = [float(alpha[:k].prod() * (1 - alpha[k])) for k in range(K)] + [float(alpha.prod())]
+    law = [float(alpha[:j].prod() * (1 - alpha[j])) for j in range(K)] + [float(alpha.prod())]
     counts = torch.bincount(out.num_accepted, minlength=K + 1)
     assert chi_square_p(counts, law) > P_MIN, (counts.tolist(), law)
 
-    for k in range(K + 1):
-        rows = out.num_accepted == k
+    for accepted in range(K + 1):
+        rows = out.num_accepted == accepted
         assert int(rows.sum()) > 200  # enough samples on every path for the test to mean something
-        expected = _residual(target[k], draft[k]) if k < K else target[K]
+        expected = _residual(target[accepted], draft[accepted]) if accepted < K else target[K]
         got = torch.bincount(out.bonus_tokens[rows], minlength=VOCAB)
-        assert chi_square_p(got, expected) > P_MIN, (k, got.tolist(), expected.tolist())
+        assert chi_square_p(got, expected) > P_MIN, (accepted, got.tolist(), expected.tolist())
 
     first = torch.where(out.num_accepted > 0, draft_tokens[:, 0], out.bonus_tokens)
     assert chi_square_p(torch.bincount(first, minlength=VOCAB), target[0]) > P_MIN

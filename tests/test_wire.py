@@ -149,7 +149,7 @@ def test_a_drafter_leaves_out_the_distributions_of_its_greedy_rows_only(tiny_pai
     (tests/test_ssd.py, tests/test_sampling_exactness.py); this is what it is given."""
     seen: list[SpeculationReply] = []
     owner = TreeDrafter if transport == "inprocess" else SSDProposer
-    names = ("reply", "draft_now") if transport == "inprocess" else ("_store",)
+    names = ("reply", "neural_backup") if transport == "inprocess" else ("_store",)
     for name in names:
         original = getattr(owner, name)
         if transport == "inprocess":

@@ -56,7 +56,7 @@ DEFINITIONS = {
     "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the "
     "steps in which every row "
     "hit)",
-    "ssd": "SSD live figures at the end of the run: fan-out, budget, a and r estimates, backup, b*, T_p",
+    "ssd": "SSD live figures at the end of the run: fan-out, tree branches, a and r estimates, backup, b*, T_p",
     "projection": "not a measurement: SSD's tokens/s with the draft on its own device, from Theorem 7 and the "
     "batch-1 sd and ssd records' parts (ssd/bench/projection.py)",
 }

@@ -101,8 +101,8 @@ class EngineArgs(BaseModel):
     )
     ssd_fanout: Literal["geometric", "marginal", "uniform"] = Field(
         "geometric",
-        description="SSD: fan-out over outcomes k: Saguaro's geometric (Theorem 12, rounded), marginal (the "
-        "integer optimum under the fitted miss law with its intercept), or uniform.",
+        description="SSD: fan-out over the outcomes (0..K tokens accepted): Saguaro's geometric (Theorem 12, "
+        "rounded), marginal (the integer optimum under the fitted miss law with its intercept), or uniform.",
     )
     saguaro_c: float = Field(
         1.0, ge=0.0, le=1.0, description="SSD: Saguaro sampling constant C in [0, 1]; 1 = plain sampling."

@@ -5,20 +5,20 @@ A target's SSD proposer talks to a `DraftClient`: the drafter itself in the engi
 channel. Every message has a kind (`MsgType`), sent explicitly with it; the wire format
 (ssd/transport/wire.py) is a fixed tensor layout per kind, never pickle.
 
-    JOIN         JoinMsg          a worker's shard of the branch grid (before any sequence)
-    ADMIT        AdmitMsg         new sequences join the batch
-    RELEASE      ReleaseMsg       sequences leave it
-    BEGIN_ROUND  BeginRoundMsg    the target verifies these speculations: build the next cache
-    PREDICT      BeginRoundMsg    the round the target will most likely announce next
-    GRID         GridMsg          a round's branch grid, from one worker of a pool to its target
-    RESOLVE      ResolveMsg       the round's outcomes: answer with the next speculations
-    REPLY        SpeculationReply the answer to RESOLVE
-    DRAFT_NOW    DraftNowMsg      draft just in time for sequences with nothing cached
-    DRAFT_REPLY  SpeculationReply the answer to DRAFT_NOW
-    READY, SHUTDOWN  (no message) a worker is up; the target is done
-    ERROR        ErrorMsg         why a worker gave up
+    JOIN                 JoinMsg          a worker's shard of the branch grid (before any sequence)
+    ADMIT                AdmitMsg         new sequences join the batch
+    RELEASE              ReleaseMsg       sequences leave it
+    BEGIN_ROUND          BeginRoundMsg    the target verifies these speculations: build the next cache
+    PREDICT              BeginRoundMsg    the round the target will most likely announce next
+    GRID                 GridMsg          a round's branch grid, from one worker of a pool to its target
+    RESOLVE              ResolveMsg       the round's outcomes: answer with the next speculations
+    REPLY                SpeculationReply the answer to RESOLVE
+    NEURAL_BACKUP        NeuralBackupMsg  the neural backup: draft just in time for sequences with nothing cached
+    NEURAL_BACKUP_REPLY  SpeculationReply the answer to NEURAL_BACKUP
+    READY, SHUTDOWN      (no message)     a worker is up; the target is done
+    ERROR                ErrorMsg         why a worker gave up
 
-Messages of a round (BEGIN_ROUND, PREDICT, RESOLVE, DRAFT_NOW and the replies) carry its round
+Messages of a round (BEGIN_ROUND, PREDICT, RESOLVE, NEURAL_BACKUP and the replies) carry its round
 id and the sequence ids they are about, so a reply is matched to its request and stale or
 duplicated ones are dropped; membership messages (JOIN, ADMIT, RELEASE) come between rounds and
 carry no round id.
@@ -40,14 +40,14 @@ class MsgType(enum.IntEnum):
     RELEASE = 2
     BEGIN_ROUND = 3
     RESOLVE = 4
-    DRAFT_NOW = 5
+    NEURAL_BACKUP = 5
     REPLY = 6
     READY = 7
     ERROR = 8
     SHUTDOWN = 9
     PREDICT = 10
     JOIN = 11
-    DRAFT_REPLY = 12
+    NEURAL_BACKUP_REPLY = 12
     GRID = 13
 
 
@@ -69,7 +69,7 @@ class AdmitMsg:
     """New sequences join the batch (appended in this order)."""
 
     seq_ids: list[int]
-    prompts: list[list[int]]  # the tokens committed so far (the prompt, for a new sequence)
+    tokens: list[list[int]]  # each sequence's committed tokens (a new sequence's: its prompt)
     seeds: list[int]  # the drafter's own generator seed per sequence
     sampling: list[SequenceSampling]
 
@@ -87,7 +87,7 @@ class BeginRoundMsg:
     seq_ids: list[int]
     spec_tokens: torch.Tensor  # [b, K] long
     num_draft: torch.Tensor  # [b] long
-    fanout: list[int]  # [K+1] F_k, shared by the batch: the whole tree's (every shard's together)
+    fanout: list[int]  # [K+1] F_j, shared by the batch: the whole tree's (every shard's together)
     # [b] tokens committed per sequence before this round, as the target knows them: a worker
     # whose own count differs has missed a message and must not answer from a wrong prefix.
     committed: list[int] = field(default_factory=list)
@@ -171,9 +171,9 @@ def branch_of(outcome: list[int], candidates: list[int], accepted: int, bonus: i
 
 
 @dataclass(frozen=True)
-class DraftNowMsg:
-    """Draft K tokens just in time for the rows marked in `need` (sequences with no cached
-    speculation); seq_ids lists the whole running batch, in the target's order."""
+class NeuralBackupMsg:
+    """The neural backup: draft K tokens just in time for the rows marked in `need` (sequences
+    with no cached speculation); seq_ids lists the whole running batch, in the target's order."""
 
     round_id: int
     seq_ids: list[int]
@@ -277,7 +277,7 @@ _COUNTS = 11  # the first eleven are counts (summed over a pool's workers); the 
 
 
 # Candidates ranked per outcome for the bonus token's rank: enough for fan-outs of up to 128
-# branches at one outcome (a pool of 8 workers at ssd_budget 16 puts about 40 at k = 0).
+# branches at one outcome (a pool of 8 workers at ssd_budget 16 puts about 40 at outcome 0).
 RANK_DEPTH = 128
 
 
@@ -298,8 +298,8 @@ class SpeculationReply:
     # [b] bool: the outcome is in the round's branch grid, whichever worker's shard holds it
     # (equal to hit for a single drafter). A row covered but not hit is another worker's.
     covered: torch.Tensor | None = None
-    # [b] long: the rank of the real bonus token among the round's candidates at its outcome k
-    # (0 = the draft's first choice; the outcome is in the tree exactly when rank < F_k),
+    # [b] long: the rank of the real bonus token among the round's candidates at its outcome j
+    # (0 = the draft's first choice; the outcome is in the tree exactly when rank < F_j),
     # capped at RANK_DEPTH (= "that or beyond"); -1 where the round built no tree for the row.
     # What the miss law is fitted on: one rank tells the hit at every fan-out.
     bonus_rank: torch.Tensor | None = None
@@ -333,7 +333,7 @@ class SpeculationReply:
 class DraftClient(Protocol):
     """What the SSD proposer calls, in this order per round: begin_round (the round being
     verified), resolve (its outcome, the moment it is known), reply (the next speculations);
-    draft_now when a row has nothing cached and the neural backup drafts it just in time; admit
+    neural_backup when a row has nothing cached and the neural backup drafts it just in time; admit
     and release between rounds. Implemented by the drafter itself (TreeDrafter, in the caller's
     thread) and by a pool of workers (PoolClient), which raises DrafterUnavailable only when it
     cannot start."""
@@ -351,6 +351,6 @@ class DraftClient(Protocol):
     def reply(self, deadline_s: float) -> SpeculationReply:
         """The answer to the outcome resolve() sent last (waiting at most deadline_s)."""
 
-    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply: ...
+    def neural_backup(self, msg: NeuralBackupMsg) -> SpeculationReply: ...
 
     def close(self) -> None: ...

@@ -33,10 +33,10 @@ class Sequence:
     stop_text: str | None = None  # the stop string that ended it, if any
     truncated_text: str | None = None  # output text cut before that stop string
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    # Most draft tokens this request's rounds verify (a per-request cap below the engine's K; 0
-    # decodes it without speculation); None = the engine's K. Truncating a speculation keeps
+    # Most draft tokens this request's rounds verify: its own K, a cap on the engine's (0 decodes
+    # it without speculation); None = the engine's K. Truncating a speculation keeps
     # verification exact: fewer proposals, same rules.
-    max_draft: int | None = None
+    k: int | None = None
     # Streaming bookkeeping: how much of the output was already handed out.
     sent_tokens: int = 0
     sent_text: int = 0

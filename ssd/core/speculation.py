@@ -13,10 +13,10 @@ from ssd.core.sampling import no_mass
 class Source(enum.IntEnum):
     """Where a row's speculation came from."""
 
-    DRAFT = 0  # ordinary SD: drafted just in time
+    JUST_IN_TIME = 0  # ordinary SD: the draft, just in time
     CACHE = 1  # SSD: a speculation-cache hit (no drafting latency)
-    NEURAL = 2  # SSD backup: the draft model, just in time
-    FAST = 3  # SSD backup: n-gram lookup / random tokens
+    NEURAL = 2  # SSD's neural backup (a miss): the draft, just in time
+    FAST = 3  # SSD's fast backup (a miss): n-gram lookup / random tokens
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Speculation:
     # greedy, whose verification reads no draft probability (ssd/engine/verify.py)
     probs: torch.Tensor | None
     num_draft: torch.Tensor  # [b] long, real proposals per row (<= K)
-    source: torch.Tensor | None = field(default=None)  # [b] long Source; None = all DRAFT
+    source: torch.Tensor | None = field(default=None)  # [b] long Source; None = all JUST_IN_TIME
 
     @property
     def k(self) -> int:
@@ -66,7 +66,7 @@ class Speculation:
 class RoundOutcome:
     """What verification decided, per row of the batch that was verified."""
 
-    num_accepted: torch.Tensor  # [b] long, k in 0..num_draft
+    num_accepted: torch.Tensor  # [b] long, 0..num_draft
     bonus_tokens: torch.Tensor  # [b] long
     tokens_before: torch.Tensor  # [b] long, committed length of each row before this round
 

@@ -1,10 +1,10 @@
 """A drafter's grammars: its speculations follow each constrained sequence's grammar, as the
 target's verification does, so that they are accepted (structured output, forced tool calls).
 
-The target bonus token after k accepted ones is drawn from the *masked* target distribution,
-so only tokens the grammar allows after s_T[:k] can be bonuses: the fork ranks its candidates
+The target bonus token after j accepted ones is drawn from the *masked* target distribution,
+so only tokens the grammar allows after s_T[:j] can be bonuses: the fork ranks its candidates
 among those (`fork_masks`). Each branch of the tree then drafts from its own matcher, a copy
-walked along s_T[:k] and the branch's candidate, advanced by each token the branch draws
+walked along s_T[:j] and the branch's candidate, advanced by each token the branch draws
 (`Branches`). The neural backup drafts a miss's speculation under the grammar too
 (draft_processing.first_position). Exactness never depends on any of this: verification uses the draft
 probabilities the drafter reports, masked or not, and the engine's own masks.
@@ -84,7 +84,7 @@ class DraftGrammars:
         return any(s in self.matchers for s in seq_ids)
 
     def spines(self, seq_ids: list[int], spec: list[list[int]]) -> list[list]:
-        """Per row, its matcher after s_T[:k] for k = 0, 1, ... as far as the grammar allows s_T
+        """Per row, its matcher after s_T[:j] for j = 0, 1, ... as far as the grammar allows s_T
         ([] for an unconstrained row). Walked once a round: the fork's masks and every branch's
         matcher start from these (a consume is the costly step)."""
         out = []
@@ -99,15 +99,15 @@ class DraftGrammars:
         return out
 
     def fork_masks(self, spines: list[list], positions: int) -> torch.Tensor:
-        """-> [b, positions, V] bool: the tokens allowed after s_T[:k]; everything where the row
+        """-> [b, positions, V] bool: the tokens allowed after s_T[:j]; everything where the row
         is unconstrained or past what its grammar allows of s_T (never forked: verification
         stops at the refused token)."""
         from llguidance.torch import fill_next_token_bitmask
 
         bits = torch.full((len(spines) * positions, (self.vocab + 31) // 32), -1, dtype=torch.int32)
         for r, spine in enumerate(spines):
-            for k, matcher in enumerate(spine[:positions]):
-                fill_next_token_bitmask(matcher, bits, r * positions + k)
+            for accepted, matcher in enumerate(spine[:positions]):
+                fill_next_token_bitmask(matcher, bits, r * positions + accepted)
         bits[(bits == 0).all(-1)] = -1  # a finished grammar (past EOS): nothing to follow
         return unpack(bits, self.vocab).view(len(spines), positions, self.vocab)
 
@@ -134,12 +134,12 @@ class Branches:
         self.matchers: list[object | None] = []  # row-major [b * N]; None: unconstrained, or off the grammar
         cands, outcomes = cand.tolist(), outcome.tolist()
         for r, spine in enumerate(spines):
-            for c, k in zip(cands[r], outcomes[r]):
+            for c, accepted in zip(cands[r], outcomes[r]):
                 # A candidate the grammar refuses (fewer tokens allowed than the fan-out) can
                 # never be the bonus: its branch stays unmasked, and no consume fails on it
                 # (a failing consume is llguidance's slow path).
-                ok = k < len(spine) and bool(allowed[r, k, c])
-                self.matchers.append(_walked(spine[k], [c]) if ok else None)
+                ok = accepted < len(spine) and bool(allowed[r, accepted, c])
+                self.matchers.append(_walked(spine[accepted], [c]) if ok else None)
 
     def masks(self) -> torch.Tensor:
         """[b, N, V] bool: what each branch's next token may be (all True where unconstrained)."""

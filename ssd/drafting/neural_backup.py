@@ -1,5 +1,5 @@
 """The SSD drafter's neural backup: speculations drafted just in time for the rows that no cached
-branch serves (a DRAFT_NOW, or a RESOLVE that asks for its misses), and a new request's first
+branch serves (a NEURAL_BACKUP, or a RESOLVE that asks for its misses), and a new request's first
 one drafted at its admission, while the target prefills it.
 
 Just in time: ordinary SD drafting (SDProposer) on the drafter's own cache. The batch forward
@@ -8,12 +8,12 @@ from a scratch one and their drafts are discarded), so a seeded sequence's draws
 on which other sequences missed.
 
 Early: a new row's first round has nothing cached, so the target's neural backup asks for its
-speculation just in time (DRAFT_NOW) after its own prefill and waits K draft steps for it. A
+speculation just in time (NEURAL_BACKUP) after its own prefill and waits K draft steps for it. A
 drafter that holds no other rows has nothing to do during that prefill (the target sends ADMIT
 before it: ssd/engine/scheduler.py), so it drafts the speculation at admission: the same call
-DRAFT_NOW would make, on the same cache, state and generators, hence the same tokens and
-probabilities. A DRAFT_NOW for exactly those rows is served from it. Anything else that comes
-first (BEGIN_ROUND after the fast backup speculated, another ADMIT, a RELEASE, a DRAFT_NOW for
+NEURAL_BACKUP would make, on the same cache, state and generators, hence the same tokens and
+probabilities. A NEURAL_BACKUP for exactly those rows is served from it. Anything else that comes
+first (BEGIN_ROUND after the fast backup speculated, another ADMIT, a RELEASE, a NEURAL_BACKUP for
 other rows) takes it back: the rows' generators return to their states from before it, so what a
 request samples never depends on whether it was drafted early (as with predicted rounds,
 ssd/worker/session.py). (Demo pair, batch 1, CPU: the wait was about 7 ms of a request's first
@@ -50,7 +50,7 @@ class EarlyDraft:
     generators: list[torch.Tensor]  # each row's generator state from before it was drafted
 
     def serves(self, seq_ids: list[int], need: list[bool]) -> bool:
-        """Whether it is what a DRAFT_NOW for these rows asks for (every row, in this order)."""
+        """Whether it is what a NEURAL_BACKUP for these rows asks for (every row, in this order)."""
         return self.seq_ids == list(seq_ids) and all(need)
 
     def take_back(self, generators: dict[int, torch.Generator]) -> None:
@@ -94,7 +94,7 @@ class NeuralBackup:
         self.early = EarlyDraft(seq_ids, spec.on_host(torch.ones(len(seq_ids), dtype=torch.bool)), generators)
 
     def take_early(self, seq_ids: list[int], need: list[bool]) -> Speculation | None:
-        """The speculations drafted at admission where they are what a DRAFT_NOW for these rows
+        """The speculations drafted at admission where they are what a NEURAL_BACKUP for these rows
         asks for (given out once), else None."""
         if self.early is None or not self.early.serves(seq_ids, need):
             return None
@@ -102,7 +102,7 @@ class NeuralBackup:
         return spec
 
     def settle(self, states: dict[int, SeqState]) -> None:
-        """Take back first speculations drafted at admission that no DRAFT_NOW asked for."""
+        """Take back first speculations drafted at admission that no NEURAL_BACKUP asked for."""
         if self.early is not None:
             self.early.take_back({s: state.generator for s, state in states.items()})
             self.early = None

@@ -6,8 +6,8 @@ Glossary:
              (the paper's law is m = 1, which predicts no hit at F = 1; a draft whose top
              candidate is often the target's bonus token needs m < 1. The fan-out that maximizes
              the expected hit rate depends on r only: m scales every outcome's gain alike.)
-    B        speculation-cache budget: branches per sequence, B = sum_k F_k
-    F_k      fan-out at verification outcome k (bonus candidates cached for k accepted tokens)
+    B        speculation-cache budget: branches per sequence, B = sum_j F_j
+    F_j      fan-out at verification outcome j (bonus candidates cached for j accepted tokens)
     C        Saguaro sampling constant in [0, 1]; 1 = plain sampling
     T_p, T_b primary (cache) and backup latency, relative to one verification
 """
@@ -130,7 +130,7 @@ def _round_to_budget(weights: list[float], budget: int, caps: list[int] | None) 
 
 
 def saguaro_probs(probs: torch.Tensor, fanout: torch.Tensor, c: float) -> torch.Tensor:
-    """Definition 14 on a processed draft distribution: scale the top-F_k probabilities of each
+    """Definition 14 on a processed draft distribution: scale the top-F_j probabilities of each
     position by C and renormalize. probs [b, n, V], fanout [n] or [b, n] long -> [b, n, V].
 
     Rejected draft tokens then leave residual mass on the top-F tokens, which are exactly the
@@ -250,8 +250,8 @@ class OnlineEstimates:
         self.a = (self._accepted + 0.7 * 4) / (self._accepted + self._stops + 4)
 
     def observe_hit(self, fanout: int, hit: bool) -> None:
-        """The real outcome had `fanout` cached candidates at its k; it hit or missed. F = 0 is
-        a certain miss whatever the law, so it is not recorded."""
+        """The real outcome had `fanout` cached candidates; it hit or missed. F = 0 is a certain
+        miss whatever the law, so it is not recorded."""
         if fanout >= 1:
             self._observe(*hit_interval(fanout, hit))
 

@@ -23,7 +23,7 @@ from ssd.core.protocol import (
     BeginRoundMsg,
     DraftClient,
     DrafterCounters,
-    DraftNowMsg,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -61,9 +61,10 @@ class SSDProposer(Proposer):
         self.config = config
         self.vocab = target_vocab
         self.estimates = OnlineEstimates()
-        # Every miss-law observation so far, outcome k -> {F -> [sequence-rounds, of which in
-        # the tree]}, for reports that fit the law over a whole run (benchmarks.miss_law); never
-        # reset. And k -> {bonus token's rank (RANK_DEPTH: that or beyond) -> sequence-rounds}.
+        # Every miss-law observation so far, outcome's accepted count -> {F -> [sequence-rounds, of
+        # which in the tree]}, for reports that fit the law over a whole run (benchmarks.miss_law);
+        # never reset. And accepted count -> {bonus token's rank (RANK_DEPTH: that or beyond) ->
+        # sequence-rounds}.
         self.miss_law_counts: dict[int, dict[int, list[int]]] = {}
         self.miss_law_ranks: dict[int, dict[int, int]] = {}
         self.prepared: dict[int, _Prepared] = {}
@@ -163,7 +164,7 @@ class SSDProposer(Proposer):
         self.round_id += 1
         ids = [s.seq_id for s in seqs]
         if self.backup.last == "neural" and any(i not in self.prepared for i in ids):
-            self._draft_misses_now(ids)
+            self._neural_backup(ids)
         for s in seqs:
             if s.seq_id not in self.prepared:
                 self.prepared[s.seq_id] = self._fast(s)
@@ -186,9 +187,9 @@ class SSDProposer(Proposer):
         none = torch.zeros(k, self.vocab)
         return torch.stack([none if c.probs is None else c.probs[:k] for c in chosen])
 
-    def _draft_misses_now(self, ids: list[int]) -> None:
+    def _neural_backup(self, ids: list[int]) -> None:
         """The neural backup: the draft drafts the rows with nothing prepared, just in time."""
-        reply = self.client.draft_now(DraftNowMsg(self.round_id, ids, [i not in self.prepared for i in ids]))
+        reply = self.client.neural_backup(NeuralBackupMsg(self.round_id, ids, [i not in self.prepared for i in ids]))
         for r, i in enumerate(ids):
             # num_draft 0: no drafter could answer (the pool is refilling)
             if i not in self.prepared and int(reply.num_draft[r]) > 0:
@@ -252,17 +253,17 @@ class SSDProposer(Proposer):
             if (self._learned_rounds - 1) % MISS_LAW_REFIT_ROUNDS == 0:
                 self.estimates.fit()
 
-    def _observe_miss_law(self, k: int, fanout: int, rank: int, cap: int, in_tree: bool) -> None:
-        """One sequence-round's outcome k, the fan-out cached there and the bonus token's rank: the
-        rank tells the hit at every fan-out; unknown (-1), whether the outcome was in the tree
-        tells the hit at this one."""
+    def _observe_miss_law(self, accepted: int, fanout: int, rank: int, cap: int, in_tree: bool) -> None:
+        """One sequence-round's outcome (its accepted count), the fan-out cached there and the bonus
+        token's rank: the rank tells the hit at every fan-out; unknown (-1), whether the outcome
+        was in the tree tells the hit at this one."""
         if rank >= 0:
             self.estimates.observe_rank(rank, cap)
-            by_rank = self.miss_law_ranks.setdefault(k, {})
+            by_rank = self.miss_law_ranks.setdefault(accepted, {})
             by_rank[rank] = by_rank.get(rank, 0) + 1
         else:
             self.estimates.observe_hit(fanout, in_tree)
-        count = self.miss_law_counts.setdefault(k, {}).setdefault(fanout, [0, 0])
+        count = self.miss_law_counts.setdefault(accepted, {}).setdefault(fanout, [0, 0])
         count[0] += 1
         count[1] += int(in_tree)
 
@@ -310,15 +311,15 @@ class SSDProposer(Proposer):
         return {
             **self.backup.stats(self.sizer.c0),
             "fanout": self.fanout,
-            "budget": sum(self.fanout),
+            "tree_branches": sum(self.fanout),  # the round's, over every shard (per worker: ssd_budget)
             "tree_shards": self.tree_shards,
             "acceptance_estimate": round(self.estimates.a, 4),
             "miss_exponent_estimate": round(self.estimates.r, 4),
             "miss_intercept_estimate": round(self.estimates.m, 4),
             "miss_law_counts": {
-                k: {f: list(n) for f, n in sorted(c.items())} for k, c in sorted(self.miss_law_counts.items())
+                j: {f: list(n) for f, n in sorted(c.items())} for j, c in sorted(self.miss_law_counts.items())
             },
-            "miss_law_ranks": {k: dict(sorted(c.items())) for k, c in sorted(self.miss_law_ranks.items())},
+            "miss_law_ranks": {j: dict(sorted(c.items())) for j, c in sorted(self.miss_law_ranks.items())},
             **self.drafter_counters.as_dict(),
             **(self.client.stats() if hasattr(self.client, "stats") else {}),
         }

@@ -5,10 +5,10 @@ draft_grammars.py's; tree_processing.py applies both.
 
 Every position's processing depends on the history before it, and in SSD's tree each position
 has its own history:
-  - the fork ranks the bonus candidates of outcome k (k drafts accepted) with the committed
-    tokens plus s_T[:k] (`ForkAdjustments.glue`: the exact form at K + 1 positions), which is
+  - the fork ranks the bonus candidates of outcome j (j drafts accepted) with the committed
+    tokens plus s_T[:j] (`ForkAdjustments.glue`: the exact form at K + 1 positions), which is
     the history the target's bonus token is drawn with;
-  - each branch then drafts with the committed tokens, s_T[:k], its candidate and its own
+  - each branch then drafts with the committed tokens, s_T[:j], its candidate and its own
     earlier tokens (`BranchAdjustments`): one row per branch in the draft form on the host,
     advanced by the token the branch draws at each depth;
   - the neural backup drafts a miss's speculation position by position, as SD's draft does
@@ -44,8 +44,8 @@ def processes(sampling: SequenceSampling) -> bool:
 
 
 class ForkAdjustments:
-    """The adjustments of one round's rows at the fork: position k follows the committed tokens
-    and s_T[:k]."""
+    """The adjustments of one round's rows at the fork: position j follows the committed tokens
+    and s_T[:j]."""
 
     def __init__(self, rows: list[tuple[SequenceSampling, list[int]]], spec_tokens: torch.Tensor, vocab: int) -> None:
         """rows: per row its sampling and committed tokens; spec_tokens [b, K] (padded: a
@@ -65,7 +65,7 @@ class ForkAdjustments:
         return logits if masks is None else logits.masked_fill(~masks, float("-inf"))
 
     def _bad_word_masks(self) -> torch.Tensor | None:
-        """[b, K+1, V] bool: what bad words leave at each position after s_T[:k], or None."""
+        """[b, K+1, V] bool: what bad words leave at each position after s_T[:j], or None."""
         if not any(self.words):
             return None
         b, k = self.spec.shape

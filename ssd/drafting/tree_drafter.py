@@ -3,19 +3,19 @@
 For each round the target announces the speculation s_T it is verifying (`begin_round`). The
 drafter then, for every sequence of the batch:
   1. glue-decodes [tokens committed since last round, s_T] in one forward, which gives its
-     K+1 next-token distributions, one per possible number k of accepted tokens;
-  2. forks: at each k takes the top F_k tokens (by raw draft logits) as bonus candidates,
-     excluding s_T[k] (had it been right, k would be larger);
-  3. tree-decodes all B = sum F_k branches together, K forwards of B tokens each, every branch
-     attending to the committed prefix, s_T[:k], its candidate and its own earlier tokens only;
-  4. keeps each branch's K tokens and draft distributions under (k, candidate). When the outcome
+     K+1 next-token distributions, one per possible number j of accepted tokens;
+  2. forks: at each j takes the top F_j tokens (by raw draft logits) as bonus candidates,
+     excluding s_T[j] (had it been right, j would be larger);
+  3. tree-decodes all B = sum F_j branches together, K forwards of B tokens each, every branch
+     attending to the committed prefix, s_T[:j], its candidate and its own earlier tokens only;
+  4. keeps each branch's K tokens and draft distributions under (j, candidate). When the outcome
      arrives before the tree is done, the tree stops at the depth reached and the branches
      hold that many tokens (a shorter speculation beats making the target wait).
-When the outcome (k, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
+When the outcome (j, bonus) arrives (`resolve`), a hit returns the cached branch; a miss is
 answered just in time by the draft (neural backup) or left to the target's fast backup.
 
 Shards: D drafters (a pool) split each round's branch grid. The round's fan-out is the whole
-tree's; every drafter glue-decodes and forks the whole grid (the same top-F_k candidates, so all
+tree's; every drafter glue-decodes and forks the whole grid (the same top-F_j candidates, so all
 agree on which outcomes are covered), then tree-decodes only its shard, the branches n with
 n mod D = its shard index (branches are numbered by outcome, then rank, so every shard mixes
 outcomes). On resolve, the drafter whose shard holds the outcome answers with the branch; the
@@ -43,9 +43,9 @@ from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
-    DraftNowMsg,
     GridMsg,
     JoinMsg,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -92,10 +92,10 @@ class TreeDrafter:
         self.k = k
         self.saguaro_c = saguaro_c
         self.shard, self.num_shards = shard, num_shards
-        self.jit = SDProposer(
-            runner, target_vocab, rows, columns
-        )  # the neural backup; shares the cache and probs handling
-        self.cache = self.jit.cache
+        # What drafts just in time (the neural backup's drafter, neural_backup.py); shares the
+        # cache and the probs handling.
+        self.just_in_time = SDProposer(runner, target_vocab, rows, columns)
+        self.cache = self.just_in_time.cache
         # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
         self.device_round = runner.device.type != "cpu"
         self.grammars = DraftGrammars(tokenizer, target_vocab)
@@ -105,7 +105,7 @@ class TreeDrafter:
         self.counters = DrafterCounters()
         self._reply: SpeculationReply | None = None  # the answer to the last resolve(), until reply()
         self._answered = False  # resolve() ran and reply() has not taken its answer yet
-        self.backup = NeuralBackup(self.jit, self.grammars, k)
+        self.backup = NeuralBackup(self.just_in_time, self.grammars, k)
         self.early_drafts = early_drafts
 
     # ---- membership -------------------------------------------------------------------------
@@ -118,11 +118,11 @@ class TreeDrafter:
     @torch.inference_mode()
     def admit(self, msg: AdmitMsg) -> None:
         self.backup.settle(self.states)
-        for seq_id, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
-            self.states[seq_id] = SeqState(list(prompt), torch.Generator().manual_seed(int(seed)), sampling)
-            self.grammars.admit(seq_id, sampling, list(prompt))
-        tokens, valid = pad_rows([p[:-1] for p in msg.prompts])
-        self.runner.forward(self.cache.add_rows(len(msg.prompts)), tokens, valid, with_logits=False)
+        for seq_id, committed, seed, sampling in zip(msg.seq_ids, msg.tokens, msg.seeds, msg.sampling):
+            self.states[seq_id] = SeqState(list(committed), torch.Generator().manual_seed(int(seed)), sampling)
+            self.grammars.admit(seq_id, sampling, list(committed))
+        tokens, valid = pad_rows([t[:-1] for t in msg.tokens])
+        self.runner.forward(self.cache.add_rows(len(msg.tokens)), tokens, valid, with_logits=False)
         self.order.extend(msg.seq_ids)
         self._draft_early(list(msg.seq_ids))
 
@@ -207,7 +207,7 @@ class TreeDrafter:
         if stale is not None and stale():
             self._take_back(seq_ids, undo, glue.columns)
             return False
-        row_fan = [row_fanout(msg.fanout, len(s), self.jit.target_vocab) for s in spec]
+        row_fan = [row_fanout(msg.fanout, len(s), self.just_in_time.target_vocab) for s in spec]
         grid = fork(glue.logits, msg.spec_tokens, torch.tensor([len(s) for s in spec]), row_fan)
         cand, outcome = grid.candidates[:, to_device(shard, grid.candidates.device)], grid.outcome[:, shard]
         # The outcome is looked up on the host, in a copy made before the tree's first depth runs.
@@ -238,7 +238,7 @@ class TreeDrafter:
         synced = self.cache.lengths().tolist()
         pending = [self.states[s].tokens[synced[r] :] for r, s in enumerate(seq_ids)]
         assert all(pending), "the last committed token is always pending"
-        return glue_decode(self.runner, self.cache, pending, spec, self.k, self.jit.target_vocab, on_device)
+        return glue_decode(self.runner, self.cache, pending, spec, self.k, self.just_in_time.target_vocab, on_device)
 
     def _tree_decode(
         self,
@@ -277,7 +277,7 @@ class TreeDrafter:
                 return "stale"
             return "cut" if interrupted is not None and interrupted() else None
 
-        probs_of, vocab = self.jit.draft_probs, self.jit.target_vocab
+        probs_of, vocab = self.just_in_time.draft_probs, self.just_in_time.target_vocab
         tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, processed, halt)
         if tree is None:
             self._take_back(seq_ids, undo, glue.columns)
@@ -328,7 +328,7 @@ class TreeDrafter:
         mine = [a == self.shard for a in msg.answering] if msg.answering else [True] * b
         greedy = [self.states[s].sampling.greedy for s in seq_ids]
         tokens = torch.zeros(b, k, dtype=torch.long)
-        probs = None if all(greedy) else torch.zeros(b, k, self.jit.target_vocab)
+        probs = None if all(greedy) else torch.zeros(b, k, self.just_in_time.target_vocab)
         hit, covered, rank = self._look_up(rnd, msg, greedy, tokens, probs)
         hit = [h and m for h, m in zip(hit, mine)]
         depth = rnd.depth if rnd is not None else 0
@@ -375,7 +375,7 @@ class TreeDrafter:
         return out
 
     @torch.inference_mode()
-    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+    def neural_backup(self, msg: NeuralBackupMsg) -> SpeculationReply:
         """Speculations drafted just in time for the rows in msg.need (sequences with no cached one),
         or at their admission where that drafted these (neural_backup.py)."""
         seq_ids, need, b = list(msg.seq_ids), list(msg.need), len(msg.seq_ids)

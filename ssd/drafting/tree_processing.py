@@ -1,7 +1,7 @@
 """An SSD drafter's processing beyond the shaping (temperature, top-k, top-p), round by round:
 each constrained sequence's grammar (draft_grammars.py) and each sequence's adjustments
 (penalties, bias, allowed tokens, min_tokens, min_p, bad words: tree_adjustments.py). Both
-follow each position's own history: the fork's position k follows s_T[:k], a branch its
+follow each position's own history: the fork's position j follows s_T[:j], a branch its
 candidate and its own draws (`ForkProcessing`, then `BranchProcessing`). A round whose rows have
 neither costs nothing here. The glossary is ssd/processing/__init__.py's.
 

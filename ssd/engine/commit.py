@@ -32,7 +32,7 @@ class Committer:
         `mode`) and count the round, per row and for the engine."""
         accepted, bonus = verdict.outcome.num_accepted.tolist(), verdict.outcome.bonus_tokens.tolist()
         drafted, num_draft = spec.tokens.tolist(), spec.num_draft.tolist()
-        sources = spec.source.tolist() if spec.source is not None else [int(Source.DRAFT)] * len(seqs)
+        sources = spec.source.tolist() if spec.source is not None else [int(Source.JUST_IN_TIME)] * len(seqs)
         logprobs = verdict.logprobs
         round_metrics = SpecMetrics()
         outputs, appended = [], 0

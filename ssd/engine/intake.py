@@ -41,17 +41,15 @@ class Intake:
         return ids
 
     def sequence(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None, max_draft: int | None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None, k: int | None
     ) -> Sequence:
-        """The request checked, as a sequence; max_draft caps the draft tokens its rounds verify."""
+        """The request checked, as a sequence; k caps the draft tokens its rounds verify."""
         ids = self.check(prompt, params)
-        if max_draft is not None and max_draft < 0:
-            raise ValueError(f"max_draft must be >= 0 (0 = no speculation for this request), got {max_draft}")
+        if k is not None and k < 0:
+            raise ValueError(f"k must be >= 0 (0 = no speculation for this request), got {k}")
         seq_id = next(self._ids)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        seq = Sequence(
-            seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), max_draft=max_draft
-        )
+        seq = Sequence(seq_id, request_id or str(seq_id), ids, params, torch.Generator().manual_seed(seed), k=k)
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
             seq.grammar = params.structured_outputs.grammar_text()

@@ -91,10 +91,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        max_draft: int | None = None,
+        k: int | None = None,
     ) -> str:
-        """Queue a request; max_draft caps the draft tokens its rounds verify (0 = none)."""
-        seq = self.intake.sequence(prompt, params, request_id, max_draft)
+        """Queue a request; k caps the draft tokens its rounds verify at most K (0 = none)."""
+        seq = self.intake.sequence(prompt, params, request_id, k)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -150,8 +150,8 @@ class LLMEngine:
         if k == 0:
             return Speculation.empty(len(seqs), self.vocab_size)
         spec = mode.proposer.propose(seqs, k, sampling)
-        if any(s.max_draft is not None and s.max_draft < k for s in seqs):
-            caps = torch.tensor([k if s.max_draft is None else min(s.max_draft, k) for s in seqs], dtype=torch.long)
+        if any(s.k is not None and s.k < k for s in seqs):
+            caps = torch.tensor([k if s.k is None else min(s.k, k) for s in seqs], dtype=torch.long)
             spec = dataclasses.replace(spec, num_draft=torch.minimum(spec.num_draft, caps))
         return spec
 

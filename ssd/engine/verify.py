@@ -10,11 +10,11 @@ Glossary (b = batch, K = speculation length this round, V = vocab):
     num_draft         # [b]         how many of the K tokens are real for each row (<= K)
     accept_uniforms   # [b, K]      u_i in [0, 1)
     bonus_uniforms    # [b]         u in [0, 1)
-Returns num_accepted [b] (k in 0..num_draft) and bonus_tokens [b].
+Returns num_accepted [b] (0..num_draft) and bonus_tokens [b].
 
 Token i is accepted iff u_i * draft_prob < target_prob (that is u_i < target/draft, and always
-when draft_prob is 0 but target_prob is not). At the first rejection k the bonus token comes from
-norm(max(0, target_probs[k] - draft_probs[k])); after num_draft acceptances it comes from
+when draft_prob is 0 but target_prob is not). At the first rejection, after j accepted tokens, the
+bonus token comes from norm(max(0, target_probs[j] - draft_probs[j])); after num_draft acceptances it comes from
 target_probs[num_draft]. This makes every emitted token exactly target-distributed.
 
 A greedy target (one-hot target_probs) reads no draft probability: a token is accepted iff it is
@@ -92,24 +92,24 @@ def verify_reference(
         draft_probs = torch.zeros(b, draft_tokens.shape[1], target_probs.shape[-1])
     num_accepted, bonus = [], []
     for r in range(b):
-        k = 0
+        accepted = 0
         dist = None
-        while k < int(num_draft[r]):
-            tok = int(draft_tokens[r, k])
-            p = float(target_probs[r, k, tok])
-            q = float(draft_probs[r, k, tok])
-            if q == 0.0 and p > 0.0 or q > 0.0 and float(accept_uniforms[r, k]) < p / q:
-                k += 1
+        while accepted < int(num_draft[r]):
+            tok = int(draft_tokens[r, accepted])
+            p = float(target_probs[r, accepted, tok])
+            q = float(draft_probs[r, accepted, tok])
+            if q == 0.0 and p > 0.0 or q > 0.0 and float(accept_uniforms[r, accepted]) < p / q:
+                accepted += 1
                 continue
-            resid = (target_probs[r, k] - draft_probs[r, k]).clamp(min=0)
-            dist = resid if float(resid.sum()) > 0 else target_probs[r, k]
+            resid = (target_probs[r, accepted] - draft_probs[r, accepted]).clamp(min=0)
+            dist = resid if float(resid.sum()) > 0 else target_probs[r, accepted]
             break
         if dist is None:
-            dist = target_probs[r, k]
+            dist = target_probs[r, accepted]
         cdf = torch.cumsum(dist, 0)
         u = float(bonus_uniforms[r]) * float(cdf[-1])
         tok = next(i for i in range(len(cdf)) if float(cdf[i]) > u)
-        num_accepted.append(k)
+        num_accepted.append(accepted)
         bonus.append(tok)
     return VerifyResult(torch.tensor(num_accepted), torch.tensor(bonus))
 

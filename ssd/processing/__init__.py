@@ -41,7 +41,7 @@ Which side uses which:
     SD draft              that first position in the draft form (draft_form on the draft's
                           device), advanced by each drafted token (ssd/drafting/sd_proposer.py).
     SSD tree drafter      on a draft worker, from the Processing the admission carried: the fork
-                          ranks outcome k's candidates with the exact form at K + 1 positions
+                          ranks outcome j's candidates with the exact form at K + 1 positions
                           (ForkAdjustments), each branch drafts in the host draft form, one row
                           per branch (BranchAdjustments; ssd/drafting/tree_adjustments.py), and
                           the neural backup as the SD draft does. ForkProcessing and

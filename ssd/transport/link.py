@@ -32,10 +32,10 @@ from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterUnavailable,
-    DraftNowMsg,
     GridMsg,
     JoinMsg,
     MsgType,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -173,7 +173,7 @@ class WorkerLink:
                 kind, msg = self.channel.recv(left)
                 if kind == MsgType.ERROR:
                     raise DrafterUnavailable(f"draft worker error: {msg.text}")
-                if kind in (MsgType.REPLY, MsgType.DRAFT_REPLY) and msg.round_id <= round_id:
+                if kind in (MsgType.REPLY, MsgType.NEURAL_BACKUP_REPLY) and msg.round_id <= round_id:
                     self.rejected += 1  # a duplicate, or the answer to a request given up on
                     continue
                 if kind != MsgType.GRID or msg.round_id > round_id:
@@ -195,10 +195,12 @@ class WorkerLink:
 
         return self._guard(read)
 
-    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+    def neural_backup(self, msg: NeuralBackupMsg) -> SpeculationReply:
         def request() -> SpeculationReply:
-            self._send(MsgType.DRAFT_NOW, msg)
-            return self._read_reply(msg.round_id, msg.seq_ids, self.deadline.total_seconds(), MsgType.DRAFT_REPLY)
+            self._send(MsgType.NEURAL_BACKUP, msg)
+            return self._read_reply(
+                msg.round_id, msg.seq_ids, self.deadline.total_seconds(), MsgType.NEURAL_BACKUP_REPLY
+            )
 
         return self._guard(request)
 
@@ -237,12 +239,12 @@ class WorkerLink:
     def _read_reply(
         self, round_id: int, seq_ids: list[int], deadline_s: float | None, expect: MsgType = MsgType.REPLY
     ) -> SpeculationReply:
-        """The `expect` reply (REPLY to a resolve, DRAFT_REPLY to a draft_now) of `round_id`. A
-        reply to an earlier round or to the other request (a duplicate, or one a lost request
-        left behind) is counted and dropped; anything else out of order is a broken worker
+        """The `expect` reply (REPLY to a resolve, NEURAL_BACKUP_REPLY to a neural_backup) of
+        `round_id`. A reply to an earlier round or to the other request (a duplicate, or one a lost
+        request left behind) is counted and dropped; anything else out of order is a broken worker
         (DrafterUnavailable)."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
-        replies = (MsgType.REPLY, MsgType.DRAFT_REPLY)
+        replies = (MsgType.REPLY, MsgType.NEURAL_BACKUP_REPLY)
         while True:
             left = None if end is None else datetime.timedelta(seconds=max(end - time.monotonic(), 0.0))
             kind, reply = self.channel.recv(left)

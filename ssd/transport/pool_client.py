@@ -42,10 +42,10 @@ from ssd.core.protocol import (
     BeginRoundMsg,
     DrafterCounters,
     DrafterUnavailable,
-    DraftNowMsg,
     GridMsg,
     JoinMsg,
     MsgType,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -187,8 +187,8 @@ class PoolClient:
     # ---- DraftClient ----------------------------------------------------------------------------
 
     def admit(self, msg: AdmitMsg) -> None:
-        for s, prompt, seed, sampling in zip(msg.seq_ids, msg.prompts, msg.seeds, msg.sampling):
-            self.seqs[s] = SeqView(list(prompt), int(seed), sampling)
+        for s, tokens, seed, sampling in zip(msg.seq_ids, msg.tokens, msg.seeds, msg.sampling):
+            self.seqs[s] = SeqView(list(tokens), int(seed), sampling)
             if self.split == "sequences":  # the least loaded shard, dead or alive: a replacement takes its rows over
                 load = [0] * self.d
                 for owner in self.owner.values():
@@ -346,7 +346,7 @@ class PoolClient:
         k = max((rep.tokens.shape[1] for rep in replies.values()), default=0)
         return assemble(round_id, list(seq_ids), parts, k, self.counters())
 
-    def draft_now(self, msg: DraftNowMsg) -> SpeculationReply:
+    def neural_backup(self, msg: NeuralBackupMsg) -> SpeculationReply:
         self._attach_ready()
         if self.split == "sequences":
             replies = {}
@@ -354,13 +354,13 @@ class PoolClient:
                 part = self._part(w, msg) if shard.link is not None else None
                 if part is not None and any(part.need):
                     try:
-                        replies[w] = shard.link.draft_now(part)
+                        replies[w] = shard.link.neural_backup(part)
                     except DrafterUnavailable as err:
                         self._fail(w, err)
             return self._assemble(msg.round_id, msg.seq_ids, replies)
         while (w := self._backup_shard()) is not None:
             try:
-                return self.shards[w].link.draft_now(msg)
+                return self.shards[w].link.neural_backup(msg)
             except DrafterUnavailable as err:
                 self._fail(w, err)
         return SpeculationReply.empty(msg.round_id, msg.seq_ids, self.counters())

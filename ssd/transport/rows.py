@@ -20,7 +20,7 @@ from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
-    DraftNowMsg,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -33,7 +33,7 @@ def take(msg, rows: list[int]):
     ids = [msg.seq_ids[r] for r in rows]
     if isinstance(msg, AdmitMsg):
         return AdmitMsg(
-            ids, [msg.prompts[r] for r in rows], [msg.seeds[r] for r in rows], [msg.sampling[r] for r in rows]
+            ids, [msg.tokens[r] for r in rows], [msg.seeds[r] for r in rows], [msg.sampling[r] for r in rows]
         )
     if isinstance(msg, ReleaseMsg):
         return ReleaseMsg(ids)
@@ -46,7 +46,7 @@ def take(msg, rows: list[int]):
         return dataclasses.replace(
             msg, seq_ids=ids, num_accepted=msg.num_accepted[index], bonus_tokens=msg.bonus_tokens[index]
         )
-    if isinstance(msg, DraftNowMsg):
+    if isinstance(msg, NeuralBackupMsg):
         return dataclasses.replace(msg, seq_ids=ids, need=[msg.need[r] for r in rows])
     raise TypeError(f"no rows to take from {type(msg).__name__}")
 

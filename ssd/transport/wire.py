@@ -21,11 +21,11 @@ from ssd.core.protocol import (
     AdmitMsg,
     BeginRoundMsg,
     DrafterCounters,
-    DraftNowMsg,
     ErrorMsg,
     GridMsg,
     JoinMsg,
     MsgType,
+    NeuralBackupMsg,
     ReleaseMsg,
     ResolveMsg,
     SpeculationReply,
@@ -152,7 +152,7 @@ def _encode_admit(msg: AdmitMsg):
     grammars = [x.grammar.encode() for x in s]
     procs = [_encode_processing(x.processing) for x in s]
     ints = flat_ints(
-        [b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(p) for p in msg.prompts], *msg.prompts,
+        [b], msg.seq_ids, msg.seeds, [x.top_k for x in s], [len(t) for t in msg.tokens], *msg.tokens,
         [len(g) for g in grammars], [x.output_from for x in s], [x.grammar_eos for x in s], *map(_text, grammars),
         *(i for i, _ in procs),
     )  # fmt: skip
@@ -163,14 +163,14 @@ def _encode_admit(msg: AdmitMsg):
 def _decode_admit(r: BodyReader, round_id: int, floats: torch.Tensor) -> AdmitMsg:
     b = r.one()
     seq_ids, seeds, top_k, lens = r.take_list(b), r.take_list(b), r.take_list(b), r.take_list(b)
-    prompts = [r.take_list(n) for n in lens]
+    tokens = [r.take_list(n) for n in lens]
     grammar_lens, output_from, grammar_eos = r.take_list(b), r.take_list(b), r.take_list(b)
     grammars = [_untext(r.take((n + 7) // 8), n) for n in grammar_lens]
     temperature, top_p = floats[:b].tolist(), floats[b : 2 * b].tolist()
     values = BodyReader(floats[2 * b :])
     procs = [_decode_processing(r, values) for _ in range(b)]
     fields = zip(temperature, top_k, top_p, grammars, output_from, grammar_eos, procs)
-    return AdmitMsg(seq_ids, prompts, seeds, [SequenceSampling(*x) for x in fields])
+    return AdmitMsg(seq_ids, tokens, seeds, [SequenceSampling(*x) for x in fields])
 
 
 def _encode_processing(p: Processing) -> tuple[torch.Tensor, list[float]]:
@@ -256,13 +256,13 @@ def _decode_grid(r: BodyReader, round_id: int, floats: torch.Tensor) -> GridMsg:
     return GridMsg(round_id, seq_ids, r.take(b * n).view(b, n).clone(), r.take(b * n).view(b, n).clone())
 
 
-def _encode_draft_now(msg: DraftNowMsg):
+def _encode_neural_backup(msg: NeuralBackupMsg):
     return msg.round_id, flat_ints([len(msg.seq_ids)], msg.seq_ids, [int(x) for x in msg.need]), _NONE
 
 
-def _decode_draft_now(r: BodyReader, round_id: int, floats: torch.Tensor) -> DraftNowMsg:
+def _decode_neural_backup(r: BodyReader, round_id: int, floats: torch.Tensor) -> NeuralBackupMsg:
     b = r.one()
-    return DraftNowMsg(round_id, r.take_list(b), [bool(x) for x in r.take_list(b)])
+    return NeuralBackupMsg(round_id, r.take_list(b), [bool(x) for x in r.take_list(b)])
 
 
 def _encode_reply(msg: SpeculationReply):
@@ -318,9 +318,9 @@ _CODECS: dict[MsgType, tuple[Callable, Callable, type | None]] = {
     MsgType.PREDICT: (_encode_round, _decode_round, BeginRoundMsg),
     MsgType.RESOLVE: (_encode_resolve, _decode_resolve, ResolveMsg),
     MsgType.GRID: (_encode_grid, _decode_grid, GridMsg),
-    MsgType.DRAFT_NOW: (_encode_draft_now, _decode_draft_now, DraftNowMsg),
+    MsgType.NEURAL_BACKUP: (_encode_neural_backup, _decode_neural_backup, NeuralBackupMsg),
     MsgType.REPLY: (_encode_reply, _decode_reply, SpeculationReply),
-    MsgType.DRAFT_REPLY: (_encode_reply, _decode_reply, SpeculationReply),
+    MsgType.NEURAL_BACKUP_REPLY: (_encode_reply, _decode_reply, SpeculationReply),
     MsgType.ERROR: (_encode_error, _decode_error, ErrorMsg),
     MsgType.READY: (lambda m: (0, _NO_INTS, _NONE), lambda r, _, f: None, None),
     MsgType.SHUTDOWN: (lambda m: (0, _NO_INTS, _NONE), lambda r, _, f: None, None),

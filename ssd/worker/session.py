@@ -5,7 +5,7 @@
     BEGIN_ROUND            glue, fork and tree decode; the next message (the outcome) cuts the tree
     PREDICT                the same, for a round not announced yet
     RESOLVE                answer with the cached branches (and neural backups when asked)
-    DRAFT_NOW              just-in-time speculations
+    NEURAL_BACKUP          the neural backup's speculations, drafted just in time
     SHUTDOWN               return
 After a reply in which every row hit, the next announcement is known but for its arrival
 (TreeDrafter.predict_round): the worker begins that round at once and takes it back whole if
@@ -194,8 +194,8 @@ class WorkerSession:
         self.last_begun = predicted.round_id
         return self._build_predicted(predicted)
 
-    def _draft_now(self, msg):
-        self.channel.send(MsgType.DRAFT_REPLY, self.drafter.draft_now(msg))
+    def _neural_backup(self, msg):
+        self.channel.send(MsgType.NEURAL_BACKUP_REPLY, self.drafter.neural_backup(msg))
         self._note_memory()
 
     # ---- steps ----------------------------------------------------------------------------------
@@ -268,5 +268,5 @@ _HANDLERS = {
     MsgType.BEGIN_ROUND: WorkerSession._begin_round,
     MsgType.PREDICT: WorkerSession._predict,
     MsgType.RESOLVE: WorkerSession._resolve,
-    MsgType.DRAFT_NOW: WorkerSession._draft_now,
+    MsgType.NEURAL_BACKUP: WorkerSession._neural_backup,
 }

@@ -79,7 +79,7 @@ def test_targets_follow_the_load_and_the_pool_follows_the_targets(served, tiny_p
     load = None
     try:
         wait_for(lambda: running("Target") == 1 and leased_by_targets() == 1, 60, "one target leasing one worker")
-        alone = [complete(served, NAME, p, mode="off").json()["choices"][0]["text"] for p in PROMPTS]
+        alone = [complete(served, NAME, p, mode="ar").json()["choices"][0]["text"] for p in PROMPTS]
 
         started = time.monotonic()
         load = Load(served, users=6)

@@ -112,7 +112,7 @@ def drain_under_load(proc, base: str) -> dict:
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
-            "speculation": {"mode": "off"},
+            "speculation": {"mode": "ar"},
         }  # plain decoding: outlasts the knocking
         first, finish, done = True, None, False
         with requests.post(base + "/v1/completions", json=body, stream=True, timeout=120) as r:
@@ -184,12 +184,12 @@ def test_flags_override_the_config_file():
             "--draft-pool-size",
             "2",
             "--extra-modes",
-            "off",
+            "ar",
         ]
     )
     config = app_config_from(args)
     assert (config.engine.k, config.engine.ssd_budget, config.engine.draft_transport) == (3, 8, "grpc")
-    assert config.target_replicas == 2 and config.extra_modes == ["off"] and config.engine.max_num_seqs == 16
+    assert config.target_replicas == 2 and config.extra_modes == ["ar"] and config.engine.max_num_seqs == 16
     assert app_config_from(build_parser().parse_args(["serve", "--k", "2"])).engine.mode == "auto"  # the served default
     # The pool's size defaults to what the targets lease: target_replicas x engine.draft_workers.
     for flags, pool in (
@@ -203,5 +203,5 @@ def test_flags_override_the_config_file():
     ):  # a replica would find no worker
         app_config_from(build_parser().parse_args(["serve", "--target-replicas", "2", "--draft-pool-size", "1"]))
     assert app_config_from(
-        build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "off"])
+        build_parser().parse_args(["serve", "--target-replicas", "2", "--mode", "sd", "--extra-modes", "ar"])
     )

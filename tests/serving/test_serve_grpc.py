@@ -57,7 +57,7 @@ def test_unary_and_stream_greedy_equal_hf(served, stub, tiny_pair):
     assert [t for p in parts for t in p.choices[0].token_ids] == expected
     assert "".join(p.choices[0].text for p in parts) == choice.text
     assert parts[-1].usage.completion_tokens == MAX_TOKENS and parts[-1].choices[0].speculation.rounds > 0
-    by_ids = stub.Generate(
+    by_ids = stub.Generate(  # mode off: ar's deprecated spelling, still accepted (and reported as ar)
         request(
             prompt="", prompt_token_ids=list(reply.choices[0].token_ids[:3]), speculation=pb.Speculation(mode="off")
         ),

@@ -54,7 +54,7 @@ def complete(client, prompt: str, **extra):
 
 
 def test_greedy_completions_equal_hf_and_the_offline_llm_in_every_mode(served, aclient, tiny_pair, reference):
-    modes = [None, "ssd", "sd", "off"]
+    modes = [None, "ssd", "sd", "ar", "off"]  # off: ar's deprecated spelling, still accepted
 
     async def all_at_once():
         calls = [
@@ -81,7 +81,7 @@ def test_greedy_completions_equal_hf_and_the_offline_llm_in_every_mode(served, a
         assert resp.usage.completion_tokens == len(reference[p])
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
         served_by = resp.model_extra["speculation"][0]["mode"]
-        assert served_by == {None: "ssd", "ssd": "ssd", "sd": "sd", "off": "ar"}[mode]
+        assert served_by == {None: "ssd", "ssd": "ssd", "sd": "sd", "ar": "ar", "off": "ar"}[mode]
     ssd_stats = results[0].model_extra["speculation"][0]
     assert ssd_stats["rounds"] > 0 and "cache_hit_rate" in ssd_stats and ssd_stats["tokens_per_round"] > 1
 

@@ -50,7 +50,7 @@ def test_a_short_headless_run_has_no_failures(served, tmp_path):
         "--api-key",
         served.api_key,
         "--spec-modes",
-        "ssd,sd,off",
+        "ssd,sd,ar",
         "--stream-fraction",
         "0.7",
     ]
@@ -66,7 +66,7 @@ def test_a_short_headless_run_has_no_failures(served, tmp_path):
 
 
 def test_the_soak_asks_only_for_modes_its_server_serves():
-    """The soak once sent ssd to a server that served auto, sd and off (every ssd request a 400);
+    """The soak once sent ssd to a server that served auto, sd and ar (every ssd request a 400);
     serving ssd besides auto doubled the draft pool, and on 2 cores the target replica was never
     placed (one draft worker and the target fit)."""
     import argparse
@@ -103,7 +103,7 @@ def make_loadtest_command(host: str, out: Path, seconds: int = 4, users: int = 2
 
 @pytest.fixture(scope="module")
 def make_serve(served):
-    """`make serve`'s application (`ssd serve` with no flags: the demo pair, mode auto, off served
+    """`make serve`'s application (`ssd serve` with no flags: the demo pair, mode auto, ar served
     too, no API key) beside the package's on its cluster, at /make-serve -> (its URL, settings)."""
     from ray import serve
 
@@ -125,12 +125,12 @@ def _run(cmd: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
 
 def test_make_loadtest_against_make_serve_draws_only_served_modes(make_serve, tmp_path):
     """Reported: `make loadtest` beside `make serve` got 400 for 194 of 701 requests (it asked for
-    ssd and sd; the server serves auto and off). Its command as the Makefile gives it: no failure,
+    ssd and sd; the server serves auto and ar, then spelled off). Its command as the Makefile gives it: no failure,
     every mode drawn is one the model card lists, and the card lists what the server serves."""
     import requests
 
     url, settings = make_serve
-    served = list(settings.request_modes)  # auto and off when this was written
+    served = list(settings.request_modes)  # auto and ar (then spelled off) when this was written
     (card,) = requests.get(url + "/v1/models", timeout=30).json()["data"]
     assert card["id"] == "ssd-demo" and card["speculation_modes"] == served, card
     prefix = tmp_path / "loadtest"
@@ -167,9 +167,9 @@ def test_a_mode_the_server_does_not_serve_is_refused_before_any_request(make_ser
 def test_pick_modes_defaults_to_every_served_mode_and_refuses_others():
     from loadtest.served_modes import pick_modes
 
-    assert pick_modes("", ["auto", "off"]) == ["auto", "off"]
-    assert pick_modes(" off ,auto,off", ["auto", "off"]) == ["off", "auto"]
-    assert pick_modes("default,off", ["auto", "off"]) == ["default", "off"]
+    assert pick_modes("", ["auto", "ar"]) == ["auto", "ar"]
+    assert pick_modes(" ar ,auto,ar", ["auto", "ar"]) == ["ar", "auto"]
+    assert pick_modes("default,ar", ["auto", "ar"]) == ["default", "ar"]
     assert pick_modes("", None) == ["default"] and pick_modes("ssd", None) == ["ssd"]  # a server that does not say
     with pytest.raises(ValueError, match="ssd, sd not served"):
-        pick_modes("ssd,sd,off", ["auto", "off"])
+        pick_modes("ssd,sd,ar", ["auto", "ar"])

@@ -43,7 +43,7 @@ def tokenizer(tiny_pair):
     return AutoTokenizer.from_pretrained(tiny_pair[0], local_files_only=True)
 
 
-@pytest.mark.parametrize("mode", ["ssd", "sd", "off"])
+@pytest.mark.parametrize("mode", ["ssd", "sd", "ar"])
 def test_completion_logprobs_are_the_targets(client, tokenizer, hf_rows, mode):
     resp = client.completions.create(
         model="tiny",

@@ -25,7 +25,7 @@ def offline(tiny_pair) -> list[int]:
         return llm.generate(PROMPT, params)[0].token_ids
 
 
-@pytest.mark.parametrize("mode", ["ssd", "sd", "off"])
+@pytest.mark.parametrize("mode", ["ssd", "sd", "ar"])
 def test_http_fields_give_the_offline_tokens(served, offline, mode):
     client = openai.OpenAI(base_url=served.http + "/v1", api_key=served.api_key, max_retries=0, timeout=120)
     resp = client.completions.create(

@@ -1,7 +1,7 @@
 """Served layouts beyond one draft worker and one device, on the real Ray Serve:
 
 1. a pool of two draft workers sharing each round's tree (engine.draft_workers = 2), over grpc:
-   concurrent greedy streams equal the target alone (the same app's mode "off"), also when one
+   concurrent greedy streams equal the target alone (the same app's mode "ar"), also when one
    of the two leased workers is killed mid-stream (over torch, a killed worker is
    test_serve_reliability's, and a served pool on another host test_two_hosts');
 2. a target split over two tensor-parallel ranks, rank 1 an actor in the placement group Serve
@@ -34,7 +34,7 @@ def deploy(served, tiny_pair, name: str, engine: dict, **app) -> None:
     target, draft = tiny_pair
     config = {
         "engine": {"target": target, "draft": draft, "k": 4, "max_num_seqs": 8, "draft_deadline_s": 2.0, **engine},
-        "extra_modes": ["off"],
+        "extra_modes": ["ar"],
         "model_name": name,
         "api_key": served.api_key,
         **app,
@@ -63,7 +63,7 @@ def test_two_worker_pool_streams_equal_the_target_alone_with_a_worker_killed(ser
     )
     try:
         wait_for(lambda: len(pool_workers(name)) == 2, 60, "both draft workers registered")
-        alone = [complete(served, name, p, mode="off").json()["choices"][0]["text"] for p in PROMPTS]
+        alone = [complete(served, name, p, mode="ar").json()["choices"][0]["text"] for p in PROMPTS]
         response = complete(served, name, PROMPTS[0]).json()
         assert response["choices"][0]["text"] == alone[0]
         assert response["speculation"][0]["cache_hits"] > 0, response  # the pool drafted
@@ -97,7 +97,7 @@ def test_a_tensor_parallel_target_serves_and_a_dead_rank_gets_it_replaced(served
     deploy(served, tiny_pair, name, {"mode": "sd", "tensor_parallel_size": 2})
     try:
         first = set(wait_for(lambda: replicas(name, "Target"), 60, "the target replica"))
-        alone = complete(served, name, PROMPTS[0], mode="off")
+        alone = complete(served, name, PROMPTS[0], mode="ar")
         assert alone.status_code == 200, alone.text
         speculated = complete(served, name, PROMPTS[0])
         assert speculated.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]

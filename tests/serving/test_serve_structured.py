@@ -40,7 +40,7 @@ def client(served):
     return openai.OpenAI(base_url=served.http + "/v1", api_key=served.api_key, max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("mode", ["ssd", "sd", "off"])
+@pytest.mark.parametrize("mode", ["ssd", "sd", "ar"])
 def test_response_format_gives_the_offline_tokens_and_valid_json(served, offline, mode):
     resp = client(served).completions.create(
         model="tiny",

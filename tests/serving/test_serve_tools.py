@@ -49,7 +49,7 @@ def streamed(chunks) -> tuple[str, list[tuple[str, str]], str, dict]:
     return content, [tuple(calls[i]) for i in sorted(calls)], finish, stats
 
 
-@pytest.mark.parametrize("mode", ["ssd", "sd", "off"])
+@pytest.mark.parametrize("mode", ["ssd", "sd", "ar"])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_a_forced_call_validates_streamed_and_not(served, mode, choice):
     chat = client(served).chat.completions
@@ -70,7 +70,7 @@ def test_a_forced_call_validates_streamed_and_not(served, mode, choice):
     assert name == "get_weather" or choice == "required"
     # OpenAI's finish reasons: a call the model chose ends with tool_calls, a forced one with stop.
     assert whole.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls")
-    if mode != "off":  # speculation stays on under the call's constraint
+    if mode != "ar":  # speculation stays on under the call's constraint
         assert whole.model_extra["speculation"][0]["tokens_per_round"] > 1
     content, calls, finish, _ = streamed(chat.create(**kwargs, stream=True))
     assert (content, finish) == ("", whole.choices[0].finish_reason)
