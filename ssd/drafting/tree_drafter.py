@@ -81,20 +81,20 @@ class TreeDrafter:
         early_drafts: bool = True,
         rows: int = 1,
         columns: int = COLUMN_MULTIPLE,
+        max_bytes: int | None = None,
     ) -> None:
         """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
         (draft_grammars.py); None: their speculations are unmasked. early_drafts: draft new rows'
         first speculations at admission (neural_backup.py; off where the backup is fixed to fast,
         which never asks for them). rows, columns: the cache's size at its first forward (the most
-        sequences admitted at once; their longest plus a tree's scratch columns)."""
+        sequences admitted at once; their longest plus a tree's scratch columns; at most max_bytes)."""
         assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
         self.saguaro_c = saguaro_c
         self.shard, self.num_shards = shard, num_shards
-        self.jit = SDProposer(
-            runner, target_vocab, rows, columns
-        )  # the neural backup; shares the cache and probs handling
+        # The neural backup; it shares the cache and the probs handling.
+        self.jit = SDProposer(runner, target_vocab, rows, columns, max_bytes)
         self.cache = self.jit.cache
         # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
         self.device_round = runner.device.type != "cpu"
