@@ -54,3 +54,21 @@ def test_every_cache_holds_the_longest_sequence_from_its_first_forward(tiny_pair
         llm.generate(["def f(x):", "class A:"], longest)
         assert placed(caches(llm)) == first
     assert all(columns >= MAX_MODEL_LEN for _, _, columns in first.values()), first
+
+
+def test_a_cache_past_kv_cache_gib_starts_with_the_columns_that_fit_and_grows_later(tiny_pair):
+    """kv_cache_gib bounds what a cache takes at its first forward (max_num_seqs 4096 of a model's
+    whole context would be gigabytes): then as many columns as fit, at least 256, and a longer
+    sequence grows it."""
+    from ssd.model.kv_cache import COLUMN_MULTIPLE, start_columns
+
+    assert start_columns(16, 2048, 30720, 2**30) == 2048  # the demo target's: 960 MiB fits
+    assert start_columns(4096, 2048, 1024, 2**30) == 256  # 4096 rows of a tiny model: 4 MiB a column
+    assert start_columns(4096, 2048, 1024, 1) == COLUMN_MULTIPLE  # never fewer
+    with LLM(*tiny_pair, mode="sd", max_num_seqs=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=1e-6) as llm:
+        llm.generate(["def f(x):"], PARAMS)
+        first = placed(caches(llm))
+        assert all(columns == COLUMN_MULTIPLE for _, _, columns in first.values()), first
+        longest = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True)
+        llm.generate(["def f(x):"], longest)
+        assert all(columns > COLUMN_MULTIPLE for _, _, columns in placed(caches(llm)).values())

@@ -50,6 +50,14 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Context length cap; None = the smaller of the two models' limits."
     )
+    kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        description="The most memory each KV cache (the target's, each draft's) takes at its first forward, in "
+        "GiB: max_num_seqs rows of max_model_len columns (and a draft tree's scratch columns) when they fit, "
+        "so that a server's memory does not grow after its first request; else as many columns as fit (at least "
+        "256), and the cache grows past them (doubling, logged) when a longer sequence needs it.",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "float32", description="Weights/activations dtype; auto = the checkpoint's."
     )
@@ -277,6 +285,11 @@ class _Resolved:
         round at batch 2 took 3x as long."""
         busy = self.draft_workers * self.draft_tensor_parallel_size * self.draft_num_threads
         return max(1, (cpus - busy) // self.tensor_parallel_size)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """kv_cache_gib in bytes: what each KV cache may take at its first forward."""
+        return int(self.kv_cache_gib * 2**30)
 
     @property
     def first_split(self) -> str:

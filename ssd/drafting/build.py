@@ -32,6 +32,7 @@ def build_tree_drafter(config: EngineConfig, draft_model, vocab: int, max_model_
         early_drafts=config.ssd_backup != "fast",
         rows=config.max_num_seqs,
         columns=context + tree_scratch_columns(config),
+        max_bytes=config.kv_cache_bytes,
     )
 
 

@@ -59,14 +59,22 @@ class SDProposer(Proposer):
     proposal. The engine calls propose() only with k >= 1.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab: int,
+        rows: int = 1,
+        columns: int = COLUMN_MULTIPLE,
+        max_bytes: int | None = None,
+    ) -> None:
         self.runner = runner
         self.target_vocab = target_vocab
         # rows, columns: the most the engine runs (its max_num_seqs) and the longest sequence it
         # admits (max_model_len), allocated at the first forward, as the target's cache is: a
         # cache sized by the batches and lengths seen so far doubled at the first larger burst or
-        # longer sequence, a resident step in a long-running server (the soak found both).
-        self.cache = runner.new_cache(rows, columns)
+        # longer sequence, a resident step in a long-running server (the soak found both); at most
+        # max_bytes of them (EngineArgs.kv_cache_gib).
+        self.cache = runner.new_cache(rows, columns, max_bytes)
         # On an accelerator a proposal reads nothing back per token (tests force it on the CPU):
         # its tokens and probs stay on the draft's device, a token drawn from a distribution
         # without mass is -1 there (the host's sampler raises), and whoever copies them checks.

@@ -81,12 +81,13 @@ class TreeDrafter:
         early_drafts: bool = True,
         rows: int = 1,
         columns: int = COLUMN_MULTIPLE,
+        max_bytes: int | None = None,
     ) -> None:
         """tokenizer: loads the target's tokenizer, for the grammars of constrained sequences
         (draft_grammars.py); None: their speculations are unmasked. early_drafts: draft new rows'
         first speculations at admission (neural_backup.py; off where the backup is fixed to fast,
         which never asks for them). rows, columns: the cache's size at its first forward (the most
-        sequences admitted at once; their longest plus a tree's scratch columns)."""
+        sequences admitted at once; their longest plus a tree's scratch columns; at most max_bytes)."""
         assert 0 <= shard < num_shards
         self.runner = runner
         self.k = k
@@ -94,7 +95,7 @@ class TreeDrafter:
         self.shard, self.num_shards = shard, num_shards
         # What drafts just in time (the neural backup's drafter, neural_backup.py); shares the
         # cache and the probs handling.
-        self.just_in_time = SDProposer(runner, target_vocab, rows, columns)
+        self.just_in_time = SDProposer(runner, target_vocab, rows, columns, max_bytes)
         self.cache = self.just_in_time.cache
         # Rounds on an accelerator run on it (device_round below); tests force it on the CPU.
         self.device_round = runner.device.type != "cpu"

@@ -59,7 +59,7 @@ class LLMEngine:
         self.vocab_size = self.target.vocab_size
         # A draft split over ranks in this process (SD's), watched as the split target is (broken()).
         self.split_draft = draft_model if isinstance(draft_model, TensorParallelRunner) else None
-        self.cache = self.target.new_cache(config.max_num_seqs, max_model_len)
+        self.cache = self.target.new_cache(config.max_num_seqs, max_model_len, config.kv_cache_bytes)
         self.proposers: dict[str, Proposer] = build_proposers(
             config, draft_model, self.vocab_size, max_model_len, worker_provider
         )

@@ -88,7 +88,7 @@ def build_proposers(
     proposers: dict[str, Proposer] = {}
     if "sd" in modes:
         runner = config_draft_runner(config, draft_model)
-        proposers["sd"] = SDProposer(runner, vocab, config.max_num_seqs, max_model_len)
+        proposers["sd"] = SDProposer(runner, vocab, config.max_num_seqs, max_model_len, config.kv_cache_bytes)
     if "ssd" in modes:
         proposers["ssd"] = _ssd_proposer(config, draft_model, vocab, max_model_len, worker_provider)
     return proposers

@@ -49,6 +49,13 @@ logger = logging.getLogger(__name__)
 COLUMN_MULTIPLE = 256  # first growth step of the columns (then they double): few sizes over a server's life
 
 
+def start_columns(rows: int, wanted: int, slot_bytes: int, max_bytes: int) -> int:
+    """The columns a cache of `rows` rows takes at its first forward: `wanted` when rows x wanted
+    slots of `slot_bytes` (one row's column over every layer's keys and values) fit in
+    `max_bytes`, else as many as fit, at least COLUMN_MULTIPLE."""
+    return min(wanted, max(COLUMN_MULTIPLE, max_bytes // max(1, rows * slot_bytes)))
+
+
 class _Storage:
     """The buffers every window of one cache shares: layer index -> (keys, values)."""
 

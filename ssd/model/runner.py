@@ -12,7 +12,7 @@ import torch
 from ssd.core.transfer import to_device
 from ssd.model.cuda_graphs import CudaGraphs, GraphStats
 from ssd.model.fast_forward import FastLlamaForward, can_pack, unsupported_reason
-from ssd.model.kv_cache import COLUMN_MULTIPLE, StaticKVCache
+from ssd.model.kv_cache import COLUMN_MULTIPLE, StaticKVCache, start_columns
 from ssd.model.lean_model import LeanModel
 from ssd.model.step_graphs import StepGraphs
 from ssd.model.tensor_parallel import TensorParallelRunner
@@ -78,10 +78,22 @@ class ModelRunner:
         """Why this runner cannot run a forward: never, in-process (see TensorParallelRunner)."""
         return None
 
-    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> StaticKVCache:
-        """An empty cache with room for `rows` rows of `columns` columns at its first forward (it
-        grows past that)."""
-        return StaticKVCache(rows, columns)
+    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE, max_bytes: int | None = None) -> StaticKVCache:
+        """An empty cache with room for `rows` rows of `columns` columns at its first forward, or
+        as many columns as fit in max_bytes (kv_cache.start_columns); it grows past them."""
+        return StaticKVCache(rows, self.start_columns(rows, columns, max_bytes))
+
+    def start_columns(self, rows: int, columns: int, max_bytes: int | None) -> int:
+        """The columns new_cache gives a cache of `rows` rows that wants `columns`."""
+        return columns if max_bytes is None else start_columns(rows, columns, self.slot_bytes(), max_bytes)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one row's column of this model's KV cache: every layer's key and value (a
+        shard's config names the whole model's heads: an upper bound for its share)."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers * 2 * heads * dim * self.attention_dtype.itemsize
 
     @torch.inference_mode()
     def forward(

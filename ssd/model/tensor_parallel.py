@@ -220,9 +220,10 @@ class TensorParallelRunner:
             return f"tensor-parallel {self.role}: {self.ranks.describe()}"
         return self.failure
 
-    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE) -> MirroredCache:
+    def new_cache(self, rows: int = 1, columns: int = COLUMN_MULTIPLE, max_bytes: int | None = None) -> MirroredCache:
         cache_id = self._caches
         self._caches += 1
+        columns = self.local.start_columns(rows, columns, max_bytes)  # every rank's, as rank 0 sizes it
         local = self.run(NEW_CACHE, cache_id, (rows, columns), then=lambda: self.local.new_cache(rows, columns))
         return MirroredCache(self, cache_id, local, False)
 
