@@ -68,8 +68,10 @@ def test_graph_metrics_reach_the_engine_metrics(tiny_pair):
 
 def test_a_grown_cache_drops_the_graphs_captured_on_its_buffers(tiny_pair):
     """The buffers move when the cache grows: a graph recorded on the old ones would write into
-    freed memory, so growth forgets them and the next forward captures anew."""
-    with LLM(*tiny_pair, mode="ar", max_num_seqs=1) as llm:
+    freed memory, so growth forgets them and the next forward captures anew. (A cache takes
+    max_model_len columns at its first forward unless kv_cache_gib is smaller: here it is, so that
+    the cache starts at 256 columns and grows.)"""
+    with LLM(*tiny_pair, mode="ar", max_num_seqs=1, kv_cache_gib=1e-6) as llm:
         stats = bucketed(llm.engine.target).stats
         out = llm.generate("x", greedy(WIDTH_FLOOR + 40))[0]  # crosses the first width bucket
         cache = llm.engine.cache
