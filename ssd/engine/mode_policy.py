@@ -58,10 +58,11 @@ class ModePolicy:
 
     def choose(self, seqs: list[Sequence]) -> RoundMode:
         """The next round's mode for the running batch `seqs`."""
-        greedy = all(s.params.greedy for s in seqs)
-        if self._resplit(seqs, self.current, greedy, detached=False):
-            self.current.proposer.rejoin(seqs)
-        self.current = RoundMode(self.current.name, self.current.proposer, greedy)
+        if self.splitter is not None:  # a fixed mode with a splitter is ssd (mode_policy)
+            greedy = all(s.params.greedy for s in seqs)
+            if self.splitter.apply(self.current.proposer, seqs, greedy, detached=False):
+                self.current.proposer.rejoin(seqs)
+            self.current = RoundMode(self.current.name, self.current.proposer, greedy)
         self._use_threads()
         return self.current
 
