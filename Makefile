@@ -58,11 +58,12 @@ bench: install
 
 # Against a running `make serve` (another terminal): 4 users for 60 s, every speculation mode the
 # server serves (its /v1/models card lists them: auto and ar by default), reports in
-# bench_results/loadtest_*.csv and bench_results/loadtest.html.
+# bench_results/loadtest_*.csv and bench_results/loadtest.html. The requests in flight at the end
+# finish and are counted (--stop-timeout), not cut off.
 loadtest: install
 	mkdir -p bench_results
 	$(BIN)/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \
-		--csv bench_results/loadtest --html bench_results/loadtest.html
+		--stop-timeout 60 --csv bench_results/loadtest --html bench_results/loadtest.html
 
 demo-models: install
 	$(BIN)/ssd build-demo-models

@@ -114,8 +114,22 @@ def make_serve(served):
     add_arguments(parser)
     config = app_config_from(parser.parse_args([]))
     serve.run(build_app(config), name="make-serve", route_prefix="/make-serve")
-    yield served.http + "/make-serve", config.to_settings()
+    url, settings = served.http + "/make-serve", config.to_settings()
+    _warm(url, settings.request_modes)
+    yield url, settings
     serve.delete("make-serve")
+
+
+def _warm(url: str, modes) -> None:
+    """One request per served mode, as an operator's smoke test would send before load: on a
+    busy 2-core machine a cold application (its first forwards, its draft workers starting)
+    once answered nothing within a 4 s run, which then counted no request."""
+    import requests
+
+    for mode in modes:
+        body = {"model": "ssd-demo", "prompt": "Once upon a time", "max_tokens": 8, "speculation": {"mode": mode}}
+        response = requests.post(url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
 
 
 def _run(cmd: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
