@@ -7,6 +7,7 @@ import datetime
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -77,8 +78,8 @@ def test_messages_cross_processes_intact_in_chunks():
         child.wait(5)
 
 
-def _pair(alive=lambda: True):
-    a_to_b, b_to_a = Mailbox.create(capacity=256), Mailbox.create(capacity=256)
+def _pair(alive=lambda: True, slots: int = 4):
+    a_to_b, b_to_a = Mailbox.create(capacity=256, slots=slots), Mailbox.create(capacity=256, slots=slots)
     return ShmChannel(b_to_a, a_to_b, FP, alive), ShmChannel(a_to_b, b_to_a, FP, alive)
 
 
@@ -107,13 +108,42 @@ def test_a_silent_peer_times_out_and_a_dead_one_is_reported():
     child.wait(5)
 
 
-def test_a_sender_waits_for_the_slot_and_gives_up_at_its_deadline():
-    """One chunk in flight per direction: a peer that never reads blocks the next send."""
-    a, _ = _pair()
-    a.send(MsgType.RESOLVE, ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
+def _resolve(round_id: int) -> ResolveMsg:
+    return ResolveMsg(round_id, [1], torch.tensor([0]), torch.tensor([round_id]), False)
+
+
+def test_a_sender_runs_ahead_of_its_reader_by_the_ring_then_waits_to_its_deadline():
+    """A target announcing a round to D busy workers must not wait for each to read the message
+    before (with one slot per direction it did: on 2 cores, 8 workers, ~2 ms a round). A message
+    of this size is one chunk: the ring holds `slots` of them unread; the next send waits, and
+    gives up at its deadline."""
+    a, _ = _pair(slots=4)
+    quick = datetime.timedelta(seconds=0.2)
+    started = time.monotonic()
+    for round_id in range(1, 5):
+        a.send(MsgType.RESOLVE, _resolve(round_id), quick)
+    assert time.monotonic() - started < 0.2  # none of them waited
     with pytest.raises(ChannelTimeout):
-        a.send(
-            MsgType.RESOLVE,
-            ResolveMsg(2, [1], torch.tensor([0]), torch.tensor([1]), False),
-            datetime.timedelta(seconds=0.2),
-        )
+        a.send(MsgType.RESOLVE, _resolve(5), quick)
+
+
+def test_messages_written_ahead_arrive_whole_and_in_order_across_the_ring():
+    """Small messages and a reply of many chunks (more than the ring holds), written while the
+    reader lags, wrap around the ring and arrive as sent."""
+    a, b = _pair(slots=3)
+    quick = datetime.timedelta(seconds=5)  # a broken ring fails here instead of hanging
+    a.send(MsgType.RESOLVE, _resolve(1), quick)
+    a.send(MsgType.RESOLVE, _resolve(2), quick)
+    kind, first = b.recv()
+    assert kind == MsgType.RESOLVE and first.round_id == 1
+    big = _reply(2, 3, 50, 9)  # ~1.3 KB of probabilities: 6 chunks of 256 bytes through 3 slots
+    reader = threading.Thread(target=lambda: got.append([b.recv(LONG) for _ in range(3)]))
+    got: list = []
+    a.send(MsgType.RESOLVE, _resolve(3), quick)
+    reader.start()
+    a.send(MsgType.REPLY, big, LONG)
+    reader.join(30)
+    (second, third, (kind, reply)) = got[0]
+    assert [second[1].round_id, third[1].round_id] == [2, 3]
+    assert kind == MsgType.REPLY and torch.equal(reply.probs, big.probs) and torch.equal(reply.tokens, big.tokens)
+    assert not b.poll()

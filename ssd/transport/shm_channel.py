@@ -7,10 +7,14 @@ drafter seeing the header, 0.5 ms for the body, 0.5 ms for the reply), out of a 
 Here a message is a copy into a shared buffer and a semaphore post, and the receiver polls, so
 the drafter learns that the outcome is in with one non-blocking check between tree depths.
 
-Layout: one `Mailbox` per direction, a single slot of `capacity` bytes guarded by two
-semaphores (`full`: a chunk is waiting; `empty`: the slot is free). A message (the frame of
-ssd/transport/wire.py: header, then body) is written as a byte stream in chunks of at most `capacity`;
-the reader copies them out in order.
+Layout: one `Mailbox` per direction, a ring of `slots` slots of `capacity` bytes each, guarded
+by two counting semaphores (`full`: chunks waiting; `empty`: slots free). A message (the frame of
+ssd/transport/wire.py: header, then body) is written as a byte stream in chunks of at most
+`capacity`, slot after slot around the ring; the reader copies them out in the same order. Why a
+ring and not one slot: with one, a send waited until the peer had taken the message before it,
+so a target announcing a round to D busy workers waited, each round, for the slowest of them to
+reach its next tree depth and read the outcome it had been sent (on 2 cores, 8 workers: ~2 ms a
+round). With a ring the target's sends return at once unless a worker is `slots` chunks behind.
 
 Everything a mailbox holds is a file descriptor: the slot is an anonymous memfd and each
 semaphore an eventfd in semaphore mode. So a mailbox reaches a process started by any means
@@ -46,7 +50,8 @@ from ssd.transport.wire import HEADER, WireCounts, body_size, framed, unframe
 SPIN_S = 0.05
 _SLICE_S = 0.05
 _LEN = 8  # bytes of the chunk-length field at the start of the slot
-DEFAULT_CAPACITY = 1 << 20
+DEFAULT_CAPACITY = 1 << 18  # bytes of one slot; a larger message goes in several chunks
+DEFAULT_SLOTS = 8  # a mailbox's chunks in flight (its memfd's pages are touched only where written)
 
 
 class _EventSemaphore:
@@ -77,12 +82,14 @@ class _EventSemaphore:
 
 @dataclass(frozen=True)
 class MailboxFds:
-    """What another process needs to attach to a mailbox: its three file descriptors."""
+    """What another process needs to attach to a mailbox: its three file descriptors, and its
+    ring's shape."""
 
-    slot: int
+    slot: int  # the memfd: `slots` slots, each a chunk-length field then `capacity` bytes
     full: int
     empty: int
     capacity: int
+    slots: int = 1
 
     def fds(self) -> tuple[int, int, int]:
         return self.slot, self.full, self.empty
@@ -94,17 +101,17 @@ class Mailbox:
 
     def __init__(self, fds: MailboxFds) -> None:
         self.handle = fds
-        self.capacity = fds.capacity
+        self.capacity, self.slots = fds.capacity, fds.slots
         self.full = _EventSemaphore(fds.full)
         self.empty = _EventSemaphore(fds.empty)
-        self._map = mmap.mmap(fds.slot, _LEN + fds.capacity)
+        self._map = mmap.mmap(fds.slot, fds.slots * (_LEN + fds.capacity))
 
     @classmethod
-    def create(cls, capacity: int = DEFAULT_CAPACITY) -> "Mailbox":
+    def create(cls, capacity: int = DEFAULT_CAPACITY, slots: int = DEFAULT_SLOTS) -> "Mailbox":
         flags = os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC
         slot = os.memfd_create("ssd-mailbox", os.MFD_CLOEXEC)
-        os.ftruncate(slot, _LEN + capacity)
-        return cls(MailboxFds(slot, os.eventfd(0, flags), os.eventfd(1, flags), capacity))
+        os.ftruncate(slot, slots * (_LEN + capacity))
+        return cls(MailboxFds(slot, os.eventfd(0, flags), os.eventfd(slots, flags), capacity, slots))
 
     @classmethod
     def attach(cls, fds: MailboxFds) -> "Mailbox":
@@ -112,10 +119,11 @@ class Mailbox:
             os.set_blocking(fd, False)
         return cls(fds)
 
-    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the slot's bytes [_LEN + capacity] uint8, its chunk-length field [1] int64), zero-copy."""
-        slot = torch.frombuffer(self._map, dtype=torch.uint8)
-        return slot, slot[:_LEN].view(torch.long)
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per slot of the ring: (its bytes [capacity] uint8, its chunk-length field [1] int64),
+        zero-copy."""
+        ring = torch.frombuffer(self._map, dtype=torch.uint8).view(self.slots, _LEN + self.capacity)
+        return [(slot[_LEN:], slot[:_LEN].view(torch.long)) for slot in ring]
 
     def close(self) -> None:
         """Close this process's descriptors (the mapping goes with the last view of it)."""
@@ -158,29 +166,36 @@ def _acquire(
 class _Writer:
     def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
         self.box, self.alive, self.spin_s = box, alive, spin_s
-        self.slot, self.length = box.views()
+        self.ring = box.views()
+        self.next = 0  # the slot the next chunk goes to
 
     def write(self, data: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         cap = self.box.capacity
         for start in range(0, data.numel(), cap):  # never empty: a header leads every message
             chunk = data[start : start + cap]
             _acquire(self.box.empty, timeout, self.alive, "send", self.spin_s)
-            self.slot[_LEN : _LEN + chunk.numel()].copy_(chunk)
-            self.length[0] = chunk.numel()
+            slot, length = self.ring[self.next]
+            slot[: chunk.numel()].copy_(chunk)
+            length[0] = chunk.numel()
+            self.next = (self.next + 1) % len(self.ring)
             self.box.full.release()
 
 
 class _Reader:
     def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
         self.box, self.alive, self.spin_s = box, alive, spin_s
-        self.slot, self.length = box.views()
-        self.held = False  # a chunk is in the slot and this side owns it
+        self.ring = box.views()
+        self.next = 0  # the slot of the next chunk (the one held, while held)
+        self.held = False  # a chunk is in that slot and this side owns it
         self.pos = self.end = 0
+
+    def _take(self) -> None:
+        self.held, self.pos, self.end = True, 0, int(self.ring[self.next][1][0])
 
     def poll(self) -> bool:
         """Whether a chunk is waiting (takes it without blocking)."""
         if not self.held and self.box.full.try_acquire():
-            self.held, self.pos, self.end = True, 0, int(self.length[0])
+            self._take()
         return self.held
 
     def read_into(self, out: torch.Tensor, timeout: datetime.timedelta | None) -> None:
@@ -188,12 +203,13 @@ class _Reader:
         while done < out.numel():
             if not self.held:
                 _acquire(self.box.full, timeout, self.alive, "receive", self.spin_s)
-                self.held, self.pos, self.end = True, 0, int(self.length[0])
+                self._take()
             n = min(out.numel() - done, self.end - self.pos)
-            out[done : done + n].copy_(self.slot[_LEN + self.pos : _LEN + self.pos + n])
+            out[done : done + n].copy_(self.ring[self.next][0][self.pos : self.pos + n])
             done, self.pos = done + n, self.pos + n
             if self.pos == self.end:
                 self.held = False
+                self.next = (self.next + 1) % len(self.ring)
                 self.box.empty.release()
 
 

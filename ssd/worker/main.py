@@ -58,7 +58,7 @@ def _channel(link: dict, fp: int, child: ForkedChild) -> Channel:
 
         def attach(fds: dict) -> Mailbox:
             ours = {name: child.fds[fds[name]] for name in ("slot", "full", "empty")}
-            return Mailbox.attach(MailboxFds(**ours, capacity=fds["capacity"]))
+            return Mailbox.attach(MailboxFds(**ours, capacity=fds["capacity"], slots=fds["slots"]))
 
         inbox, outbox = attach(link["inbox"]), attach(link["outbox"])
         return ShmChannel(inbox, outbox, fp, child.owner_alive, link["spin_s"])
