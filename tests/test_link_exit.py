@@ -61,3 +61,26 @@ def test_a_link_still_open_at_exit_is_closed_by_the_hook(monkeypatch):
     assert done.channel.sent == [MsgType.SHUTDOWN]  # closed once, not again
     assert closed_in_order == ["fake 2", "fake 1"]  # the newest first, as atexit's own order
     assert link_module.open_links() == []
+
+
+def test_a_clean_close_waits_for_a_worker_that_stopped_reading_seconds_not_its_deadline():
+    """Reported: a served target replica closed while its leased worker no longer read (the pool
+    being deleted beside it) waited its 30 s reply deadline on SHUTDOWN, and Serve force-killed it
+    at its grace period. Real shm mailboxes of one slot, the slot taken by a message never read."""
+    import time
+
+    import torch
+
+    from ssd.core.protocol import ResolveMsg
+    from ssd.transport.shm_channel import Mailbox, ShmChannel
+
+    to_worker, to_target = Mailbox.create(capacity=256, slots=1), Mailbox.create(capacity=256, slots=1)
+    target_end = ShmChannel(to_target, to_worker, 7, lambda: True)
+    target_end.send(MsgType.RESOLVE, ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
+    link = WorkerLink(target_end, "stopped reading", deadline_s=30.0)
+    started = time.monotonic()
+    link.close()
+    assert time.monotonic() - started < 2 * link_module.SHUTDOWN_TIMEOUT.total_seconds() + 1
+    assert link.closed
+    to_worker.close()
+    to_target.close()

@@ -47,6 +47,11 @@ from ssd.transport.wire import Encoded, WireCounts
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = datetime.timedelta(seconds=180)
+# How long a clean close waits for the worker to take its SHUTDOWN (not the reply deadline): a
+# worker that does not take it in this time is cut off (kill()), which ends its session as well.
+# A served target replica closed while its leased worker stopped reading (its pool being deleted
+# beside it) waited the whole 30 s deadline and was force-killed by Serve at its grace period.
+SHUTDOWN_TIMEOUT = datetime.timedelta(seconds=2)
 
 # The links not killed yet, in creation order (id -> link): links are made and ended on several
 # threads (a pool's refills acquire theirs in background threads), hence the lock.
@@ -288,7 +293,7 @@ class WorkerLink:
             return
         try:
             self._drain_owed()
-            self.channel.send(MsgType.SHUTDOWN, None, self.deadline)
+            self.channel.send(MsgType.SHUTDOWN, None, min(self.deadline, SHUTDOWN_TIMEOUT))
             if self.exits_on_shutdown and self.process is not None:
                 self.process.wait(10)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
