@@ -148,7 +148,8 @@ def test_the_callers_main_module_is_never_run_again(tmp_path, how):
 def _wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        alive = [p for p in pids if p in processes() and processes()[p][1] != "Z"]
+        seen = processes()  # one snapshot: a process may end between two reads of /proc
+        alive = [p for p in pids if p in seen and seen[p][1] != "Z"]
         if not alive:
             return []
         time.sleep(0.05)

@@ -37,39 +37,41 @@ def ray_processes() -> set[int]:
     return out
 
 
-def test_ssd_serve_starts_answers_and_stops_clean():
+def test_ssd_serve_starts_answers_and_stops_clean(tmp_path):
     before = ray_processes()
+    log = tmp_path / "serve.stderr"  # what the server logged: the failure message shows its end
     http, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ssd.cli",
-            "serve",
-            "--port",
-            str(http),
-            "--grpc-port",
-            str(grpc_port),
-            "--k",
-            "4",
-            "--default-max-tokens",
-            "16",
-            "--drain-timeout-s",
-            "150",
-            "--ray-address",
-            "local",
-        ],  # never the test session's cluster
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    with log.open("w") as err:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ssd.cli",
+                "serve",
+                "--port",
+                str(http),
+                "--grpc-port",
+                str(grpc_port),
+                "--k",
+                "4",
+                "--default-max-tokens",
+                "16",
+                "--drain-timeout-s",
+                "150",
+                "--ray-address",
+                "local",
+            ],  # never the test session's cluster
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         lines, deadline = [], time.monotonic() + 240
         while not any(line.startswith("Ctrl-C") for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, lines
+            assert time.monotonic() < deadline and proc.poll() is None, (lines, log.read_text()[-4000:])
             lines.append(proc.stdout.readline())
         text = "".join(lines)
         assert f"http://127.0.0.1:{http}/v1" in text and f"127.0.0.1:{grpc_port}" in text
@@ -83,7 +85,7 @@ def test_ssd_serve_starts_answers_and_stops_clean():
         if proc.poll() is None and not drained_started(proc):
             proc.send_signal(signal.SIGTERM)
         proc.wait(180)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, log.read_text()[-4000:]
     assert drained["refused"] and all(status == 503 for status in drained["refused"]), drained
     assert drained["health"] == 503, drained
     assert drained["streams"] == [("length", True)] * 4, drained  # each finished, [DONE] included
