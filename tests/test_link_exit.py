@@ -84,3 +84,25 @@ def test_a_clean_close_waits_for_a_worker_that_stopped_reading_seconds_not_its_d
     assert link.closed
     to_worker.close()
     to_target.close()
+
+
+def test_a_clean_close_waits_for_an_owed_reply_seconds_not_its_deadline():
+    """The same bound for a reply owed and never sent: the close drains it for SHUTDOWN_TIMEOUT,
+    not the 30 s reply deadline (real shm mailboxes; the worker end never answers)."""
+    import time
+
+    import torch
+
+    from ssd.core.protocol import ResolveMsg
+    from ssd.transport.shm_channel import Mailbox, ShmChannel
+
+    to_worker, to_target = Mailbox.create(capacity=256, slots=2), Mailbox.create(capacity=256, slots=2)
+    link = WorkerLink(ShmChannel(to_target, to_worker, 7, lambda: True), "owes a reply", deadline_s=30.0)
+    link.resolve(ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False), answers=True)
+    assert link.owed is not None
+    started = time.monotonic()
+    link.close()
+    assert time.monotonic() - started < 2 * link_module.SHUTDOWN_TIMEOUT.total_seconds() + 1
+    assert link.closed
+    to_worker.close()
+    to_target.close()

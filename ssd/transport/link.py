@@ -234,11 +234,12 @@ class WorkerLink:
         self._drain_owed()
         self.channel.send(kind, msg, self.deadline)
 
-    def _drain_owed(self) -> None:
-        """Read and drop a reply still owed for an earlier outcome."""
+    def _drain_owed(self, deadline: datetime.timedelta | None = None) -> None:
+        """Read and drop a reply still owed for an earlier outcome (waiting at most `deadline`,
+        by default the link's)."""
         if self.owed is not None:
             owed, self.owed = self.owed, None
-            self._read_reply(owed.round_id, owed.seq_ids, self.deadline.total_seconds())
+            self._read_reply(owed.round_id, owed.seq_ids, (deadline or self.deadline).total_seconds())
             logger.info("dropped the unread reply to round %d", owed.round_id)
 
     def _read_reply(
@@ -292,7 +293,8 @@ class WorkerLink:
         if self.closed:
             return
         try:
-            self._drain_owed()
+            # A worker that owes a reply and stopped answering gets the same bound as its SHUTDOWN.
+            self._drain_owed(min(self.deadline, SHUTDOWN_TIMEOUT))
             self.channel.send(MsgType.SHUTDOWN, None, min(self.deadline, SHUTDOWN_TIMEOUT))
             if self.exits_on_shutdown and self.process is not None:
                 self.process.wait(10)
