@@ -51,6 +51,7 @@ PROMETHEUS_NAMES = (
     "ray_ssd_data_plane_wait_ms",
     "ray_ssd_target_exchange_ms",
     "ray_ssd_replies_awaited",
+    "ray_ssd_board_reads",
     "ray_ssd_target_retries_total",
     "ray_ssd_target_sequences",
     "ray_ssd_draft_sequences",
@@ -141,6 +142,11 @@ class ServeMetrics:
         self.replies_awaited = metrics.Gauge(
             "ssd_replies_awaited", "Draft worker replies a target waited for per round (mean since it started)."
         )
+        self.board_reads = metrics.Gauge(
+            "ssd_board_reads",
+            "Rows per round whose hit a target read off its draft worker's board, no reply awaited (mean since it "
+            "started; shm pools).",
+        )
         self.retries = metrics.Counter(
             "ssd_target_retries_total", "Generations sent again because their target replica was down."
         )
@@ -206,7 +212,12 @@ class ServeMetrics:
         ssd = engine_metrics.get("ssd", {})
         if "draft_workers_live" in ssd:
             self.live.set(ssd["draft_workers_live"])
-        for gauge, name in ((self.exchange_ms, "target_exchange_ms"), (self.replies_awaited, "replies_awaited")):
+        gauges = (
+            (self.exchange_ms, "target_exchange_ms"),
+            (self.replies_awaited, "replies_awaited"),
+            (self.board_reads, "board_reads"),
+        )
+        for gauge, name in gauges:
             if ssd.get(name) is not None:  # None until the pool's first round
                 gauge.set(ssd[name])
         self.wait_ms.set(engine_metrics.get("draft_ms_per_round", 0.0))

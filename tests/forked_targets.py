@@ -61,6 +61,21 @@ def load_the_demo_draft(child, fd: int) -> int:
     return report(child, fd, found)
 
 
+def neighbour_board_worker(child, spec: dict) -> int:
+    """A draft worker with the same bug on its board only (ssd/transport/shm_board.py): each depth
+    is published with the distributions of the neighbouring branch, its replies stay right."""
+    import ssd.transport.shm_board
+    from ssd.worker.main import run_forked
+
+    add = ssd.transport.shm_board.BoardWriter.add
+
+    def neighbours_add(self, d, tokens, probs):
+        return add(self, d, tokens, None if probs is None else probs.roll(1, dims=1))
+
+    ssd.transport.shm_board.BoardWriter.add = neighbours_add  # in this worker process only
+    return run_forked(child, spec)
+
+
 def neighbour_branch_worker(child, spec: dict) -> int:
     """A draft worker with a plausible indexing bug, for the sampling check's power test: on a
     hit, the cached tokens travel with the draft probabilities of the neighbouring branch."""

@@ -1,11 +1,12 @@
 """A pool's round costs its target the same at any D (ssd/transport/pool_client.py): the round's
 grid shard sends the branch grid once it has forked, the target names the shard that answers
-each row and waits for those replies alone.
+each row and waits for those answers alone.
 
 At D = 4: greedy output equals Hugging Face `generate` at batch 1 and 4, over shm and over gRPC;
-at batch 1 the target awaits exactly one reply per round, in rounds that hit and in rounds that
-missed; losing the grid shard mid-generation, or a named shard that stops answering, costs
-hits for a round (within the deadline) and never output. The sampled exactness of D = 4 is in
+at batch 1 the target awaits exactly one answer per round, in rounds that hit and in rounds that
+missed (over shm a hit is often read off its worker's board, shm_board.py: no reply awaited);
+losing the grid shard mid-generation, or a named shard that stops answering, costs hits for a
+round (within the deadline) and never output. The sampled exactness of D = 4 is in
 test_ssd_process_sampling.py.
 """
 
@@ -37,7 +38,9 @@ def test_four_workers_at_batch_1_the_target_awaits_one_reply_per_round(tiny_pair
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     ssd = m["ssd"]
-    assert ssd["replies_awaited"] == 1.0 and ssd["draft_grids_missed"] == 0, ssd
+    # One answer per round: a reply, or the hit read off its worker's board (shm only).
+    assert ssd["replies_awaited"] + ssd["board_reads"] == pytest.approx(1.0, abs=1e-3), ssd
+    assert (ssd["board_reads"] > 0) == (transport == "shm") and ssd["draft_grids_missed"] == 0, ssd
     assert m["cache_hits"] > 0 and m["backup_neural_rounds"] > 0, m  # rounds that hit, and rounds that missed
     assert sum(h > 0 for h in ssd["draft_shard_hits"]) >= 3, ssd  # the hits came from most shards
     assert ssd["draft_worker_failures"] == 0 and ssd["target_exchange_ms"] > 0, ssd
@@ -50,8 +53,10 @@ def test_four_workers_at_batch_4_greedy_matches_hf(tiny_pair, prompts, tiny_refe
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
     ssd = m["ssd"]
-    # Rows whose hits sit in different shards each wait for their own; never every shard each round.
-    assert 1.0 <= ssd["replies_awaited"] < 4.0 and ssd["draft_grids_missed"] == 0, ssd
+    # Rows whose hits sit in different shards each wait for their own (or are read off boards);
+    # never every shard each round.
+    assert ssd["replies_awaited"] < 4.0 and ssd["replies_awaited"] + ssd["board_reads"] >= 1.0, ssd
+    assert ssd["draft_grids_missed"] == 0, ssd
     assert min(ssd["draft_shard_hits"]) > 0 and ssd["draft_worker_failures"] == 0, ssd
 
 

@@ -53,6 +53,8 @@ DEFINITIONS = {
     "own time in the pool's begin_round, resolve and reply (sending the round and its outcome, waiting for "
     "the replies it needs, merging them), its forwards excluded",
     "replies_awaited": "SSD over a pool: worker replies the target waited for, per round (mean)",
+    "board_reads": "SSD over a pool on shm: rows per round whose hit the target read off its worker's board "
+    "instead of awaiting a reply (mean)",
     "fraction_of_bound": "SSD: decode tokens/s over the Theorem 7 bound with p_hit = 1 (the tokens/s of the "
     "steps in which every row "
     "hit)",
@@ -183,6 +185,7 @@ MEDIAN_FIELDS = (
     "cache_hit_rate",
     "target_exchange_ms",
     "replies_awaited",
+    "board_reads",
     "upper_bound_tokens_per_s",
     "fraction_of_bound",
     "wall_s",
@@ -309,6 +312,7 @@ def format_table(records: list[dict]) -> str:
         ("hit", lambda r: _fmt(r.get("cache_hit_rate"), ".2f")),
         ("xchg ms", lambda r: _fmt(r.get("target_exchange_ms"), ".2f")),
         ("replies", lambda r: _fmt(r.get("replies_awaited"), ".2f")),
+        ("board", lambda r: _fmt(r.get("board_reads"), ".2f")),
         ("of bound", lambda r: _fmt(r.get("fraction_of_bound"), ".0%")),
     ]
     headers = [h for h, _ in columns]

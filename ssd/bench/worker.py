@@ -183,6 +183,7 @@ def _summarize(totals: list[BatchCounters], wall: float, num_requests: int) -> d
                 "cache_hit_rate": round(counters.get("cache_hits", 0) / ssd_rounds, 4) if ssd_rounds else None,
                 "target_exchange_ms": gauges.get("target_exchange_ms"),
                 "replies_awaited": gauges.get("replies_awaited"),
+                "board_reads": gauges.get("board_reads"),
                 "ssd": gauges,
                 "upper_bound_tokens_per_s": round(bound, 3) if bound else None,
                 "fraction_of_bound": round(generated / step_s / bound, 4) if bound and step_s else None,

@@ -111,6 +111,14 @@ class BeginRoundMsg:
             outcome.backup_shard if outcome.answering else -1,
         )
 
+    def board_key(self) -> int:
+        """A number that names this round's content (what same_round compares), by which a
+        worker's board publishes the round's build and the target finds it
+        (ssd/transport/shm_board.py); the same in every process (integers hash alike everywhere)."""
+        spec = [self.spec_tokens[r, :n].tolist() for r, n in enumerate(self.num_draft.tolist())]
+        content = (self.round_id, *self.seq_ids, -1, *self.fanout, -1, *self.committed, -1, *sum(spec, []), -1)
+        return hash((content, tuple(len(s) for s in spec))) & ((1 << 62) - 1)
+
     def same_round(self, other: BeginRoundMsg) -> bool:
         """Whether both announce the same round: ids, batch, fan-out and the speculations' real tokens."""
         mine = (self.round_id, list(self.seq_ids), list(self.fanout), list(self.committed))
@@ -141,6 +149,18 @@ class ResolveMsg:
     # with no row sends no reply. Empty: every shard answers every row.
     answering: list[int] = field(default_factory=list)
     backup_shard: int = 0  # the shard that drafts the rows no shard holds, when neural_backup
+    # A pool's: [b] how many tokens of each row's hit the target took off its answering shard's
+    # board (ssd/transport/shm_board.py), 0 where none; that shard sends no reply for those rows
+    # and speculates from that depth on (predict_round). Empty: none taken.
+    taken: list[int] = field(default_factory=list)
+
+    def owes_reply(self, shard: int) -> bool:
+        """Whether shard `shard` replies: it answers some row (every row where none is named)
+        whose speculation the target did not take off its board."""
+        if not self.answering:
+            return True
+        taken = self.taken or [0] * len(self.answering)
+        return any(a == shard and t == 0 for a, t in zip(self.answering, taken))
 
 
 @dataclass(frozen=True)
@@ -154,14 +174,24 @@ class GridMsg:
     outcome: torch.Tensor  # [b, N] long
     candidates: torch.Tensor  # [b, N] long
 
-    def holders(self, accepted: list[int], bonus: list[int], num_shards: int) -> list[int]:
-        """Per row, the shard that holds the branch of its outcome (accepted[r], bonus[r]), -1 where
-        the grid has none (a miss)."""
+    def branches(self, accepted: list[int], bonus: list[int]) -> list[int]:
+        """Per row, the number of the branch of its outcome (accepted[r], bonus[r]), -1 where the
+        grid has none (a miss)."""
         out = []
         for r, (a, t) in enumerate(zip(accepted, bonus)):
             n = branch_of(self.outcome[r].tolist(), self.candidates[r].tolist(), a, t)
-            out.append(-1 if n is None else n % num_shards)
+            out.append(-1 if n is None else n)
         return out
+
+    def holders(self, accepted: list[int], bonus: list[int], num_shards: int) -> list[int]:
+        """Per row, the shard that holds the branch of its outcome, -1 where the grid has none."""
+        return [-1 if n < 0 else n % num_shards for n in self.branches(accepted, bonus)]
+
+    def rank(self, row: int, branch: int) -> int:
+        """The rank of branch `branch` among its outcome's candidates (branches are numbered by
+        outcome, then rank: ssd/drafting/tree.py)."""
+        outcome = self.outcome[row].tolist()
+        return branch - outcome.index(outcome[branch])
 
 
 def branch_of(outcome: list[int], candidates: list[int], accepted: int, bonus: int) -> int | None:

@@ -87,3 +87,15 @@ def backed_up(msg: ResolveMsg, mine: list[bool], hit: list[bool], covered: list[
     if msg.answering:
         return [m and not h for m, h in zip(mine, hit)]
     return [not c for c in covered] if msg.backup_shard == shard else [False] * len(hit)
+
+
+def took_from_board(msg: ResolveMsg, hit: list[bool], tokens: torch.Tensor, probs, num_draft: torch.Tensor) -> None:
+    """The hits whose first msg.taken[r] tokens the target read off this drafter's board: their
+    speculation is cut to that depth (tokens [b, K], probs [b, K, V] or None, num_draft [b]), as
+    the target verifies it, so that the round this drafter predicts from it is the one announced."""
+    for r, depth in enumerate(msg.taken):
+        if depth > 0 and hit[r]:
+            tokens[r, depth:] = 0
+            if probs is not None:
+                probs[r, depth:] = 0.0
+            num_draft[r] = min(int(num_draft[r]), depth)

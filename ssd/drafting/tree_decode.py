@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from ssd.core.protocol import GridMsg
 from ssd.core.sampling import BatchSampling, sample_from, sample_on_device, sampling_tensors
 from ssd.core.transfer import to_device, to_host_async
 from ssd.drafting.saguaro import saguaro_probs
@@ -94,6 +95,14 @@ class TreeRound:
 # What the caller says after each depth d: None (go on), "cut" (the outcome arrived: stop at
 # this depth) or "stale" (a predicted round that was not announced: give it up).
 Halt = Callable[[int], str | None]
+# What is handed each depth d as it ends: (d, its draws [b, N] on the host, the distributions
+# [b, N, V] they were drawn from on the host, or None where none are at hand there).
+Publish = Callable[[int, torch.Tensor, torch.Tensor | None], None]
+# Handed a round's branch grid once forked, before the tree decode, with this shard's branches
+# per row and whether some row keeps distributions: -> what each depth is handed to as it ends
+# (Publish), or None. A worker sends the grid to its target where asked (a pool's grid
+# shard) and publishes the depths on its board (ssd/transport/shm_board.py).
+OnFork = Callable[[GridMsg, int, bool], Publish | None]
 
 
 def decode_tree(
@@ -106,6 +115,7 @@ def decode_tree(
     on_device: bool,
     processed: BranchProcessing | None,
     halt: Halt,
+    publish: Publish | None = None,
 ) -> tuple[torch.Tensor, BranchProbs, float] | None:
     """-> tokens [b, N, depth] (on the host: copied depth by depth as the depths run), their
     distributions (BranchProbs: sparse where it can, on the draft's device), depth <= K, and when
@@ -114,7 +124,8 @@ def decode_tree(
     stale. Each depth writes its N columns at W + d N + 0..N-1 of every row, a
     scratch forward (the caller drops its columns). draft_probs: SDProposer.draft_probs, into
     the target's vocabulary of `vocab` tokens; processed: the branches' grammars and adjustments
-    (tree_processing.py), None when no row has any."""
+    (tree_processing.py), None when no row has any. publish: handed each depth as it ends (a
+    worker's board, ssd/transport/shm_board.py), before `halt` is asked."""
     b, n, k = *rnd.candidates.shape, rnd.uniforms.shape[1]
     tree_start = rnd.mask.shape[-1] - k * n
     greedy = rnd.sampling.greedy.tolist()
@@ -160,6 +171,8 @@ def decode_tree(
             kept.done, kept.device = depth.done, depth.probs.device
         if processed is not None and d < k - 1:
             processed.advance(depth.drawn)
+        if publish is not None:  # a device round's distributions stay there: its tokens only
+            publish(d, depth.host, None if on_device else depth.probs)
         said = halt(d)
         if said == "stale":
             return None

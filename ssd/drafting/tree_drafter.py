@@ -58,8 +58,8 @@ from ssd.drafting.neural_backup import NeuralBackup, SeqState
 from ssd.drafting.saguaro import row_fanout
 from ssd.drafting.sd_proposer import SDProposer
 from ssd.drafting.tree import BranchProbs, SpeculationTree, fork, tree_mask
-from ssd.drafting.tree_answers import backed_up, commit_outcomes, known_rows, look_up
-from ssd.drafting.tree_decode import Glue, TreeRound, decode_tree, glue_decode
+from ssd.drafting.tree_answers import backed_up, commit_outcomes, known_rows, look_up, took_from_board
+from ssd.drafting.tree_decode import Glue, OnFork, Publish, TreeRound, decode_tree, glue_decode
 from ssd.drafting.tree_processing import BranchProcessing, ForkProcessing
 from ssd.model.kv_cache import COLUMN_MULTIPLE
 from ssd.model.runner import ModelRunner, pad_rows
@@ -108,6 +108,7 @@ class TreeDrafter:
         self._answered = False  # resolve() ran and reply() has not taken its answer yet
         self.backup = NeuralBackup(self.just_in_time, self.grammars, k)
         self.early_drafts = early_drafts
+        self.last_build_s = 0.0  # the last round's build, projected to depth K (SpeculationTree.build_seconds)
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -179,7 +180,7 @@ class TreeDrafter:
         msg: BeginRoundMsg,
         interrupted: Callable[[], bool] | None = None,
         stale: Callable[[], bool] | None = None,
-        on_grid: Callable[[GridMsg], None] | None = None,
+        on_fork: OnFork | None = None,
     ) -> bool:
         """Glue decode, fork and tree decode for every row; fills the speculation cache.
 
@@ -187,9 +188,8 @@ class TreeDrafter:
         arrived), the tree stops at that depth and the cache holds shorter speculations.
         `stale` is given for a round begun on a prediction (predict_round) before the target
         announced it; it is polled after the glue and each depth, and once it is true the round
-        is taken back: cache and generators are as before the call. `on_grid` is handed the
-        round's branch grid once forked, before the tree decode (a pool's grid shard sends it to
-        the target). Returns whether the round was built."""
+        is taken back: cache and generators are as before the call. `on_fork`: see OnFork.
+        Returns whether the round was built."""
         started = time.perf_counter()
         self.backup.settle(self.states)
         seq_ids = list(msg.seq_ids)
@@ -213,13 +213,16 @@ class TreeDrafter:
         cand, outcome = grid.candidates[:, to_device(shard, grid.candidates.device)], grid.outcome[:, shard]
         # The outcome is looked up on the host, in a copy made before the tree's first depth runs.
         lookup = dataclasses.replace(grid, candidates=to_host_async(grid.candidates), ranked=to_host_async(grid.ranked))
-        if on_grid is not None:  # on a device this waits for the glue and the fork, not for the tree
-            on_grid(GridMsg(msg.round_id, seq_ids, grid.outcome, grid.candidates.cpu()))
         sampling = self._sampling(seq_ids)
+        publish = None
+        if on_fork is not None:  # on a device the grid's copy waits for the glue and the fork, not the tree
+            forked = GridMsg(msg.round_id, seq_ids, grid.outcome, grid.candidates.cpu())
+            publish = on_fork(forked, cand.shape[1], not all(sampling.greedy.tolist()))
         processed = processing.tree(cand, outcome, sampling)
         tree = self._tree_decode(
-            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, processed, on_device
-        )
+            seq_ids, spec, msg.fanout, cand, outcome, glue, undo, interrupted, stale, sampling, processed, on_device,
+            publish,
+        )  # fmt: skip
         if tree is None:
             return False
         tokens, probs, tree_started = tree
@@ -230,6 +233,7 @@ class TreeDrafter:
             (tree_started - started) + (now - tree_started) * self.k / depth, depth,
             (undo, glue.columns) if stale is not None else None,
         )  # fmt: skip
+        self.last_build_s = self.round.build_seconds
         self.counters.count_build(depth, tree_started - started, now - tree_started)
         self.counters.branch_probs_bytes = max(self.counters.branch_probs_bytes, probs.nbytes)
         return True
@@ -255,6 +259,7 @@ class TreeDrafter:
         sampling: BatchSampling,
         processed: BranchProcessing | None,
         on_device: bool,
+        publish: Publish | None = None,
     ) -> tuple[torch.Tensor, BranchProbs, float] | None:
         """Steps 2-3 for this shard's branches: cand, outcome [b, N_own] -> (tokens [b, N_own,
         depth], probs [b, N_own, depth, V] sparse where it can be, when the tree began), or None
@@ -279,7 +284,9 @@ class TreeDrafter:
             return "cut" if interrupted is not None and interrupted() else None
 
         probs_of, vocab = self.just_in_time.draft_probs, self.just_in_time.target_vocab
-        tree = decode_tree(self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, processed, halt)
+        tree = decode_tree(
+            self.runner, self.cache, rnd, self.saguaro_c, probs_of, vocab, on_device, processed, halt, publish
+        )
         if tree is None:
             self._take_back(seq_ids, undo, glue.columns)
         return tree
@@ -334,6 +341,7 @@ class TreeDrafter:
         hit = [h and m for h, m in zip(hit, mine)]
         depth = rnd.depth if rnd is not None else 0
         num_draft = torch.tensor([depth if h else 0 for h in hit], dtype=torch.long)
+        took_from_board(msg, hit, tokens, probs, num_draft)
         if rnd is not None:
             self.counters.rounds += 1
             self.counters.cut += int(rnd.depth < k)

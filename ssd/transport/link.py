@@ -42,6 +42,7 @@ from ssd.core.protocol import (
 )
 from ssd.transport.channel import Channel
 from ssd.transport.connect import connect_channel
+from ssd.transport.shm_board import BoardReader
 from ssd.transport.wire import Encoded, WireCounts
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ class WorkerLink:
         process: subprocess.Popen | None = None,
         exits_on_shutdown: bool = True,
         cleanup: Callable[[], None] | None = None,
+        board: BoardReader | None = None,
     ) -> None:
         self.channel, self.name, self.process = channel, name, process
+        self.board = board  # where its worker publishes its tree's depths (shm_board.py), if anywhere
         self.deadline = datetime.timedelta(seconds=deadline_s)
         self.exits_on_shutdown = exits_on_shutdown
         self._cleanup = cleanup
@@ -287,6 +290,9 @@ class WorkerLink:
         cleanup, self._cleanup = self._cleanup, None
         if cleanup is not None:
             cleanup()
+        board, self.board = self.board, None
+        if board is not None:
+            board.close()
 
     def close(self) -> None:
         """End the session cleanly: drain an owed reply, SHUTDOWN, wait for an owned process."""

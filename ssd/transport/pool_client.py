@@ -50,6 +50,7 @@ from ssd.core.protocol import (
     ResolveMsg,
     SpeculationReply,
 )
+from ssd.transport.board_reads import board_grid, on_boards, read_hits
 from ssd.transport.link import WorkerLink, WorkerProvider
 from ssd.transport.pool_state import PoolTally, SeqView, Shard, shard_seed
 from ssd.transport.refills import Refills
@@ -79,6 +80,8 @@ class PoolClient:
         self.order: list[int] = []
         self.round: BeginRoundMsg | None = None  # the round being verified
         self.outcome: ResolveMsg | None = None  # its outcome, once resolve() sent it
+        self.round_key: int | None = None  # the round's BeginRoundMsg.board_key, where its grid is on boards
+        self.board_parts: dict[int, SpeculationReply] = {}  # the outcome's hits read off boards (board_reads.py)
         self.refills = Refills(provider)
         self.tally = PoolTally(num_workers)
         self._on_event = on_event or (lambda _e: None)
@@ -214,7 +217,9 @@ class PoolClient:
     def begin_round(self, msg: BeginRoundMsg) -> None:
         started = time.perf_counter()
         self._attach_ready()
-        grid_shard = self._grid_shard()
+        # A round on its workers' boards has its grid read off them (board_reads.py): no GRID.
+        self.round_key = msg.board_key() if self.split == "outcomes" and on_boards(msg, self._boards()) else None
+        grid_shard = None if self.round_key is not None else self._grid_shard()
         if grid_shard is not None:
             msg = dataclasses.replace(msg, grid_shard=grid_shard)
         self.round, self.outcome = msg, None
@@ -241,18 +246,24 @@ class PoolClient:
         assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
         grid = self._grid(rnd) if self.split == "outcomes" else None
         backup = self._backup_shard()  # after the grid's read, which may have lost its shard
+        self.board_parts = {}
         if self.split == "outcomes":
             answering = self._answering(msg, grid, backup)
             msg = dataclasses.replace(msg, answering=answering, backup_shard=-1 if backup is None else backup)
+            if answering:  # the hits whose workers' boards have them: no reply to wait for
+                key = self.round_key if self.round_key is not None else rnd.board_key()
+                greedy = [self.seqs[s].sampling.greedy for s in msg.seq_ids]
+                hits = read_hits(rnd, msg, grid, self._boards(), greedy, rnd.spec_tokens.shape[1], key)
+                msg = dataclasses.replace(msg, taken=hits.taken) if hits.any else msg
+                self.board_parts = hits.parts
         self.outcome = msg
 
         encoded = Encoded.of(MsgType.RESOLVE, msg) if self.split == "outcomes" else None  # once for all
-        named = set(msg.answering)
 
         def send(w: int, link: WorkerLink) -> None:
             part = self._part(w, msg)
             if part is not None:
-                link.resolve(part, answers=not named or w in named, encoded=encoded)
+                link.resolve(part, answers=part.owes_reply(w), encoded=encoded)
 
         self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
@@ -262,9 +273,18 @@ class PoolClient:
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
         self.tally.round_s += time.perf_counter() - started
 
+    def _boards(self) -> list:
+        """Each shard's board, None where it has none (a transport other than shm) or is lost."""
+        return [None if s.link is None else s.link.board for s in self.shards]
+
     def _grid(self, rnd: BeginRoundMsg) -> GridMsg | None:
-        """The round's branch grid from its grid shard (waited for, within the deadline); None
-        where the round named none or its shard is lost."""
+        """The round's branch grid off its workers' boards, or from its grid shard (waited for,
+        within the deadline); None where the round named none or its shard is lost."""
+        live = next((s.link for s in self.shards if s.link is not None), None)
+        if self.round_key is not None and live is not None:
+            grid = board_grid(rnd, self.round_key, self._boards(), live.deadline.total_seconds())
+            self.tally.grids_missed += int(grid is None)
+            return grid
         w = rnd.grid_shard
         link = self.shards[w].link if w >= 0 else None
         if link is None:
@@ -319,7 +339,9 @@ class PoolClient:
         if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
             merged = self._assemble(msg.round_id, msg.seq_ids, replies)
         else:
-            merged = merge_shards(msg, list(replies.values()), self.counters())
+            for w, part in self.board_parts.items():
+                self.tally.read_off_board(w, part)
+            merged = merge_shards(msg, [*self.board_parts.values(), *replies.values()], self.counters())
             if not msg.answering:
                 self._hint(msg, merged, replies)
         live = [s for s in self.shards if s.link is not None]

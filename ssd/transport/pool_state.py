@@ -66,6 +66,7 @@ class PoolTally:
     grids_missed: int = 0  # rounds whose grid shard was lost before its grid came: every shard answered
     rounds: int = 0
     replies_awaited: int = 0  # replies waited for, over all rounds
+    board_rows: int = 0  # rows whose hit the target read off its worker's board (no reply waited for)
     shard_hits: list[int] = field(default_factory=list)  # [D] rows whose hit each shard held
     retired: DrafterCounters = field(default_factory=DrafterCounters)  # of links that are gone
     retired_wire: WireCounts = field(default_factory=WireCounts)  # frame bytes of links that are gone
@@ -88,6 +89,11 @@ class PoolTally:
     def replied(self, w: int, reply: SpeculationReply) -> None:
         self.latest[w] = reply.counters
         self.shard_hits[w] += int(reply.hit.sum())
+
+    def read_off_board(self, w: int, part: SpeculationReply) -> None:
+        """Shard w's hits the target read off its board (its counters come with its next reply)."""
+        self.shard_hits[w] += int(part.hit.sum())
+        self.board_rows += int(part.hit.sum())
 
     def round_done(self, replies_awaited: int, reply_s: float) -> None:
         self.rounds += 1
@@ -118,6 +124,8 @@ class PoolTally:
             # the median over recent rounds, and the replies it waited for per round.
             "target_exchange_ms": round(1000 * statistics.median(self.exchange_s), 4) if self.exchange_s else None,
             "replies_awaited": round(self.replies_awaited / self.rounds, 4) if self.rounds else None,
+            # Rows per round whose hit it read off its worker's board instead (shm_board.py).
+            "board_reads": round(self.board_rows / self.rounds, 4) if self.rounds else None,
             "rejected_replies": self.rejected_replies + sum(link.rejected for link in links),
             # Frame bytes (ssd/transport/wire.py WireCounts) to and from the workers, by message kind.
             "wire_bytes_sent": wire.sent,

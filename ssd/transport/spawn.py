@@ -34,6 +34,7 @@ from ssd.core.forked import ForkedProcess, fork
 from ssd.core.protocol import DrafterUnavailable
 from ssd.transport.channel import ChannelClosed
 from ssd.transport.link import CONNECT_TIMEOUT, WorkerLink, await_ready
+from ssd.transport.shm_board import BoardReader, supported
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,23 @@ class SpawnedWorkers:
         from ssd.transport.shm_channel import Mailbox, ShmChannel
 
         to_draft, to_target = Mailbox.create(), Mailbox.create()
+        board = BoardReader.create() if supported() else None  # the hits its worker prepares (shm_board.py)
         try:
             link = {
                 "kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
-                "spin_s": self.config.draft_spin_ms / 1000,
+                "spin_s": self.config.draft_spin_ms / 1000, "board": None if board is None else asdict(board.handle),
             }  # fmt: skip
-            process = self._fork(link, to_draft.handle.fds() + to_target.handle.fds())
+            fds = to_draft.handle.fds() + to_target.handle.fds() + (() if board is None else (board.handle.fd,))
+            process = self._fork(link, fds)
         except BaseException:
             to_draft.close()
             to_target.close()
+            if board is not None:
+                board.close()
             raise
         # The worker holds its own copies of the mailbox descriptors; the mappings stay ours.
         channel = ShmChannel(to_target, to_draft, self.fp, lambda: process.poll() is None)
-        return self._paired(process, channel)
+        return self._paired(process, channel, board=board)
 
     def _gloo_pair(self) -> WorkerLink:
         from ssd.transport.gloo_channel import WorkerGone, await_worker, pair_group, pair_store
@@ -121,7 +126,9 @@ class SpawnedWorkers:
             raise
         return self._paired(process, channel, cleanup)
 
-    def _paired(self, process: ForkedProcess, channel, cleanup: Callable[[], None] | None = None) -> WorkerLink:
+    def _paired(
+        self, process: ForkedProcess, channel, cleanup: Callable[[], None] | None = None, board=None
+    ) -> WorkerLink:
         """A worker over a channel of its own (shm mailboxes or a gloo pair), once it is READY."""
         try:
             try:
@@ -133,9 +140,13 @@ class SpawnedWorkers:
             channel.close(peer_exited=True)
             if cleanup is not None:
                 cleanup()
+            if board is not None:
+                board.close()
             raise
         logger.info("draft worker pid %d ready (%s channel)", process.pid, self.config.draft_transport)
-        return WorkerLink(channel, f"pid {process.pid}", self.config.draft_deadline_s, process, cleanup=cleanup)
+        return WorkerLink(
+            channel, f"pid {process.pid}", self.config.draft_deadline_s, process, cleanup=cleanup, board=board
+        )
 
     def _listening(self) -> WorkerLink:
         """A worker that listens on a port of its own choosing (torch or grpc), reached through

@@ -35,11 +35,12 @@ from ssd.processing.request import Processing
 from ssd.transport.body import BodyReader, flat_ints
 from ssd.transport.reply_probs import pack_probs, unpack_probs
 
+# 10: RESOLVE says which rows the target took off the answering shard's board, and how deep;
 # 9: pools answer per row (BEGIN_ROUND names a grid shard, RESOLVE the answering shards; GRID);
 # 8: replies' counters count first speculations drafted at admission (7: where builds' time goes;
 # 6: greedy reply rows travel as their tokens alone; 5: admissions carry each sequence's logits
 # processing; 4: its grammar; 3: replies carry the bonus token's rank)
-MAGIC = 0x55D0_0009
+MAGIC = 0x55D0_000A
 HEADER = 8
 
 
@@ -234,6 +235,7 @@ def _encode_resolve(msg: ResolveMsg):
     ints = flat_ints(
         [len(msg.seq_ids), int(msg.neural_backup), msg.backup_shard], msg.seq_ids, msg.num_accepted,
         msg.bonus_tokens, [len(msg.next_fanout)], msg.next_fanout, [len(msg.answering)], msg.answering,
+        [len(msg.taken)], msg.taken,
     )  # fmt: skip
     return msg.round_id, ints, _NONE
 
@@ -242,7 +244,8 @@ def _decode_resolve(r: BodyReader, round_id: int, floats: torch.Tensor) -> Resol
     b, neural, backup = r.one(), bool(r.one()), r.one()
     seq_ids, accepted, bonus = r.take_list(b), r.take(b).clone(), r.take(b).clone()
     next_fanout = r.take_list(r.one())
-    return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, next_fanout, r.take_list(r.one()), backup)
+    answering = r.take_list(r.one())
+    return ResolveMsg(round_id, seq_ids, accepted, bonus, neural, next_fanout, answering, backup, r.take_list(r.one()))
 
 
 def _encode_grid(msg: GridMsg):

@@ -70,6 +70,15 @@ def _channel(link: dict, fp: int, child: ForkedChild) -> Channel:
     return TorchChannel(pair_group(store, 1), 0, fp)
 
 
+def _board(link: dict, child: ForkedChild):
+    """The board its target made beside the mailboxes (shm_board.py), if it made one."""
+    if link.get("board") is None:
+        return None
+    from ssd.transport.shm_board import BoardFd, BoardWriter
+
+    return BoardWriter(BoardFd(child.fds[link["board"]["fd"]], link["board"]["bank_bytes"]))
+
+
 def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
     """The drafter of `cfg`'s draft, loaded onto its draft device (split over ranks, child
     processes of this one, when cfg.draft_tensor_parallel_size > 1)."""
@@ -99,11 +108,12 @@ def run_forked(child: ForkedChild, spec: dict) -> int:
         serve_sessions(drafter, listener, fp, not cfg.ssd_reproducible, threading.Event())
         return 0
     channel = _channel(link, fp, child)
+    board = _board(link, child)
     drafter = None
     try:
         drafter = load_drafter(cfg, spec["vocab"])
         channel.send(MsgType.READY)
-        WorkerSession(drafter, channel, cut_trees=not cfg.ssd_reproducible).serve()
+        WorkerSession(drafter, channel, cut_trees=not cfg.ssd_reproducible, board=board).serve()
         return 0
     except Exception as err:  # noqa: BLE001 - whatever it is, the target is told before the process exits
         logger.exception("draft worker failed")

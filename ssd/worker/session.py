@@ -30,6 +30,7 @@ import time
 from ssd.core.protocol import BeginRoundMsg, ErrorMsg, GridMsg, MsgType
 from ssd.drafting.tree_drafter import TreeDrafter
 from ssd.transport.channel import Channel
+from ssd.transport.shm_board import BoardWriter
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,10 @@ class WorkerSession:
     """Serves one target over one channel. cut_trees=False builds every tree to depth K whatever
     the timing (reproducible output, at the cost of waiting for the whole build)."""
 
-    def __init__(self, drafter: TreeDrafter, channel: Channel, cut_trees: bool = True) -> None:
-        self.drafter, self.channel, self.cut_trees = drafter, channel, cut_trees
+    def __init__(
+        self, drafter: TreeDrafter, channel: Channel, cut_trees: bool = True, board: BoardWriter | None = None
+    ) -> None:
+        self.drafter, self.channel, self.cut_trees, self.board = drafter, channel, cut_trees, board
         self.last_begun = 0  # round id of the last round begun (announced or predicted)
         self._memory_noted_at = -MEMORY_NOTE_EVERY_S  # time.monotonic() of the last read
 
@@ -168,14 +171,40 @@ class WorkerSession:
         # waiting, and branches of the depth reached are still usable speculations.
         grid = _GridOut(self.channel, self.drafter.shard, msg)
         self.drafter.begin_round(
-            msg, interrupted=self.channel.poll if self.cut_trees else None, on_grid=self._on_grid(msg, grid)
+            msg,
+            interrupted=self.channel.poll if self.cut_trees else None,
+            on_fork=self._on_fork(msg, msg, grid),
         )
 
-    def _on_grid(self, msg: BeginRoundMsg | None, grid: _GridOut):
-        """What the drafter hands its grid to: the sender, where this worker of a pool may be asked
-        for it (msg None: a predicted round, whose announcement will say)."""
-        asked = msg is None or msg.grid_shard == self.drafter.shard
-        return grid.forked if asked and self.drafter.num_shards > 1 else None
+    def _on_fork(self, rnd: BeginRoundMsg, announced: BeginRoundMsg | None, grid: _GridOut):
+        """What the drafter hands the round's grid to once forked: the sender, where this worker
+        of a pool may be asked for it (announced None: a predicted round, whose announcement will
+        say); and this worker's board, where each depth is published under the round's key (the
+        target finds it only if its announcement is this round: shm_board.py)."""
+        asked = announced is None or announced.grid_shard == self.drafter.shard
+        sends = asked and self.drafter.num_shards > 1
+        if not sends and self.board is None:
+            return None
+        board, key = self.board, None if self.board is None else rnd.board_key()
+        build_us = int(self.drafter.last_build_s * 1e6)  # the last whole build's, for the target's budget
+
+        def forked(forked_grid, branches: int, keeps_probs: bool):
+            if sends:
+                grid.forked(forked_grid)
+            if board is None:
+                return None
+            board.start(
+                key,
+                forked_grid,
+                branches,
+                self.drafter.k,
+                self.drafter.just_in_time.target_vocab,
+                keeps_probs,
+                build_us,
+            )
+            return board.add
+
+        return forked
 
     def _predict(self, msg: BeginRoundMsg):
         return self._build_predicted(msg) if self._begin(MsgType.PREDICT, msg) else None
@@ -185,7 +214,9 @@ class WorkerSession:
             return self._reject(MsgType.RESOLVE, msg.round_id)
         self.drafter.resolve(msg)
         reply = self.drafter.reply()
-        if reply is not None:  # None: the target named other shards for every row
+        # None: the target named other shards for every row; or took every row named this
+        # shard off its board (the reply still tells the prediction below what comes next).
+        if reply is not None and msg.owes_reply(self.drafter.shard):
             self.channel.send(MsgType.REPLY, reply)
             self._note_memory()
         predicted = self.drafter.predict_round(msg, reply)
@@ -248,7 +279,7 @@ class WorkerSession:
             predicted,
             interrupted=watch.outcome_arrived if self.cut_trees else None,
             stale=watch.stale,
-            on_grid=self._on_grid(None, grid),
+            on_fork=self._on_fork(predicted, None, grid),
         )
         watch.settle()
         if watch.other is None:

@@ -1,0 +1,103 @@
+"""The hits a target reads off its workers' boards (shm_board.py) instead of waiting for their
+replies: which rows, how deep, and the reply they make (merged with the workers' own replies by
+rows.merge_shards).
+
+Shapes: b rows of the round, K speculation length, V the target's vocabulary; D shards, branch n
+held by shard n mod D at its board's branch n // D.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ssd.core.protocol import BeginRoundMsg, DrafterCounters, GridMsg, ResolveMsg, SpeculationReply
+from ssd.transport.shm_board import BoardReader, Branch, holds_round
+
+
+def on_boards(msg: BeginRoundMsg, boards: list[BoardReader | None]) -> bool:
+    """Whether round `msg` is published on the boards of the live shards (boards: theirs, None
+    for a lost shard): every live one has a board and the round fits it."""
+    live = [b for b in boards if b is not None]
+    if len(live) < 2 or len(live) != len(boards):
+        return False
+    width = sum(msg.fanout)
+    own = math.ceil(width / len(boards))  # shard 0's share, the largest
+    return all(holds_round(b.handle.bank_bytes, len(msg.seq_ids), width, own, msg.spec_tokens.shape[1]) for b in live)
+
+
+def board_grid(rnd: BeginRoundMsg, key: int, boards: list[BoardReader | None], deadline_s: float) -> GridMsg | None:
+    """The round's branch grid off the first board that has it (every shard forks the whole grid
+    alike), waiting for one to fork it up to the deadline (yielding the core meanwhile); None
+    where none does in that time."""
+    end = time.monotonic() + deadline_s
+    while True:
+        for board in boards:
+            got = None if board is None else board.grid(key)
+            if got is not None:
+                return GridMsg(rnd.round_id, list(rnd.seq_ids), *got)
+        if time.monotonic() > end:
+            return None
+        os.sched_yield()
+
+
+@dataclass
+class BoardHits:
+    """What a round's outcome read off the boards."""
+
+    taken: list[int]  # [b] tokens of each row's hit taken (0: none; ResolveMsg.taken)
+    parts: dict[int, SpeculationReply]  # shard -> its rows read off its board, as a reply
+
+    @property
+    def any(self) -> bool:
+        return any(self.taken)
+
+
+def read_hits(
+    rnd: BeginRoundMsg,
+    msg: ResolveMsg,
+    grid: GridMsg,
+    boards: list[BoardReader | None],
+    greedy: list[bool],
+    k: int,
+    key: int,
+) -> BoardHits:
+    """For each row whose answering shard (msg.answering) holds its hit and has a board: that
+    branch, as deep as the board has it (a sampled row's only with its distributions)."""
+    b, d = len(msg.seq_ids), len(boards)
+    taken, found = [0] * b, {}  # found: shard -> [(row, branch, rank)]
+    branches = grid.branches(msg.num_accepted.tolist(), msg.bonus_tokens.tolist())
+    for r, n in enumerate(branches):
+        w = n % d if n >= 0 else -1
+        if w < 0 or msg.answering[r] != w or boards[w] is None:
+            continue
+        branch = boards[w].read(key, r, n // d, with_probs=not greedy[r])
+        if branch is not None:
+            taken[r] = len(branch.tokens)
+            found.setdefault(w, []).append((r, branch, grid.rank(r, n)))
+    parts = {w: _reply(rnd.round_id, msg.seq_ids, rows, greedy, k) for w, rows in found.items()}
+    return BoardHits(taken, parts)
+
+
+def _reply(round_id: int, seq_ids: list[int], rows: list[tuple[int, Branch, int]], greedy, k: int) -> SpeculationReply:
+    """One shard's rows read off its board, as the reply it would have sent for them."""
+    b = len(seq_ids)
+    hit, tokens = torch.zeros(b, dtype=torch.bool), torch.zeros(b, k, dtype=torch.long)
+    num_draft, rank = torch.zeros(b, dtype=torch.long), torch.full((b,), -1, dtype=torch.long)
+    vocab = next((branch.probs.shape[-1] for _, branch, _ in rows if branch.probs is not None), None)
+    probs = None if vocab is None else torch.zeros(b, k, vocab)
+    for r, branch, place in rows:
+        depth = len(branch.tokens)
+        hit[r], num_draft[r], rank[r] = True, depth, place
+        tokens[r, :depth] = torch.tensor(branch.tokens)
+        if branch.probs is not None:
+            probs[r, :depth] = branch.probs
+    build = max(branch.build_us for _, branch, _ in rows) / 1e6
+    return SpeculationReply(
+        round_id, list(seq_ids), hit, tokens, probs, num_draft, build, DrafterCounters(), hit.clone(), rank,
+        torch.tensor(greedy, dtype=torch.bool),
+    )  # fmt: skip
