@@ -91,6 +91,27 @@ def test_one_of_two_workers_killed_mid_generation(tiny_pair, prompts, tiny_refer
         assert worker_process(llm, shard=1).pid != victim.pid
 
 
+def test_every_worker_killed_mid_generation_costs_no_deadline(tiny_pair, prompts, tiny_reference):
+    """Over shm the target waits for a round's grid on its workers' boards: with every worker
+    dead it stops waiting at once (it checks that one is alive to fork it), not at the deadline."""
+    target, draft = tiny_pair
+    with ssd_llm(target, draft, draft_workers=2, ssd_backup="neural", max_num_seqs=2, draft_deadline_s=60) as llm:
+        engine = llm.engine
+        for p in prompts[:2]:
+            engine.add_request(p, greedy())
+        engine.step()
+        engine.step()  # a round in flight: its grid is on the boards, or about to be
+        victims = [worker_process(llm, shard=w) for w in (0, 1)]
+        for victim in victims:
+            victim.kill()
+        for victim in victims:
+            victim.wait(10)
+        started = time.monotonic()
+        assert finish(engine) == sorted(tiny_reference[:2])
+        assert time.monotonic() - started < 20, "a round waited for a grid no worker was left to fork"
+        assert metric(llm.metrics(), "draft_worker_failures") == 2
+
+
 # ---- messages that must not count ----------------------------------------------------------------
 
 

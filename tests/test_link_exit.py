@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import atexit
 import gc
+import time
 import weakref
 
-from ssd.core.protocol import MsgType
+import pytest
+import torch
+
+from ssd.core.protocol import MsgType, ResolveMsg
 from ssd.transport import link as link_module
 from ssd.transport.link import WorkerLink
+from ssd.transport.shm_channel import Mailbox, ShmChannel
 from ssd.transport.wire import WireCounts
 
 
@@ -63,43 +68,20 @@ def test_a_link_still_open_at_exit_is_closed_by_the_hook(monkeypatch):
     assert link_module.open_links() == []
 
 
-def test_a_clean_close_waits_for_a_worker_that_stopped_reading_seconds_not_its_deadline():
+@pytest.mark.parametrize("worker", ["stopped reading", "owes a reply"])
+def test_a_clean_close_waits_for_a_silent_worker_seconds_not_its_deadline(worker):
     """Reported: a served target replica closed while its leased worker no longer read (the pool
     being deleted beside it) waited its 30 s reply deadline on SHUTDOWN, and Serve force-killed it
-    at its grace period. Real shm mailboxes of one slot, the slot taken by a message never read."""
-    import time
-
-    import torch
-
-    from ssd.core.protocol import ResolveMsg
-    from ssd.transport.shm_channel import Mailbox, ShmChannel
-
+    at its grace period. Real shm mailboxes: one slot taken by a message never read, or a reply owed
+    and never sent (the close drains it first); either way SHUTDOWN_TIMEOUT bounds the close."""
     to_worker, to_target = Mailbox.create(capacity=256, slots=1), Mailbox.create(capacity=256, slots=1)
-    target_end = ShmChannel(to_target, to_worker, 7, lambda: True)
-    target_end.send(MsgType.RESOLVE, ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False))
-    link = WorkerLink(target_end, "stopped reading", deadline_s=30.0)
-    started = time.monotonic()
-    link.close()
-    assert time.monotonic() - started < 2 * link_module.SHUTDOWN_TIMEOUT.total_seconds() + 1
-    assert link.closed
-    to_worker.close()
-    to_target.close()
-
-
-def test_a_clean_close_waits_for_an_owed_reply_seconds_not_its_deadline():
-    """The same bound for a reply owed and never sent: the close drains it for SHUTDOWN_TIMEOUT,
-    not the 30 s reply deadline (real shm mailboxes; the worker end never answers)."""
-    import time
-
-    import torch
-
-    from ssd.core.protocol import ResolveMsg
-    from ssd.transport.shm_channel import Mailbox, ShmChannel
-
-    to_worker, to_target = Mailbox.create(capacity=256, slots=2), Mailbox.create(capacity=256, slots=2)
-    link = WorkerLink(ShmChannel(to_target, to_worker, 7, lambda: True), "owes a reply", deadline_s=30.0)
-    link.resolve(ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False), answers=True)
-    assert link.owed is not None
+    outcome = ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False)
+    link = WorkerLink(ShmChannel(to_target, to_worker, 7, lambda: True), worker, deadline_s=30.0)
+    if worker == "stopped reading":
+        link.channel.send(MsgType.RESOLVE, outcome)
+    else:
+        link.resolve(outcome, answers=True)
+        assert link.owed is not None
     started = time.monotonic()
     link.close()
     assert time.monotonic() - started < 2 * link_module.SHUTDOWN_TIMEOUT.total_seconds() + 1

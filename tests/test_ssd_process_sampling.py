@@ -89,14 +89,14 @@ CASES = {
         dict(max_num_seqs=4, ssd_backup="neural", draft_workers=4, draft_transport="grpc"),
         500,
     ),
-    # Four workers over shm at batch 16: many hits are read off their workers' boards
+    # Four workers over shm at batch 4: many hits are read off their workers' boards
     # (shm_board.py), distributions included (the very tensors each depth drew from, processed
     # or not: the board has no path of its own for processing); the power test below breaks the
     # board alone.
     "four_workers_boards": (
         SamplingParams(temperature=1.0),
-        dict(max_num_seqs=16, draft_workers=4, ssd_budget=8, ssd_autobudget=False),
-        N_SAMPLES,
+        dict(max_num_seqs=4, draft_workers=4, ssd_budget=8, ssd_autobudget=False),
+        500,
     ),
     "four_workers_grpc_one_row_top_p": (
         SamplingParams(temperature=1.5, top_p=0.8),
@@ -150,7 +150,7 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
         # Over shm the target reads many hits off their workers' boards (shm_board.py).
         assert (ssd["board_reads"] > 0.1) == (options.get("draft_transport", "shm") == "shm"), ssd
     if case == "four_workers_boards":
-        assert ssd["board_reads"] > 0.3, ssd
+        assert ssd["board_reads"] > 0.1, ssd
     if case == "two_workers_predicted":
         assert ssd["drafter_predicted_confirmed"] > 0.1 * rounds, ssd
     if case == "predicted_rounds":
@@ -176,8 +176,8 @@ def test_the_check_fails_on_a_board_that_publishes_the_wrong_distribution(peaked
     """The same power test for the hits the target reads off a worker's board (the worker's
     replies right, its board wrong): the pool of four_workers_boards."""
     monkeypatch.setattr(proposers, "run_forked", forked_targets.neighbour_board_worker)
-    params, options, n = CASES["four_workers_boards"]
-    prompt_ids, samples, m = run_case(peaked_pair, params, options, n, 321)
+    params, options, _ = CASES["four_workers_boards"]
+    prompt_ids, samples, m = run_case(peaked_pair, params, options, 1000, 321)
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
-    assert m["ssd"]["board_reads"] > 0.3, m["ssd"]
+    assert m["ssd"]["board_reads"] > 0.1, m["ssd"]
     assert min(p for p, _, _ in result.values()) < 1e-8, result

@@ -26,7 +26,9 @@ carry no round id.
 
 from __future__ import annotations
 
+import array
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,10 +116,17 @@ class BeginRoundMsg:
     def board_key(self) -> int:
         """A number that names this round's content (what same_round compares), by which a
         worker's board publishes the round's build and the target finds it
-        (ssd/transport/shm_board.py); the same in every process (integers hash alike everywhere)."""
-        spec = [self.spec_tokens[r, :n].tolist() for r, n in enumerate(self.num_draft.tolist())]
-        content = (self.round_id, *self.seq_ids, -1, *self.fanout, -1, *self.committed, -1, *sum(spec, []), -1)
-        return hash((content, tuple(len(s) for s in spec))) & ((1 << 62) - 1)
+        (ssd/transport/shm_board.py): a digest of its bytes, the same in every process (Python's
+        own hash of bytes is salted per process), in one pass at any batch size."""
+        k = self.spec_tokens.shape[1]
+        real = torch.arange(k) < self.num_draft.view(-1, 1)  # padding past a row's drafts is not content
+        spec = torch.where(real, self.spec_tokens.long(), -1)
+        digest = hashlib.blake2b(digest_size=8)
+        sizes = [self.round_id, len(self.seq_ids), len(self.fanout), len(self.committed)]
+        for ints in (sizes, self.seq_ids, self.fanout, self.committed):
+            digest.update(array.array("q", ints).tobytes())
+        digest.update(spec.numpy().tobytes())
+        return int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
 
     def same_round(self, other: BeginRoundMsg) -> bool:
         """Whether both announce the same round: ids, batch, fan-out and the speculations' real tokens."""
@@ -182,10 +191,6 @@ class GridMsg:
             n = branch_of(self.outcome[r].tolist(), self.candidates[r].tolist(), a, t)
             out.append(-1 if n is None else n)
         return out
-
-    def holders(self, accepted: list[int], bonus: list[int], num_shards: int) -> list[int]:
-        """Per row, the shard that holds the branch of its outcome, -1 where the grid has none."""
-        return [-1 if n < 0 else n % num_shards for n in self.branches(accepted, bonus)]
 
     def rank(self, row: int, branch: int) -> int:
         """The rank of branch `branch` among its outcome's candidates (branches are numbered by

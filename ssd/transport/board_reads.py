@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,30 +19,42 @@ import torch
 from ssd.core.protocol import BeginRoundMsg, DrafterCounters, GridMsg, ResolveMsg, SpeculationReply
 from ssd.transport.shm_board import BoardReader, Branch, holds_round
 
+# How often a target waiting for a round's grid on the boards checks that a worker is still alive
+# to fork it (a process poll costs a system call; the wait itself is microseconds a try).
+LIVENESS_S = 0.01
 
-def on_boards(msg: BeginRoundMsg, boards: list[BoardReader | None]) -> bool:
-    """Whether round `msg` is published on the boards of the live shards (boards: theirs, None
-    for a lost shard): every live one has a board and the round fits it."""
-    live = [b for b in boards if b is not None]
-    if len(live) < 2 or len(live) != len(boards):
+
+def on_boards(msg: BeginRoundMsg, boards: list[BoardReader | None], live: int) -> bool:
+    """Whether round `msg` is published on its workers' boards (boards: each shard's, None for a
+    lost one): each of the `live` workers has one, and the round fits them."""
+    have = [b for b in boards if b is not None]
+    if not have or len(have) != live:
         return False
     width = sum(msg.fanout)
     own = math.ceil(width / len(boards))  # shard 0's share, the largest
-    return all(holds_round(b.handle.bank_bytes, len(msg.seq_ids), width, own, msg.spec_tokens.shape[1]) for b in live)
+    return all(holds_round(b.handle.bank_bytes, len(msg.seq_ids), width, own, msg.spec_tokens.shape[1]) for b in have)
 
 
-def board_grid(rnd: BeginRoundMsg, key: int, boards: list[BoardReader | None], deadline_s: float) -> GridMsg | None:
+def board_grid(
+    rnd: BeginRoundMsg, key: int, boards: list[BoardReader | None], deadline_s: float, alive: Callable[[], bool]
+) -> GridMsg | None:
     """The round's branch grid off the first board that has it (every shard forks the whole grid
-    alike), waiting for one to fork it up to the deadline (yielding the core meanwhile); None
-    where none does in that time."""
+    alike), waiting for one to fork it (yielding the core meanwhile) up to the deadline, or until
+    `alive()` (asked every LIVENESS_S) says no worker is left to fork it; None then."""
     end = time.monotonic() + deadline_s
+    checked = time.monotonic()
     while True:
         for board in boards:
             got = None if board is None else board.grid(key)
             if got is not None:
                 return GridMsg(rnd.round_id, list(rnd.seq_ids), *got)
-        if time.monotonic() > end:
+        now = time.monotonic()
+        if now > end:
             return None
+        if now - checked > LIVENESS_S:
+            if not alive():
+                return None
+            checked = now
         os.sched_yield()
 
 
@@ -61,16 +74,16 @@ def read_hits(
     rnd: BeginRoundMsg,
     msg: ResolveMsg,
     grid: GridMsg,
+    branches: list[int],
     boards: list[BoardReader | None],
     greedy: list[bool],
-    k: int,
     key: int,
 ) -> BoardHits:
-    """For each row whose answering shard (msg.answering) holds its hit and has a board: that
-    branch, as deep as the board has it (a sampled row's only with its distributions)."""
-    b, d = len(msg.seq_ids), len(boards)
+    """For each row whose answering shard (msg.answering) holds its hit (branches [b]: each row's
+    branch in the grid, -1 where none) and has a board: that branch, as deep as the board has it
+    (a sampled row's only with its distributions)."""
+    b, d, k = len(msg.seq_ids), len(boards), rnd.spec_tokens.shape[1]
     taken, found = [0] * b, {}  # found: shard -> [(row, branch, rank)]
-    branches = grid.branches(msg.num_accepted.tolist(), msg.bonus_tokens.tolist())
     for r, n in enumerate(branches):
         w = n % d if n >= 0 else -1
         if w < 0 or msg.answering[r] != w or boards[w] is None:

@@ -218,7 +218,11 @@ class PoolClient:
         started = time.perf_counter()
         self._attach_ready()
         # A round on its workers' boards has its grid read off them (board_reads.py): no GRID.
-        self.round_key = msg.board_key() if self.split == "outcomes" and on_boards(msg, self._boards()) else None
+        self.round_key = (
+            msg.board_key()
+            if self.split == "outcomes" and self.d > 1 and on_boards(msg, self._boards(), self.live())
+            else None
+        )
         grid_shard = None if self.round_key is not None else self._grid_shard()
         if grid_shard is not None:
             msg = dataclasses.replace(msg, grid_shard=grid_shard)
@@ -248,12 +252,14 @@ class PoolClient:
         backup = self._backup_shard()  # after the grid's read, which may have lost its shard
         self.board_parts = {}
         if self.split == "outcomes":
-            answering = self._answering(msg, grid, backup)
+            # Each row's branch in the grid (-1: none), found once for the answers and the boards.
+            branches = None if grid is None else grid.branches(msg.num_accepted.tolist(), msg.bonus_tokens.tolist())
+            answering = self._answering(branches, backup)
             msg = dataclasses.replace(msg, answering=answering, backup_shard=-1 if backup is None else backup)
             if answering:  # the hits whose workers' boards have them: no reply to wait for
                 key = self.round_key if self.round_key is not None else rnd.board_key()
                 greedy = [self.seqs[s].sampling.greedy for s in msg.seq_ids]
-                hits = read_hits(rnd, msg, grid, self._boards(), greedy, rnd.spec_tokens.shape[1], key)
+                hits = read_hits(rnd, msg, grid, branches, self._boards(), greedy, key)
                 msg = dataclasses.replace(msg, taken=hits.taken) if hits.any else msg
                 self.board_parts = hits.parts
         self.outcome = msg
@@ -282,7 +288,8 @@ class PoolClient:
         within the deadline); None where the round named none or its shard is lost."""
         live = next((s.link for s in self.shards if s.link is not None), None)
         if self.round_key is not None and live is not None:
-            grid = board_grid(rnd, self.round_key, self._boards(), live.deadline.total_seconds())
+            alive = lambda: any(s.link is not None and s.link.is_alive() for s in self.shards)  # noqa: E731
+            grid = board_grid(rnd, self.round_key, self._boards(), live.deadline.total_seconds(), alive)
             self.tally.grids_missed += int(grid is None)
             return grid
         w = rnd.grid_shard
@@ -297,12 +304,13 @@ class PoolClient:
             self._fail(w, err)
             return None
 
-    def _answering(self, msg: ResolveMsg, grid: GridMsg | None, backup: int | None) -> list[int]:
+    def _answering(self, branches: list[int] | None, backup: int | None) -> list[int]:
         """[b] the shard that answers each row: the live one whose shard of the grid holds its
-        outcome, else the backup shard. Empty (every shard answers every row) without a grid."""
-        if grid is None or backup is None:
+        outcome (branches [b]: its branch, -1 where none), else the backup shard. Empty (every
+        shard answers every row) without a grid."""
+        if branches is None or backup is None:
             return []
-        holders = grid.holders(msg.num_accepted.tolist(), msg.bonus_tokens.tolist(), self.d)
+        holders = [n % self.d if n >= 0 else -1 for n in branches]
         return [w if w >= 0 and self.shards[w].link is not None else backup for w in holders]
 
     def reply(self, deadline_s: float) -> SpeculationReply:

@@ -75,6 +75,7 @@ class PoolTally:
     # exchange with the pool, its forwards excluded); round_s is the current round's so far.
     exchange_s: deque = field(default_factory=lambda: deque(maxlen=EXCHANGE_WINDOW))
     round_s: float = 0.0
+    _summed: DrafterCounters | None = None  # counters(), until a reply or a loss changes it
 
     def __post_init__(self) -> None:
         self.shard_hits = self.shard_hits or [0] * self.d
@@ -85,15 +86,17 @@ class PoolTally:
         self.rejected_replies += link.rejected
         self.retired_wire = self.retired_wire + link.wire
         self.retired = self.retired + self.latest.pop(w, DrafterCounters())
+        self._summed = None
 
     def replied(self, w: int, reply: SpeculationReply) -> None:
-        self.latest[w] = reply.counters
+        self.latest[w], self._summed = reply.counters, None
         self.shard_hits[w] += int(reply.hit.sum())
 
     def read_off_board(self, w: int, part: SpeculationReply) -> None:
         """Shard w's hits the target read off its board (its counters come with its next reply)."""
-        self.shard_hits[w] += int(part.hit.sum())
-        self.board_rows += int(part.hit.sum())
+        hits = int(part.hit.sum())
+        self.shard_hits[w] += hits
+        self.board_rows += hits
 
     def round_done(self, replies_awaited: int, reply_s: float) -> None:
         self.rounds += 1
@@ -102,11 +105,14 @@ class PoolTally:
 
     def counters(self) -> DrafterCounters:
         """The workers' counters summed, each as of its latest reply (a shard named for no row
-        of a round sends none: its count lags until it is named again)."""
-        total = self.retired
-        for c in self.latest.values():
-            total = total + c
-        return total
+        of a round sends none: its count lags until it is named again). Kept between replies:
+        with hits read off boards most rounds bring none, and the sum is D additions a round."""
+        if self._summed is None:
+            total = self.retired
+            for c in self.latest.values():
+                total = total + c
+            self._summed = total
+        return self._summed
 
     def stats(self, links: list[WorkerLink]) -> dict:
         """links: the live ones."""

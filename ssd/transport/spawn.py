@@ -85,7 +85,9 @@ class SpawnedWorkers:
         from ssd.transport.shm_channel import Mailbox, ShmChannel
 
         to_draft, to_target = Mailbox.create(), Mailbox.create()
-        board = BoardReader.create() if supported() else None  # the hits its worker prepares (shm_board.py)
+        # Where its worker publishes what it prepares (shm_board.py); not with ssd_reproducible, whose
+        # answers wait for whole trees (a board is read at whatever depth the outcome finds).
+        board = BoardReader.create() if supported() and not self.config.ssd_reproducible else None
         try:
             link = {
                 "kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),

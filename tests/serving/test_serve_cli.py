@@ -110,7 +110,7 @@ def drain_under_load(proc, base: str) -> dict:
         body = {
             "model": "ssd-demo",
             "prompt": "def f(x):",
-            "max_tokens": 600,
+            "max_tokens": 300,
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
