@@ -256,10 +256,9 @@ class PoolClient:
             branches = None if grid is None else grid.branches(msg.num_accepted.tolist(), msg.bonus_tokens.tolist())
             answering = self._answering(branches, backup)
             msg = dataclasses.replace(msg, answering=answering, backup_shard=-1 if backup is None else backup)
-            if answering:  # the hits whose workers' boards have them: no reply to wait for
-                key = self.round_key if self.round_key is not None else rnd.board_key()
+            if answering and self.round_key is not None:  # hits on their workers' boards: no reply to wait for
                 greedy = [self.seqs[s].sampling.greedy for s in msg.seq_ids]
-                hits = read_hits(rnd, msg, grid, branches, self._boards(), greedy, key)
+                hits = read_hits(rnd, msg, grid, branches, self._boards(), greedy, self.round_key)
                 msg = dataclasses.replace(msg, taken=hits.taken) if hits.any else msg
                 self.board_parts = hits.parts
         self.outcome = msg

@@ -181,11 +181,12 @@ class WorkerSession:
         of a pool may be asked for it (announced None: a predicted round, whose announcement will
         say); and this worker's board, where each depth is published under the round's key (the
         target finds it only if its announcement is this round: shm_board.py)."""
-        asked = announced is None or announced.grid_shard == self.drafter.shard
-        sends = asked and self.drafter.num_shards > 1
-        if not sends and self.board is None:
+        pooled = self.drafter.num_shards > 1  # a worker alone (or one of a split by sequence) is never read
+        sends = pooled and (announced is None or announced.grid_shard == self.drafter.shard)
+        board = self.board if pooled else None
+        if not sends and board is None:
             return None
-        board, key = self.board, None if self.board is None else rnd.board_key()
+        key = None if board is None else rnd.board_key()
         build_us = int(self.drafter.last_build_s * 1e6)  # the last whole build's, for the target's budget
 
         def forked(forked_grid, branches: int, keeps_probs: bool):
