@@ -76,7 +76,7 @@ def test_a_clean_close_waits_for_a_silent_worker_seconds_not_its_deadline(worker
     and never sent (the close drains it first); either way SHUTDOWN_TIMEOUT bounds the close."""
     to_worker, to_target = Mailbox.create(capacity=256, slots=1), Mailbox.create(capacity=256, slots=1)
     outcome = ResolveMsg(1, [1], torch.tensor([0]), torch.tensor([1]), False)
-    link = WorkerLink(ShmChannel(to_target, to_worker, 7, lambda: True), worker, deadline_s=30.0)
+    link = WorkerLink(ShmChannel.of(to_target, to_worker, 7, lambda: True), worker, deadline_s=30.0)
     if worker == "stopped reading":
         link.channel.send(MsgType.RESOLVE, outcome)
     else:

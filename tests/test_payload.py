@@ -15,7 +15,7 @@ def _metered_pair():
     """Two ends of a shared-memory channel, and the bytes each end really wrote into its mailbox
     (counted at the mailbox writer, below the channel's own counters)."""
     a_to_b, b_to_a = Mailbox.create(), Mailbox.create()
-    a, b = ShmChannel(b_to_a, a_to_b, 7, lambda: True), ShmChannel(a_to_b, b_to_a, 7, lambda: True)
+    a, b = ShmChannel.of(b_to_a, a_to_b, 7, lambda: True), ShmChannel.of(a_to_b, b_to_a, 7, lambda: True)
     written = {"a": [], "b": []}
 
     def metered(write, log):

@@ -37,6 +37,11 @@ def test_four_workers_at_batch_1_the_target_awaits_one_reply_per_round(tiny_pair
     with ssd_llm(target, draft, draft_workers=4, draft_transport=transport, ssd_backup="neural", max_num_seqs=1) as llm:
         check_greedy(llm, prompts, tiny_reference)
         m = llm.metrics()
+        if transport == "shm":  # each round and its outcome written once to the pool's feed, not once a worker
+            client = llm.engine.proposer.client
+            chunks, rounds = client.shards[0].link.feed.writer.seq, client.tally.rounds
+            private = m["backup_neural_rounds"] + 10 * len(prompts) + 8  # backup requests, ADMIT/RELEASE, JOIN
+            assert 2 * rounds <= chunks <= 2 * rounds + private, (chunks, rounds, private)
     ssd = m["ssd"]
     # One answer per round: a reply, or the hit read off its worker's board (shm only).
     assert ssd["replies_awaited"] + ssd["board_reads"] == pytest.approx(1.0, abs=1e-3), ssd

@@ -154,11 +154,11 @@ def test_a_bank_rewritten_while_read_reads_as_nothing(open_board, monkeypatch, a
     writer.start(41, _grid(6), N, K, V, True, 0)
     for d in range(K):
         writer.add(d, tokens[d], probs[d])
-    layout = reader._banks.layout
+    layout = reader._banks.arrays
 
     def rewrite_mid_read(*args):
         views = layout(*args)  # the reader holds bank 0's version: the worker moves on to bank 1, then back
-        monkeypatch.setattr(reader._banks, "layout", layout)
+        monkeypatch.setattr(reader._banks, "arrays", layout)
         writer.start(42, _grid(7), N, K, V, True, 0)
         writer.start(43, _grid(7), N, K, V, True, 0)
         writer.add(0, new_tokens[0], new_probs[0])
@@ -166,7 +166,7 @@ def test_a_bank_rewritten_while_read_reads_as_nothing(open_board, monkeypatch, a
 
     query = (lambda: reader.read(41, 0, 0, True)) if ask == "read" else (lambda: reader.grid(41))
     assert query() is not None
-    monkeypatch.setattr(reader._banks, "layout", rewrite_mid_read)
+    monkeypatch.setattr(reader._banks, "arrays", rewrite_mid_read)
     assert query() is None
     _assert_prefix(reader.read(43, 0, 0, True), new_tokens, new_probs, 0, 0, 1)
 

@@ -28,7 +28,7 @@ from ssd.transport.shm_channel import Mailbox, MailboxFds, ShmChannel
 from ssd.core.protocol import MsgType
 spec = json.loads(sys.argv[1])
 parent = os.getppid()
-end = ShmChannel(Mailbox.attach(MailboxFds(**spec["inbox"])), Mailbox.attach(MailboxFds(**spec["outbox"])), 7,
+end = ShmChannel.of(Mailbox.attach(MailboxFds(**spec["inbox"])), Mailbox.attach(MailboxFds(**spec["outbox"])), 7,
                  lambda: os.getppid() == parent)
 while True:
     kind, msg = end.recv()
@@ -59,7 +59,7 @@ def test_messages_cross_processes_intact_in_chunks():
         [sys.executable, "-c", ECHO, spec], pass_fds=to_child.handle.fds() + to_parent.handle.fds()
     )
     try:
-        end = ShmChannel(to_parent, to_child, FP, lambda: child.poll() is None)
+        end = ShmChannel.of(to_parent, to_child, FP, lambda: child.poll() is None)
         for i, (b, k, v) in enumerate([(1, 6, 258), (16, 6, 4000), (2, 1, 3)]):
             sent = _reply(b, k, v, i)
             end.send(MsgType.REPLY, sent, LONG)
@@ -80,7 +80,7 @@ def test_messages_cross_processes_intact_in_chunks():
 
 def _pair(alive=lambda: True, slots: int = 4):
     a_to_b, b_to_a = Mailbox.create(capacity=256, slots=slots), Mailbox.create(capacity=256, slots=slots)
-    return ShmChannel(b_to_a, a_to_b, FP, alive), ShmChannel(a_to_b, b_to_a, FP, alive)
+    return ShmChannel.of(b_to_a, a_to_b, FP, alive), ShmChannel.of(a_to_b, b_to_a, FP, alive)
 
 
 def test_arrival_is_seen_without_consuming_the_message():

@@ -180,7 +180,7 @@ class EngineArgs(BaseModel):
         50.0,
         ge=0.0,
         le=10_000.0,
-        description="SSD, shm channel: how long the draft worker spins on its mailbox waiting for "
+        description="SSD, shm channel: how long the draft worker spins on its inbox waiting for "
         "the next message before it "
         "blocks in the kernel. Spinning answers an outcome microseconds after it arrives; blocking frees the "
         "worker's core and costs a wake-up.",

@@ -32,6 +32,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy
 import torch
 
 from ssd.core.sampling import SequenceSampling
@@ -118,14 +119,14 @@ class BeginRoundMsg:
         worker's board publishes the round's build and the target finds it
         (ssd/transport/shm_board.py): a digest of its bytes, the same in every process (Python's
         own hash of bytes is salted per process), in one pass at any batch size."""
-        k = self.spec_tokens.shape[1]
-        real = torch.arange(k) < self.num_draft.view(-1, 1)  # padding past a row's drafts is not content
-        spec = torch.where(real, self.spec_tokens.long(), -1)
+        spec = self.spec_tokens.numpy().astype(numpy.int64, copy=False)
+        real = (
+            numpy.arange(spec.shape[1]) < self.num_draft.numpy()[:, None]
+        )  # padding past a row's drafts is not content
         digest = hashlib.blake2b(digest_size=8)
         sizes = [self.round_id, len(self.seq_ids), len(self.fanout), len(self.committed)]
-        for ints in (sizes, self.seq_ids, self.fanout, self.committed):
-            digest.update(array.array("q", ints).tobytes())
-        digest.update(spec.numpy().tobytes())
+        digest.update(array.array("q", sizes + list(self.seq_ids) + list(self.fanout) + list(self.committed)).tobytes())
+        digest.update(numpy.where(real, spec, -1).tobytes())
         return int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
 
     def same_round(self, other: BeginRoundMsg) -> bool:

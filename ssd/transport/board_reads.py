@@ -32,7 +32,8 @@ def on_boards(msg: BeginRoundMsg, boards: list[BoardReader | None], live: int) -
         return False
     width = sum(msg.fanout)
     own = math.ceil(width / len(boards))  # shard 0's share, the largest
-    return all(holds_round(b.handle.bank_bytes, len(msg.seq_ids), width, own, msg.spec_tokens.shape[1]) for b in have)
+    bank = min(b.handle.bank_bytes for b in have)
+    return holds_round(bank, len(msg.seq_ids), width, own, msg.spec_tokens.shape[1])
 
 
 def board_grid(

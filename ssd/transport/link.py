@@ -40,10 +40,11 @@ from ssd.core.protocol import (
     ResolveMsg,
     SpeculationReply,
 )
-from ssd.transport.channel import Channel
+from ssd.transport.channel import Channel, ChannelTimeout
 from ssd.transport.connect import connect_channel
 from ssd.transport.shm_board import BoardReader
-from ssd.transport.wire import Encoded, WireCounts
+from ssd.transport.shm_feed import ALL, FeedPort
+from ssd.transport.wire import Encoded, WireCounts, framed
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,33 @@ def await_ready(channel: Channel, what: str, timeout: datetime.timedelta = CONNE
         raise DrafterUnavailable(f"{what} sent {kind.name} instead of READY")
 
 
+def announce(
+    links: dict[int, WorkerLink], kind: MsgType, msg: Encoded, owed: dict[int, ResolveMsg]
+) -> tuple[int, dict]:
+    """Send `msg` to every link of `links` (shard -> link; all read one feed, shm_feed.py) in one
+    write to their feed, instead of one write each. owed: shard -> the outcome it is to reply to
+    (a RESOLVE's answering shards). -> (frame bytes written, shard -> DrafterUnavailable of each
+    link that failed: it is killed, as any failed link is)."""
+    failed: dict[int, DrafterUnavailable] = {}
+    for w, link in links.items():  # what they still owe first, as every send does (_send)
+        try:
+            link._guard(link._drain_owed)
+        except DrafterUnavailable as err:
+            failed[w] = err
+    live = {w: link for w, link in links.items() if w not in failed}
+    if not live:
+        return 0, failed
+    first = next(iter(live.values()))
+    data = framed(kind, msg, first.channel.fp)
+    first.feed.writer.write(data, ALL, first.deadline)
+    for w, link in live.items():
+        try:
+            link._guard(lambda link=link, w=w: link._announced(owed.get(w)))
+        except DrafterUnavailable as err:
+            failed[w] = err
+    return data.numel(), failed
+
+
 class WorkerLink:
     """The draft protocol to one worker over `channel`. process: the worker's process when this
     process started it (killed with the link), else None; exits_on_shutdown: SHUTDOWN ends the
@@ -97,9 +125,11 @@ class WorkerLink:
         exits_on_shutdown: bool = True,
         cleanup: Callable[[], None] | None = None,
         board: BoardReader | None = None,
+        feed: FeedPort | None = None,
     ) -> None:
         self.channel, self.name, self.process = channel, name, process
         self.board = board  # where its worker publishes its tree's depths (shm_board.py), if anywhere
+        self.feed = feed  # its reader's port on its pool's feed (shm_feed.py), where the channel writes to it
         self.deadline = datetime.timedelta(seconds=deadline_s)
         self.exits_on_shutdown = exits_on_shutdown
         self._cleanup = cleanup
@@ -162,6 +192,12 @@ class WorkerLink:
             self.owed = msg if answers else None
 
         self._guard(send)
+
+    def _announced(self, owed: ResolveMsg | None) -> None:
+        """A message went to this worker in a write to its whole pool's feed (announce())."""
+        if self.feed.lost is not None:
+            raise ChannelTimeout(f"dropped from its pool's feed: {self.feed.lost}")
+        self.owed = owed
 
     def expect(self) -> None:
         """Let the worker send unasked (its round's GRID): post the receive of its next message

@@ -10,14 +10,15 @@ Glossary:
               blocks, discard() gives one back (killed, or its lease released and reported)
 
 Every message goes to every attached shard, except the neural backup's requests (one shard per
-round answers the rows no shard holds). A round costs the target the same at any D: the first
-live shard (the grid shard) sends the round's branch grid as soon as it has forked, while the
-target verifies; with the outcome the target reads off it which shard holds each row's branch
-(else the backup shard, the first live one), names those in RESOLVE, and waits for their replies
-alone: at batch 1, one reply per round. A shard with no row sends nothing. Without a grid (its
-shard was lost before sending it) every shard answers every row, and after an all-hit round
-each shard that did not hold all of them is sent the next round (PREDICT), so it starts that
-build at once, as the worker holding every hit does.
+round answers the rows no shard holds). The round and its outcome leave the target once: one
+write to the pool's feed where its workers share one (shm_feed.py), else one encoding sent to
+each. With the outcome the target looks up which shard holds each row's branch in the round's
+grid (read off the workers' boards, board_reads.py, or sent by the first live shard as soon as
+it has forked), names those (else the backup shard, the first live one) in RESOLVE, and takes
+each hit off its worker's board or waits for that shard's reply alone: at batch 1, one answer a
+round. A shard with no row sends nothing. Without a grid (its shard was lost before sending it)
+every shard answers every row, and after an all-hit round each shard that did not hold all of
+them is sent the next round (PREDICT), so it starts that build at once.
 
 Faults: a link that fails (its worker died, errored, stalled past the deadline or sent a foreign
 frame) is discarded at once and its shard counts as misses: the hits it held are lost, the
@@ -51,11 +52,11 @@ from ssd.core.protocol import (
     SpeculationReply,
 )
 from ssd.transport.board_reads import board_grid, on_boards, read_hits
-from ssd.transport.link import WorkerLink, WorkerProvider
+from ssd.transport.link import WorkerLink, WorkerProvider, announce
 from ssd.transport.pool_state import PoolTally, SeqView, Shard, shard_seed
 from ssd.transport.refills import Refills
 from ssd.transport.rows import assemble, merge_shards, take
-from ssd.transport.wire import Encoded
+from ssd.transport.wire import HEADER, Encoded
 
 logger = logging.getLogger(__name__)
 
@@ -162,16 +163,6 @@ class PoolClient:
                 except DrafterUnavailable as err:
                     self._fail(w, err)
 
-    def _send_parts(self, msg, send: Callable[[WorkerLink, object], None]) -> None:
-        """send(link, part) to every live shard with a part of msg (_part)."""
-
-        def each(w: int, link: WorkerLink) -> None:
-            part = self._part(w, msg)
-            if part is not None:
-                send(link, part)
-
-        self._each(each)
-
     def live(self) -> int:
         return sum(s.link is not None for s in self.shards)
 
@@ -207,7 +198,7 @@ class PoolClient:
         self._each(send)
 
     def release(self, msg: ReleaseMsg) -> None:
-        self._send_parts(msg, lambda link, part: link.release(part))
+        self._each(lambda w, link: None if (part := self._part(w, msg)) is None else link.release(part))
         gone = set(msg.seq_ids)
         self.order = [s for s in self.order if s not in gone]
         for s in gone:
@@ -223,7 +214,10 @@ class PoolClient:
             if self.split == "outcomes" and self.d > 1 and on_boards(msg, self._boards(), self.live())
             else None
         )
-        grid_shard = None if self.round_key is not None else self._grid_shard()
+        # Else a pool of shards that split outcomes asks its first live one for the grid (GRID).
+        grid_shard = (
+            self._backup_shard() if self.round_key is None and self.d > 1 and self.split == "outcomes" else None
+        )
         if grid_shard is not None:
             msg = dataclasses.replace(msg, grid_shard=grid_shard)
         self.round, self.outcome = msg, None
@@ -236,13 +230,9 @@ class PoolClient:
             if w == grid_shard:  # before the other shards' sends, which on a torch pair each wait
                 link.expect()
 
-        self._each(send)
+        if encoded is None or not self._announce(encoded, {}):
+            self._each(send)
         self.tally.round_s = time.perf_counter() - started
-
-    def _grid_shard(self) -> int | None:
-        """The shard asked for the round's grid: in a pool of more than one shard that splits
-        outcomes, the first live one."""
-        return self._backup_shard() if self.d > 1 and self.split == "outcomes" else None
 
     def resolve(self, msg: ResolveMsg) -> None:
         started = time.perf_counter()
@@ -270,13 +260,30 @@ class PoolClient:
             if part is not None:
                 link.resolve(part, answers=part.owes_reply(w), encoded=encoded)
 
-        self._each(send)
+        owed = {w: msg for w in range(self.d) if msg.owes_reply(w)}
+        if encoded is None or not self._announce(encoded, owed):
+            self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
         # at the next round's start): after the sends, which the target's reply waits for.
         accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
         for r, s in enumerate(msg.seq_ids):
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
         self.tally.round_s += time.perf_counter() - started
+
+    def _announce(self, msg: Encoded, owed: dict[int, ResolveMsg]) -> bool:
+        """Send msg (the whole of it) to every live shard in one write to their feed, where they
+        all read one (shm_feed.py): False where they do not (each is sent it in turn instead).
+        owed: shard -> the outcome it replies to."""
+        links = {w: s.link for w, s in enumerate(self.shards) if s.link is not None}
+        writers = {None if link.feed is None else id(link.feed.writer) for link in links.values()}
+        if not links or len(writers) != 1 or None in writers:
+            return False
+        written, failed = announce(links, msg.kind, msg, owed)
+        if written:
+            self.tally.announced.on_send(msg.kind, written - 8 * HEADER)
+        for w, err in failed.items():
+            self._fail(w, err)
+        return True
 
     def _boards(self) -> list:
         """Each shard's board, None where it has none (a transport other than shm) or is lost."""

@@ -70,6 +70,7 @@ class PoolTally:
     shard_hits: list[int] = field(default_factory=list)  # [D] rows whose hit each shard held
     retired: DrafterCounters = field(default_factory=DrafterCounters)  # of links that are gone
     retired_wire: WireCounts = field(default_factory=WireCounts)  # frame bytes of links that are gone
+    announced: WireCounts = field(default_factory=WireCounts)  # frame bytes written once to a whole pool's feed
     latest: dict[int, DrafterCounters] = field(default_factory=dict)  # per shard, as of its latest reply
     # Per round: seconds of the target's own thread in begin_round, resolve and reply (its
     # exchange with the pool, its forwards excluded); round_s is the current round's so far.
@@ -116,7 +117,7 @@ class PoolTally:
 
     def stats(self, links: list[WorkerLink]) -> dict:
         """links: the live ones."""
-        wire = sum((link.wire for link in links), self.retired_wire)
+        wire = sum((link.wire for link in links), self.retired_wire + self.announced)
         return {
             "draft_workers": self.d,
             "draft_workers_live": len(links),

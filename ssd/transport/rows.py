@@ -86,6 +86,8 @@ def merge_shards(msg: ResolveMsg, replies: list[SpeculationReply], counters: Dra
     asked for it), else none (num_draft 0: the target's fast backup)."""
     if not replies:
         return SpeculationReply.empty(msg.round_id, msg.seq_ids, counters, answered=False)
+    if len(replies) == 1 and bool((replies[0].hit | (replies[0].num_draft > 0)).all()):
+        return _whole(msg, replies[0], counters)  # one reply answering every row (most rounds at batch 1)
     b = len(msg.seq_ids)
     tokens, probs = torch.zeros_like(replies[0].tokens), _probs_for(b, replies[0].tokens.shape[1], replies)
     num_draft = torch.zeros(b, dtype=torch.long)
@@ -102,6 +104,21 @@ def merge_shards(msg: ResolveMsg, replies: list[SpeculationReply], counters: Dra
     build = max(rep.build_seconds for rep in replies)
     return SpeculationReply(
         msg.round_id, list(msg.seq_ids), hit, tokens, probs, num_draft, build, counters, covered, rank
+    )
+
+
+def _whole(msg: ResolveMsg, rep: SpeculationReply, counters: DrafterCounters) -> SpeculationReply:
+    """merge_shards of one reply that has every row's speculation: that reply, as the merge makes it."""
+    covered = rep.covered if rep.covered is not None else rep.hit
+    rank = rep.bonus_rank if rep.bonus_rank is not None else torch.full((len(msg.seq_ids),), -1, dtype=torch.long)
+    return dataclasses.replace(
+        rep,
+        round_id=msg.round_id,
+        seq_ids=list(msg.seq_ids),
+        counters=counters,
+        covered=covered.clone(),
+        bonus_rank=rank,
+        greedy=None,
     )
 
 

@@ -34,8 +34,10 @@ import math
 import mmap
 import os
 import platform
+import struct
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from ssd.core.protocol import GridMsg
@@ -43,6 +45,8 @@ from ssd.core.protocol import GridMsg
 # Bank header fields (int64 each).
 VERSION, KEY, ROWS, BRANCHES, K, VOCAB, HAS_PROBS, DEPTH, BUILD_US, GRID = range(10)
 BANK_HEADER = 16  # int64s: room for fields added later
+_FIELDS = struct.Struct(f"<{GRID + 1}q")
+_NUMPY = {torch.int64: numpy.int64, torch.float32: numpy.float32}
 DEFAULT_BANK_BYTES = 8 << 20  # a bank's room; its pages are touched only where written
 
 
@@ -69,6 +73,22 @@ class _Banks:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.raw = [raw[i * bank_bytes : (i + 1) * bank_bytes] for i in range(2)]
         self.header = [bank[: BANK_HEADER * 8].view(torch.int64) for bank in self.raw]
+        # The reader's: numpy views and struct reads cost it a fraction of torch's per-call overhead,
+        # on the target's thread between its verification and its next forward.
+        self.np_raw = [a.numpy() for a in self.raw]
+
+    def fields(self, bank: int) -> tuple[int, ...]:
+        """Bank `bank`'s header fields VERSION..GRID, in one read."""
+        return _FIELDS.unpack_from(self._map, bank * self.bank_bytes)
+
+    def arrays(self, bank: int, rows: int, grid: int, branches: int, k: int, vocab: int, probs: bool):
+        """layout() as numpy views, for the reader."""
+        sizes = _sizes(rows, grid, branches, k, vocab)
+        start, out = BANK_HEADER * 8, []
+        for (dtype, shape), nbytes in zip(_SHAPES(rows, grid, branches, k, vocab)[: 3 if probs else 2], sizes):
+            out.append(self.np_raw[bank][start : start + nbytes].view(_NUMPY[dtype]).reshape(shape))
+            start += nbytes
+        return out[0], out[1], out[2] if probs else None
 
     def layout(self, bank: int, rows: int, grid: int, branches: int, k: int, vocab: int, probs: bool):
         """-> views of bank `bank`: the grid [2, b, G] int64 (outcome, candidates), tokens [b, N, K]
@@ -82,7 +102,7 @@ class _Banks:
         return out[0], out[1], out[2] if probs else None
 
     def close(self) -> None:
-        self.raw, self.header = [], []
+        self.raw, self.header, self.np_raw = [], [], []
         self._map.close()
 
 
@@ -179,13 +199,16 @@ class BoardReader:
         os.ftruncate(fd, 2 * bank_bytes)
         return cls(BoardFd(fd, bank_bytes))
 
-    def _bank(self, key: int) -> tuple[int, int, list[int]] | None:
+    def _bank(self, key: int) -> tuple[int, int, tuple[int, ...]] | None:
         """-> (bank, version, header fields ROWS..GRID) of the build of round `key`, None if none."""
-        for bank, header in enumerate(self._banks.header):
-            version = int(header[VERSION])
-            if version % 2 == 0 and int(header[KEY]) == key:
-                return bank, version, header[ROWS : GRID + 1].tolist()
+        for bank in (0, 1):
+            fields = self._banks.fields(bank)
+            if fields[VERSION] % 2 == 0 and fields[KEY] == key:
+                return bank, fields[VERSION], fields[ROWS:]
         return None
+
+    def _unchanged(self, bank: int, version: int) -> bool:
+        return self._banks.fields(bank)[VERSION] == version
 
     def grid(self, key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The branch grid of round `key` (outcome, candidates: [b, G] each, copies), None where
@@ -194,8 +217,8 @@ class BoardReader:
         if found is None:
             return None
         bank, version, (rows, branches, k, vocab, has_probs, _depth, _build_us, width) = found
-        cells = self._banks.layout(bank, rows, width, branches, k, vocab, False)[0].clone()
-        return (cells[0], cells[1]) if int(self._banks.header[bank][VERSION]) == version else None
+        cells = torch.from_numpy(self._banks.arrays(bank, rows, width, branches, k, vocab, False)[0].copy())
+        return (cells[0], cells[1]) if self._unchanged(bank, version) else None
 
     def read(self, key: int, row: int, branch: int, with_probs: bool) -> Branch | None:
         """Branch `branch` of row `row` of the build of round `key`, as far as it is published;
@@ -205,14 +228,13 @@ class BoardReader:
         if found is None:
             return None
         bank, version, (rows, branches, k, vocab, has_probs, _depth, build_us, width) = found
-        depth = int(self._banks.header[bank][DEPTH])  # read after the fields: it only grows
+        depth = self._banks.fields(bank)[DEPTH]  # read after the fields: it only grows
         if depth == 0 or (with_probs and not has_probs) or row >= rows or branch >= branches:
             return None
-        _, tokens, probs = self._banks.layout(bank, rows, width, branches, k, vocab, bool(has_probs))
-        out = Branch(
-            tokens[row, branch, :depth].tolist(), probs[row, branch, :depth].clone() if with_probs else None, build_us
-        )
-        return out if int(self._banks.header[bank][VERSION]) == version and min(out.tokens) >= 0 else None
+        _, tokens, probs = self._banks.arrays(bank, rows, width, branches, k, vocab, bool(has_probs))
+        drawn = tokens[row, branch, :depth].tolist()
+        kept = torch.from_numpy(probs[row, branch, :depth].copy()) if with_probs else None
+        return Branch(drawn, kept, build_us) if self._unchanged(bank, version) and min(drawn) >= 0 else None
 
     def close(self) -> None:
         self._banks.close()

@@ -163,7 +163,7 @@ def _acquire(
             raise ChannelTimeout(f"peer did not respond within {timeout.total_seconds():g} s while waiting to {what}")
 
 
-class _Writer:
+class MailboxWriter:
     def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
         self.box, self.alive, self.spin_s = box, alive, spin_s
         self.ring = box.views()
@@ -180,8 +180,11 @@ class _Writer:
             self.next = (self.next + 1) % len(self.ring)
             self.box.full.release()
 
+    def close(self) -> None:
+        self.box.close()
 
-class _Reader:
+
+class MailboxReader:
     def __init__(self, box: Mailbox, alive: Callable[[], bool], spin_s: float) -> None:
         self.box, self.alive, self.spin_s = box, alive, spin_s
         self.ring = box.views()
@@ -212,17 +215,26 @@ class _Reader:
                 self.next = (self.next + 1) % len(self.ring)
                 self.box.empty.release()
 
+    def close(self) -> None:
+        self.box.close()
+
 
 class ShmChannel:
-    """A `Channel` (ssd/transport/channel.py) over two mailboxes: typed messages in both directions."""
+    """A `Channel` (ssd/transport/channel.py) over shared memory: typed messages in both
+    directions. reader: the inbound end (a mailbox's, or a worker's end of its pool's feed,
+    shm_feed.py); writer: the outbound end (a mailbox's, or a target's port on its feed)."""
 
-    def __init__(
-        self, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S
-    ) -> None:
+    def __init__(self, reader, writer, fp: int) -> None:
         self.fp = fp
-        self.inbox, self.outbox = inbox, outbox
-        self.reader, self.writer = _Reader(inbox, peer_alive, spin_s), _Writer(outbox, peer_alive, spin_s)
+        self.reader, self.writer = reader, writer
         self.counts = WireCounts()
+
+    @classmethod
+    def of(
+        cls, inbox: Mailbox, outbox: Mailbox, fp: int, peer_alive: Callable[[], bool], spin_s: float = SPIN_S
+    ) -> ShmChannel:
+        """A channel over two mailboxes, one each way."""
+        return cls(MailboxReader(inbox, peer_alive, spin_s), MailboxWriter(outbox, peer_alive, spin_s), fp)
 
     def send(self, kind: MsgType, msg=None, timeout: datetime.timedelta | None = None) -> None:
         data = framed(kind, msg, self.fp)
@@ -244,5 +256,5 @@ class ShmChannel:
         return kind, msg
 
     def close(self, peer_exited: bool = False) -> None:
-        self.inbox.close()
-        self.outbox.close()
+        self.reader.close()
+        self.writer.close()

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
@@ -54,6 +55,8 @@ class SpawnedWorkers:
         self.config, self.vocab = config, vocab
         self.fp = config_fingerprint(config, vocab)
         self.worker_main, self.preload = worker_main, tuple(preload)
+        self.feed = None  # the shm workers' feed (shm_feed.FeedWriter), made with the first of them
+        self.lock = threading.Lock()  # refills acquire workers from threads of their own
 
     def acquire(self) -> WorkerLink:
         transport = self.config.draft_transport
@@ -70,7 +73,12 @@ class SpawnedWorkers:
         """Nothing waits here but a starting worker, which the pool discards once it is up."""
 
     def close(self) -> None:
-        """Nothing to stop: each link owns its worker, and the fork server ends with this process."""
+        """Unmap the feed; nothing to stop: each link owns its worker, and the fork server ends with
+        this process."""
+        with self.lock:
+            feed, self.feed = self.feed, None
+        if feed is not None:
+            feed.close()
 
     def _fork(self, link: dict, fds: Sequence[int] = ()) -> ForkedProcess:
         spec = {
@@ -82,28 +90,47 @@ class SpawnedWorkers:
         return fork(self.worker_main, (spec,), fds, WORKER_NAME, self.preload)
 
     def _shm_pair(self) -> WorkerLink:
-        from ssd.transport.shm_channel import Mailbox, ShmChannel
+        from ssd.transport.shm_channel import SPIN_S, Mailbox, MailboxReader, ShmChannel
 
-        to_draft, to_target = Mailbox.create(), Mailbox.create()
+        to_target = Mailbox.create()
+        # What the target writes reaches its workers through the pool's feed (shm_feed.py) where
+        # the host keeps stores in order, else through a mailbox of the worker's own.
+        port = self._feed().port() if supported() else None
+        to_draft = Mailbox.create() if port is None else None
         # Where its worker publishes what it prepares (shm_board.py); not with ssd_reproducible, whose
         # answers wait for whole trees (a board is read at whatever depth the outcome finds).
         board = BoardReader.create() if supported() and not self.config.ssd_reproducible else None
+        ends = [e for e in (to_target, to_draft, port, board) if e is not None]
         try:
             link = {
-                "kind": "shm", "inbox": asdict(to_draft.handle), "outbox": asdict(to_target.handle),
-                "spin_s": self.config.draft_spin_ms / 1000, "board": None if board is None else asdict(board.handle),
+                "kind": "shm", "outbox": asdict(to_target.handle), "spin_s": self.config.draft_spin_ms / 1000,
+                "inbox": None if to_draft is None else asdict(to_draft.handle),
+                "feed": None if port is None else port.handle(),
+                "board": None if board is None else asdict(board.handle),
             }  # fmt: skip
-            fds = to_draft.handle.fds() + to_target.handle.fds() + (() if board is None else (board.handle.fd,))
-            process = self._fork(link, fds)
+            fds = to_target.handle.fds() + (to_draft.handle.fds() if port is None else port.fds())
+            process = self._fork(link, fds + (() if board is None else (board.handle.fd,)))
         except BaseException:
-            to_draft.close()
-            to_target.close()
-            if board is not None:
-                board.close()
+            for end in ends:
+                end.close()
             raise
-        # The worker holds its own copies of the mailbox descriptors; the mappings stay ours.
-        channel = ShmChannel(to_target, to_draft, self.fp, lambda: process.poll() is None)
-        return self._paired(process, channel, board=board)
+        # The worker holds its own copies of the descriptors; the mappings stay ours.
+        alive = lambda: process.poll() is None  # noqa: E731
+        if port is None:
+            channel = ShmChannel.of(to_target, to_draft, self.fp, alive)
+        else:
+            port.alive = alive
+            channel = ShmChannel(MailboxReader(to_target, alive, SPIN_S), port, self.fp)
+        return self._paired(process, channel, board=board, feed=port)
+
+    def _feed(self):
+        """The feed every shm worker of this provider reads (made with the first of them)."""
+        from ssd.transport.shm_feed import FeedWriter
+
+        with self.lock:
+            if self.feed is None:
+                self.feed = FeedWriter()
+            return self.feed
 
     def _gloo_pair(self) -> WorkerLink:
         from ssd.transport.gloo_channel import WorkerGone, await_worker, pair_group, pair_store
@@ -129,7 +156,7 @@ class SpawnedWorkers:
         return self._paired(process, channel, cleanup)
 
     def _paired(
-        self, process: ForkedProcess, channel, cleanup: Callable[[], None] | None = None, board=None
+        self, process: ForkedProcess, channel, cleanup: Callable[[], None] | None = None, board=None, feed=None
     ) -> WorkerLink:
         """A worker over a channel of its own (shm mailboxes or a gloo pair), once it is READY."""
         try:
@@ -146,9 +173,8 @@ class SpawnedWorkers:
                 board.close()
             raise
         logger.info("draft worker pid %d ready (%s channel)", process.pid, self.config.draft_transport)
-        return WorkerLink(
-            channel, f"pid {process.pid}", self.config.draft_deadline_s, process, cleanup=cleanup, board=board
-        )
+        name, deadline_s = f"pid {process.pid}", self.config.draft_deadline_s
+        return WorkerLink(channel, name, deadline_s, process, cleanup=cleanup, board=board, feed=feed)
 
     def _listening(self) -> WorkerLink:
         """A worker that listens on a port of its own choosing (torch or grpc), reached through

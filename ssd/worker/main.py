@@ -54,14 +54,20 @@ def _channel(link: dict, fp: int, child: ForkedChild) -> Channel:
     """The worker's end of the link its target set up (shm mailboxes, or a gloo pair). The
     mailboxes' descriptors are named by the target's numbers; child.fds maps them to ours."""
     if link["kind"] == "shm":
-        from ssd.transport.shm_channel import Mailbox, MailboxFds, ShmChannel
+        from ssd.transport.shm_channel import Mailbox, MailboxFds, MailboxReader, MailboxWriter, ShmChannel
+        from ssd.transport.shm_feed import FeedFds, FeedReader
 
         def attach(fds: dict) -> Mailbox:
             ours = {name: child.fds[fds[name]] for name in ("slot", "full", "empty")}
             return Mailbox.attach(MailboxFds(**ours, capacity=fds["capacity"], slots=fds["slots"]))
 
-        inbox, outbox = attach(link["inbox"]), attach(link["outbox"])
-        return ShmChannel(inbox, outbox, fp, child.owner_alive, link["spin_s"])
+        alive, spin_s = child.owner_alive, link["spin_s"]
+        writer = MailboxWriter(attach(link["outbox"]), alive, spin_s)
+        if link["feed"] is None:
+            return ShmChannel(MailboxReader(attach(link["inbox"]), alive, spin_s), writer, fp)
+        f = link["feed"]
+        fds = FeedFds(child.fds[f["fd"]], f["slots"], f["capacity"], f["readers"])
+        return ShmChannel(FeedReader(fds, f["index"], child.fds[f["wake"]], alive, spin_s), writer, fp)
     from ssd.transport.gloo_channel import JOINING_KEY, pair_group, pair_store
     from ssd.transport.torch_channel import TorchChannel
 
@@ -88,8 +94,9 @@ def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
 def run_forked(child: ForkedChild, spec: dict) -> int:
     """A forked worker's life (ssd.core.forked runs it): load the draft, then serve. spec:
     {"config": EngineConfig fields, "vocab": int, "log_level": int, "link": ...} with link
-    {"kind": "shm", "inbox": MailboxFds, "outbox": MailboxFds, "spin_s": float} (one session
-    over the target's mailboxes, until SHUTDOWN), {"kind": "gloo", "store_dir": str}, or
+    {"kind": "shm", "inbox": MailboxFds | None, "feed": FeedPort.handle() | None, "outbox": MailboxFds,
+    "spin_s": float} (one session, until SHUTDOWN, reading a mailbox or its pool's feed),
+    {"kind": "gloo", "store_dir": str}, or
     {"kind": "listen", "transport": "torch" | "grpc", "host": str, "report_fd": int}: listen,
     write {"address": ...} as one JSON line to report_fd, and serve targets until released."""
     logging.basicConfig(
