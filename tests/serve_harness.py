@@ -10,6 +10,7 @@ applications:
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -45,9 +46,27 @@ SMALL = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a port the kernel handed out for port 0
+    could be handed out again, to one of the many sockets Ray binds to port 0, before the server
+    it was chosen for binds it (CI saw `ssd serve` fail with "Failed to bind to address")."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as the servers bind
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range starts here
+        return 49152
 
 
 @dataclass

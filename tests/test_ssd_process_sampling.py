@@ -147,8 +147,11 @@ def test_process_transport_samples_follow_target_distribution(peaked_pair, peake
         assert min(ssd["draft_shard_hits"]) > 0, ssd
     if case in NAMED_ANSWERS:
         assert ssd["draft_grids_missed"] == 0 and ssd["replies_awaited"] < workers, ssd
-        # Over shm the target reads many hits off their workers' boards (shm_board.py).
-        assert (ssd["board_reads"] > 0.1) == (options.get("draft_transport", "shm") == "shm"), ssd
+        # Over shm the target reads hits off their workers' boards (shm_board.py). How many is a
+        # matter of timing (a depth published before the outcome is known): two_workers_predicted
+        # read 0.0967 a round in one CI-like run, so only "some" is asserted here; the case built
+        # for boards (four_workers_boards, 0.7-1.0 measured) asserts a share.
+        assert (ssd["board_reads"] > 0) == (options.get("draft_transport", "shm") == "shm"), ssd
     if case == "four_workers_boards":
         assert ssd["board_reads"] > 0.1, ssd
     if case == "two_workers_predicted":
