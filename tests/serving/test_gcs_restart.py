@@ -145,8 +145,12 @@ def test_gcs_killed_and_restarted_under_load(tiny_pair, redis_address, tmp_path)
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
     finally:
-        # Whatever the outcome, nothing of that cluster may outlive the test.
-        time.sleep(1)
+        # Whatever the outcome, nothing of that cluster may outlive the test: what is still
+        # there 1 s after the driver exited is left over.
+        recorded = json.loads(out.read_text()).get("processes", []) if out.exists() else []
+        deadline = time.monotonic() + 1
+        while (processes_using(temp) or still_running(recorded)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         leftovers = []
         for p in processes_using(temp):
             try:
@@ -154,7 +158,6 @@ def test_gcs_killed_and_restarted_under_load(tiny_pair, redis_address, tmp_path)
                 p.kill()
             except psutil.Error:
                 pass
-        recorded = json.loads(out.read_text()).get("processes", []) if out.exists() else []
         survivors = still_running(recorded)
         shutil.rmtree(temp, ignore_errors=True)
     took = time.monotonic() - started

@@ -134,7 +134,11 @@ def drain_under_load(proc, base: str) -> dict:
     started.wait(60)
     proc.send_signal(signal.SIGTERM)
     proc.drain_signalled = True  # one signal only: a second would skip the drain
-    time.sleep(1.0)  # the drain flag reaches the ingress within two report periods
+    # The drain flag reaches the ingress within two report periods: knock once /health says it
+    # has (the ingress refuses from then on), or after 1 s in any case.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and requests.get(base + "/health", timeout=30).status_code != 503:
+        time.sleep(0.05)
     for _ in range(3):
         r = requests.post(
             base + "/v1/completions", json={"model": "ssd-demo", "prompt": "x", "max_tokens": 2}, timeout=30
