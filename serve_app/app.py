@@ -42,6 +42,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         pool = DraftPoolDeployment.options(
             **_replicas(settings.draft_pool_size, settings.draft_pool_autoscaling),
             ray_actor_options=draft_actor_options(config),
+            health_check_period_s=settings.health_check_period_s,
         ).bind(settings)
     target = TargetDeployment.options(
         **_replicas(settings.target_replicas, settings.target_autoscaling),
@@ -49,8 +50,11 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         **target_placement(config),
         max_ongoing_requests=settings.target_max_ongoing,
         max_queued_requests=settings.target_max_queued,
+        health_check_period_s=settings.health_check_period_s,
     ).bind(settings, pool)
-    return IngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(settings, target)
+    return IngressDeployment.options(
+        ray_actor_options={"num_cpus": 0}, health_check_period_s=settings.health_check_period_s
+    ).bind(settings, target)
 
 
 def _replicas(fixed: int, autoscaling: dict | None) -> dict:

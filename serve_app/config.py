@@ -40,6 +40,9 @@ SERVE_ENGINE_DEFAULTS = {"mode": "auto", "draft_transport": "torch"}
 # once with the configured status (the replica's own bound is exact), instead of waiting in
 # Serve's router queue.
 ROUTER_SLACK = 16
+# The ingress sends a generation refused by a failed target replica to another for at least this
+# long (ServeSettings.retry_window_s: 4 health-check periods where that is longer).
+MIN_RETRY_WINDOW_S = 20.0
 # The model id served when model_name is unset and the target is the bundled demo pair.
 DEMO_MODEL_NAME = "ssd-demo"
 
@@ -193,6 +196,15 @@ class AppConfig(BaseModel):
         "503, before Serve shuts down (a RayService does not run `ssd serve`: there the Target deployment's "
         "graceful shutdown applies).",
     )
+    health_check_period_s: float = Field(
+        5.0,
+        ge=0.5,
+        le=600,
+        description="Seconds between Serve's health checks of each replica, every deployment of the "
+        "application. Serve replaces a replica after 3 failed checks in a row, so a target whose engine "
+        "failed is replaced within about 3 periods; meanwhile the ingress sends a generation that replica "
+        "refused to another for up to 4 periods (at least 20 s).",
+    )
     max_n: int = Field(4, ge=1, le=64, description="Largest `n` (completions per request) accepted.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest HTTP request body accepted; larger gets 413.")
     max_grpc_message_bytes: int = Field(
@@ -307,6 +319,8 @@ class AppConfig(BaseModel):
             target_autoscaling=scaling.serve_config() if scaling else None,
             draft_pool_autoscaling=_pool_autoscaling(scaling, per_target) if scaling and per_target else None,
             target_rank_resources={"num_cpus": self.target_num_cpus, "num_gpus": self.target_num_gpus},
+            health_check_period_s=self.health_check_period_s,
+            retry_window_s=max(MIN_RETRY_WINDOW_S, 4 * self.health_check_period_s),
         )
 
 
@@ -338,6 +352,10 @@ class ServeSettings:
     target_autoscaling: dict | None  # the Target deployment's Ray Serve autoscaling_config; None = fixed
     draft_pool_autoscaling: dict | None  # the DraftPool deployment's: follows the leases (pool_scaling.py)
     target_rank_resources: dict[str, float]  # Ray actor options of each tensor-parallel rank (rank 0: the replica)
+    health_check_period_s: float  # every deployment's
+    # How long the ingress keeps sending a generation that target replicas refuse (their engine
+    # failed) to another: past the 3 failed health checks after which Serve stops routing to one.
+    retry_window_s: float
 
     def engine_args(self, mode: str) -> EngineArgs:
         """The engine options of one mode's engine (ar needs no draft settings checked)."""

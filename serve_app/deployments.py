@@ -42,10 +42,9 @@ logger = logging.getLogger(__name__)
 # /health and gRPC Health/Check answer "unavailable" when no target replica answers within this.
 HEALTH_TIMEOUT_S = 5.0
 # A generation refused by a target replica whose engine failed, before its first chunk, is sent
-# again every RETRY_BACKOFF_S for up to RETRY_WINDOW_S: Serve marks such a replica unhealthy
-# after 3 failed health checks 5 s apart and stops routing to it, about 15 s at most.
+# again every RETRY_BACKOFF_S for up to ServeSettings.retry_window_s: Serve marks such a replica
+# unhealthy after 3 failed health checks (health_check_period_s apart) and stops routing to it.
 RETRY_BACKOFF_S = 0.2
-RETRY_WINDOW_S = 20.0
 # A target replica still closing after this many seconds writes every thread's stack to its
 # stderr (the replica's worker-*.err log): Serve force-kills it at graceful_shutdown_timeout_s,
 # and without the stacks nothing would say what its close waited on.
@@ -252,12 +251,12 @@ class IngressDeployment:
     async def _first_chunk(self, request: GenerateRequest):
         """Open the target's stream -> (stream, its first chunk). A replica whose engine failed
         refuses before admitting anything (503 engine_failed): the request is sent again, to
-        whichever replica the router picks, every RETRY_BACKOFF_S until RETRY_WINDOW_S. A
+        whichever replica the router picks, every RETRY_BACKOFF_S for settings.retry_window_s. A
         replica whose process died is tried again once only: the request itself may have killed
         it (in its prefill), and must not take the other replicas down one after another. A
         request whose own round failed (500) is never retried, for the same reason. Nothing was
         generated before a retry, so no output changes."""
-        deadline = asyncio.get_running_loop().time() + RETRY_WINDOW_S
+        deadline = asyncio.get_running_loop().time() + self.settings.retry_window_s
         died_once = False
         while True:
             response = self.target.options(stream=True).generate.remote(request)

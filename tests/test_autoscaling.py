@@ -77,6 +77,15 @@ def test_the_application_hands_serve_both_autoscaling_configs():
     assert scaling.policy.policy_function == "serve_app.pool_scaling.follow_leases"
 
 
+def test_the_health_check_period_reaches_every_deployment():
+    ingress = build_app({"engine": {"mode": "ssd"}, "health_check_period_s": 1.5})._bound_deployment
+    target = ingress.init_args[1]._bound_deployment
+    pool = target.init_args[1]._bound_deployment
+    assert [d._deployment_config.health_check_period_s for d in (ingress, target, pool)] == [1.5] * 3
+    assert ingress.init_args[0].retry_window_s == 20.0  # at least 20 s whatever the period
+    assert parse_config({"health_check_period_s": 10}).to_settings().retry_window_s == 40.0
+
+
 def test_a_local_cluster_counts_room_for_the_most_replicas():
     config = parse_config({"engine": {"mode": "ssd"}, "target_autoscaling": SCALING})
     at_start = {r.kind: r.count for r in reservations(config)}

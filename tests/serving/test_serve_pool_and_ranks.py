@@ -37,6 +37,7 @@ def deploy(served, tiny_pair, name: str, engine: dict, **app) -> None:
         "extra_modes": ["ar"],
         "model_name": name,
         "api_key": served.api_key,
+        "health_check_period_s": 1.0,  # replicas replaced in seconds, not 15
         **app,
     }
     serve.run(build_app(config), name=name, route_prefix=f"/{name}")

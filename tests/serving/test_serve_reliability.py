@@ -100,6 +100,7 @@ def apps(served, tiny_pair, tmp_path_factory):
         "extra_modes": [],
         "draft_pool_size": 2,
         "max_queue": 16,
+        "health_check_period_s": 1.0,  # replicas replaced in seconds, not 15
         "model_name": "tiny-rel",
         "api_key": served.api_key,
     }
@@ -113,6 +114,7 @@ def apps(served, tiny_pair, tmp_path_factory):
         "extra_modes": [],
         "target_replicas": 2,
         "max_queue": 16,
+        "health_check_period_s": 1.0,
         "model_name": "tiny-faulty",
         "api_key": served.api_key,
     }
