@@ -49,9 +49,18 @@ RETRY_BACKOFF_S = 0.2
 # stderr (the replica's worker-*.err log): Serve force-kills it at graceful_shutdown_timeout_s,
 # and without the stacks nothing would say what its close waited on.
 CLOSE_STACKS_AFTER_S = 20.0
+# How often a replica being stopped looks whether its requests are done; Serve sleeps this long
+# before its first look, so with Serve's 2 s every deletion, redeploy and scale-down took 2 s even
+# for an idle replica.
+SHUTDOWN_WAIT_LOOP_S = 0.5
 
 
-@serve.deployment(name="DraftPool", health_check_period_s=5, max_ongoing_requests=4)
+@serve.deployment(
+    name="DraftPool",
+    health_check_period_s=5,
+    max_ongoing_requests=4,
+    graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+)
 class DraftPoolDeployment:
     """One draft worker of the shared pool: loads the draft, listens on a port the OS picks and
     registers with the lease registry; targets lease it from there. Replaced by Serve when its
@@ -87,7 +96,13 @@ class DraftPoolDeployment:
             member.shutdown()
 
 
-@serve.deployment(name="Target", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
+@serve.deployment(
+    name="Target",
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_timeout_s=30,
+    graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+)
 class TargetDeployment:
     """A target replica: one EngineLoop (continuous batching) over one engine per served mode,
     built by `engine_factory` (as Ray Serve LLM's deployment takes its engine_cls): called with
@@ -195,7 +210,12 @@ def _http_app() -> FastAPI:
 api = _http_app()
 
 
-@serve.deployment(name="Ingress", health_check_period_s=5, max_ongoing_requests=1024)
+@serve.deployment(
+    name="Ingress",
+    health_check_period_s=5,
+    max_ongoing_requests=1024,
+    graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+)
 @serve.ingress(api)
 class IngressDeployment:
     """Validation, auth, chat templates and streaming; forwards generations to the target."""
