@@ -83,19 +83,18 @@ def await_ready(channel: Channel, what: str, timeout: datetime.timedelta = CONNE
         raise DrafterUnavailable(f"{what} sent {kind.name} instead of READY")
 
 
-def announce(
-    links: dict[int, WorkerLink], kind: MsgType, msg: Encoded, owed: dict[int, ResolveMsg]
-) -> tuple[int, dict]:
+def announce(links: dict[int, WorkerLink], kind: MsgType, msg: Encoded, outcome: ResolveMsg | None) -> tuple[int, dict]:
     """Send `msg` to every link of `links` (shard -> link; all read one feed, shm_feed.py) in one
-    write to their feed, instead of one write each. owed: shard -> the outcome it is to reply to
-    (a RESOLVE's answering shards). -> (frame bytes written, shard -> DrafterUnavailable of each
-    link that failed: it is killed, as any failed link is)."""
+    write to their feed, instead of one write each. outcome: the RESOLVE that msg encodes (each
+    shard it names owes a reply), None for another message. -> (frame bytes written, shard ->
+    DrafterUnavailable of each link that failed: it is killed, as any failed link is)."""
     failed: dict[int, DrafterUnavailable] = {}
-    for w, link in links.items():  # what they still owe first, as every send does (_send)
-        try:
-            link._guard(link._drain_owed)
-        except DrafterUnavailable as err:
-            failed[w] = err
+    for w, link in links.items():  # a reply still owed first, as every send does (_send)
+        if link.owed is not None or link.closed:
+            try:
+                link._guard(link._drain_owed)
+            except DrafterUnavailable as err:
+                failed[w] = err
     live = {w: link for w, link in links.items() if w not in failed}
     if not live:
         return 0, failed
@@ -103,8 +102,11 @@ def announce(
     data = framed(kind, msg, first.channel.fp)
     first.feed.writer.write(data, ALL, first.deadline)
     for w, link in live.items():
+        if link.feed.lost is None:
+            link.owed = outcome if outcome is not None and outcome.owes_reply(w) else None
+            continue
         try:
-            link._guard(lambda link=link, w=w: link._announced(owed.get(w)))
+            link._guard(link._dropped)
         except DrafterUnavailable as err:
             failed[w] = err
     return data.numel(), failed
@@ -193,11 +195,9 @@ class WorkerLink:
 
         self._guard(send)
 
-    def _announced(self, owed: ResolveMsg | None) -> None:
-        """A message went to this worker in a write to its whole pool's feed (announce())."""
-        if self.feed.lost is not None:
-            raise ChannelTimeout(f"dropped from its pool's feed: {self.feed.lost}")
-        self.owed = owed
+    def _dropped(self) -> None:
+        """Its pool's feed dropped this worker's reader while writing to all (announce())."""
+        raise ChannelTimeout(f"dropped from its pool's feed: {self.feed.lost}")
 
     def expect(self) -> None:
         """Let the worker send unasked (its round's GRID): post the receive of its next message

@@ -230,7 +230,7 @@ class PoolClient:
             if w == grid_shard:  # before the other shards' sends, which on a torch pair each wait
                 link.expect()
 
-        if encoded is None or not self._announce(encoded, {}):
+        if encoded is None or not self._announce(encoded, None):
             self._each(send)
         self.tally.round_s = time.perf_counter() - started
 
@@ -260,8 +260,7 @@ class PoolClient:
             if part is not None:
                 link.resolve(part, answers=part.owes_reply(w), encoded=encoded)
 
-        owed = {w: msg for w in range(self.d) if msg.owes_reply(w)}
-        if encoded is None or not self._announce(encoded, owed):
+        if encoded is None or not self._announce(encoded, msg):
             self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
         # at the next round's start): after the sends, which the target's reply waits for.
@@ -270,15 +269,15 @@ class PoolClient:
             self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
         self.tally.round_s += time.perf_counter() - started
 
-    def _announce(self, msg: Encoded, owed: dict[int, ResolveMsg]) -> bool:
+    def _announce(self, msg: Encoded, outcome: ResolveMsg | None) -> bool:
         """Send msg (the whole of it) to every live shard in one write to their feed, where they
         all read one (shm_feed.py): False where they do not (each is sent it in turn instead).
-        owed: shard -> the outcome it replies to."""
+        outcome: the RESOLVE msg encodes, whose named shards owe a reply."""
         links = {w: s.link for w, s in enumerate(self.shards) if s.link is not None}
-        writers = {None if link.feed is None else id(link.feed.writer) for link in links.values()}
+        writers = {None if link.feed is None else link.feed.writer for link in links.values()}
         if not links or len(writers) != 1 or None in writers:
             return False
-        written, failed = announce(links, msg.kind, msg, owed)
+        written, failed = announce(links, msg.kind, msg, outcome)
         if written:
             self.tally.announced.on_send(msg.kind, written - 8 * HEADER)
         for w, err in failed.items():

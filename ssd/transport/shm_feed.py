@@ -146,8 +146,9 @@ class FeedWriter:
         Waits for room up to `timeout` (None: while the laggards live); a reader that exits or
         stays behind past it is dropped. -> the ports dropped during this write."""
         with self.lock:
-            if to != ALL:
+            if to != ALL and not self.ports[to].attached:
                 self.ports[to].attached = True
+                self.floor = 0  # looked at (flow control) before the next overwrite, wherever it is
             wake = [p.wake for p in self.ports.values() if p.attached and (to == ALL or p.index == to)]
             src, cap, dropped = memoryview(data.numpy()), self.fds.capacity, []
             for start in range(0, len(src), cap):
