@@ -115,6 +115,22 @@ def test_the_writer_waits_for_an_attached_reader_and_drops_one_that_stops_readin
     r0.close(), r1.close()
 
 
+def test_a_write_to_a_released_reader_or_after_close_says_the_channel_is_closed(feed):
+    """A link closed after its pool (at interpreter exit, after a failure) sends its SHUTDOWN to a
+    port the feed no longer has: ChannelClosed, which a closing link expects (it was a KeyError)."""
+    writer = feed()
+    (p0, r0), (p1, r1) = _reader(writer), _reader(writer)
+    p0.close()
+    with pytest.raises(ChannelClosed, match="released"):
+        p0.write(_msg(1), SECOND)
+    writer.write(_msg(2), p1.index, SECOND)
+    assert _read(r1)[0] == 2
+    writer.close()
+    with pytest.raises(ChannelClosed, match="released"):
+        p1.write(_msg(3), SECOND)
+    r0.close(), r1.close()
+
+
 def test_a_reader_whose_worker_exited_is_dropped_without_waiting_for_the_deadline(feed):
     writer = feed(slots=2)
     port, reader = _reader(writer)

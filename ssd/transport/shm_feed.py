@@ -102,6 +102,8 @@ class _Mapping:
         _Q.pack_into(self.map, offset, value)
 
     def close(self) -> None:
+        if self.map.closed:  # closed already: its descriptor may be another file's by now
+            return
         self.view.release()
         self.map.close()
         os.close(self.fds.fd)
@@ -146,6 +148,8 @@ class FeedWriter:
         Waits for room up to `timeout` (None: while the laggards live); a reader that exits or
         stays behind past it is dropped. -> the ports dropped during this write."""
         with self.lock:
+            if to != ALL and to not in self.ports:  # released, or the feed closed: its worker is gone
+                raise ChannelClosed(f"feed reader {to} was released (its worker left, or the pool closed)")
             if to != ALL and not self.ports[to].attached:
                 self.ports[to].attached = True
                 self.floor = 0  # looked at (flow control) before the next overwrite, wherever it is
