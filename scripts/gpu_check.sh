@@ -53,8 +53,9 @@ commands() {
         ;;
     dsweep)
         # The draft pool on the machine's cores: D = 1, 2, 4, 8 workers, a core each, both ways of
-        # sharing the work, at batch 1 and 16 (the paper's projection is at 16); then the miss law.
-        echo "$PYTHON -m ssd.bench --device cpu --settings paper --modes sd,ssd --draft-workers 1,2,4,8 --draft-splits outcomes,sequences --temperatures 0,1 --batch-sizes 1 --num-prompts 4 --max-tokens 64 --pair-reps 10 --no-progress --out-dir {out}"
+        # sharing the work, at batch 1 (placed by the OS and pinned) and 16 (the paper's projection
+        # is at 16); then the miss law.
+        echo "$PYTHON -m ssd.bench --device cpu --settings paper --modes sd,ssd --draft-workers 1,2,4,8 --draft-splits outcomes,sequences --draft-worker-cpus shared,pinned --temperatures 0,1 --batch-sizes 1 --num-prompts 4 --max-tokens 64 --pair-reps 10 --no-progress --out-dir {out}"
         echo "$PYTHON -m ssd.bench --device cpu --settings paper --modes sd,ssd --draft-workers 1,2,4,8 --draft-splits outcomes,sequences --temperatures 0,1 --batch-sizes 16 --num-prompts 16 --max-tokens 32 --pair-reps 2 --no-progress --out-dir {out}/batch16"
         echo "$PYTHON -m benchmarks.miss_law --workers 1,2,4,8 --temperatures 0,1 --num-prompts 4 --max-tokens 64 --out {out}/miss_law.json"
         ;;

@@ -321,3 +321,14 @@ def test_threads_beside_workers_are_the_cores_the_workers_leave():
     # Never more than the process had (OMP_NUM_THREADS, the caller's setting), whatever the cores.
     assert round_threads(config, None, 1) == {"ssd": 1, "sd": 1, "ar": 1}
     assert round_threads(dataclasses.replace(config, num_threads=3), None, 8) == {}
+
+
+def test_pinned_draft_workers_take_the_highest_cores_and_leave_the_target_one():
+    config = EngineArgs(mode="ssd", draft_workers=2, draft_num_threads=2, draft_worker_cpus="pinned").to_config()
+    assert config.draft_cpu_sets(list(range(16))) == [(12, 13), (14, 15)]
+    assert config.draft_cpu_sets([0, 2, 4, 6, 8]) == [(2, 4), (6, 8)]  # the cores this process may use
+    with pytest.raises(ValueError, match="draft_worker_cpus='pinned'.*5 in all; this process may use 4"):
+        config.draft_cpu_sets(list(range(4)))
+    assert dataclasses.replace(config, draft_worker_cpus="shared").draft_cpu_sets(list(range(16))) == []
+    split = dataclasses.replace(config, draft_tensor_parallel_size=2, draft_num_threads=1)
+    assert split.draft_cpu_sets(list(range(8))) == [(4, 5), (6, 7)]  # a worker's ranks share its cores

@@ -255,13 +255,23 @@ def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
     workers, crossed (the labels from the
     variants alone; one crossed row runs); more workers than cores is said; an unknown transport
     is refused."""
-    labels = [v.label for v in variants(["sd", "ssd"], None, [4], [1, 2], ["shm", "grpc"])]
+    labels = [
+        v.label
+        for v in variants(
+            ["sd", "ssd"], {"ssd_budget": [4], "draft_workers": [1, 2], "draft_transport": ["shm", "grpc"]}
+        )
+    ]
     assert labels == [
         "sd", "ssd B=4 D=1 tr=shm", "ssd B=4 D=1 tr=grpc", "ssd B=4 D=2 tr=shm", "ssd B=4 D=2 tr=grpc"
     ], labels  # fmt: skip
-    splits = [v.label for v in variants(["ssd"], None, None, [1, 2], None, None, ["outcomes", "sequences"])]
+    splits = [v.label for v in variants(["ssd"], {"draft_workers": [1, 2], "draft_split": ["outcomes", "sequences"]})]
     assert splits == ["ssd D=1 split=outcomes", "ssd D=2 split=outcomes", "ssd D=2 split=sequences"], splits
-    assert variants(["ssd"], None, None, [2], None, None, ["sequences"])[0].record["draft_split"] == "sequences"
+    assert (
+        variants(["ssd"], {"draft_workers": [2], "draft_split": ["sequences"]})[0].record["draft_split"] == "sequences"
+    )
+    cpus = variants(["ssd"], {"draft_workers": [1], "draft_worker_cpus": ["pinned", "shared"]})
+    assert [v.label for v in cpus] == ["ssd D=1 cpus=pinned", "ssd D=1 cpus=shared"]
+    assert cpus[0].record == {"base_mode": "ssd", "draft_workers": 1, "draft_worker_cpus": "pinned"}
     target, draft = pair
     caplog.set_level(logging.WARNING)
     argv = ["--target", target, "--draft", draft, "--k", str(K), "--num-prompts", "1", "--max-tokens", "6"]
@@ -284,6 +294,10 @@ def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
         )
     with pytest.raises(ValueError, match="--draft-splits: unknown"):
         bench.run(parse(["--target", target, "--draft", draft, "--draft-splits", "halves", "--out-dir", str(tmp_path)]))
+    with pytest.raises(ValueError, match="--draft-worker-cpus: unknown.*choose from shared, pinned"):
+        bench.run(
+            parse(["--target", target, "--draft", draft, "--draft-worker-cpus", "own", "--out-dir", str(tmp_path)])
+        )
 
 
 def test_tensor_parallel_rows(pair, tmp_path):

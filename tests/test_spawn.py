@@ -6,13 +6,14 @@ the fork server only where it will fork."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from workers import live_draft_workers
 
 from ssd import LLM, SamplingParams
-from ssd.core.config import EngineArgs
+from ssd.core.config import EngineArgs, available_cpus
 from ssd.core.forked import ForkedProcess
 from ssd.core.protocol import DrafterUnavailable
 from ssd.engine.proposers import resolve_provider, warm_fork_server
@@ -33,6 +34,37 @@ def test_an_acquired_worker_is_forked_ready_and_exits_cleanly(tiny_pair, transpo
         provider.discard(link, failed=False)
         if transport != "grpc":  # a listening worker serves target after target: it is stopped, not shut down
             assert link.process.returncode == 0  # SHUTDOWN: a clean exit, its code kept
+    finally:
+        provider.close()
+    assert live_draft_workers() == []
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="pinning needs a core left for the target")
+def test_pinned_workers_run_on_cores_of_their_own_and_a_replacement_takes_the_dead_ones(tiny_pair):
+    """draft_worker_cpus pinned: the workers (two where the cores allow, else one) run on the
+    highest cores this process may use, one each; a worker started after one died gets the dead
+    one's core. shared (the default): the worker may run wherever this process may."""
+    mine = os.sched_getaffinity(0)
+    workers = min(2, len(mine) - 1)
+    cores = [{c} for c in sorted(mine)[-workers:]]
+    cfg = config(tiny_pair, draft_launcher="process", draft_workers=workers, draft_worker_cpus="pinned")
+    provider = resolve_provider(cfg, None)(cfg, 512)
+    try:
+        links = [provider.acquire() for _ in range(workers)]
+        assert [os.sched_getaffinity(link.process.pid) for link in links] == cores
+        links[0].kill()
+        links[0] = provider.acquire()
+        assert os.sched_getaffinity(links[0].process.pid) == cores[0]
+        for link in links:
+            provider.discard(link, failed=False)
+    finally:
+        provider.close()
+    shared = config(tiny_pair, draft_launcher="process")
+    provider = resolve_provider(shared, None)(shared, 512)
+    try:
+        link = provider.acquire()
+        assert os.sched_getaffinity(link.process.pid) == mine
+        provider.discard(link, failed=False)
     finally:
         provider.close()
     assert live_draft_workers() == []

@@ -35,11 +35,7 @@ def _base_spec(plan: BenchPlan) -> dict:
         "device": plan.device,
         "seed": plan.seed,
         "pair_reps": plan.pair_reps,
-        "saguaro_c": plan.saguaro_c,
-        "ssd_budgets": plan.ssd_budgets,
-        "draft_workers": plan.draft_workers,
-        "draft_transports": plan.draft_transports,
-        "draft_splits": plan.draft_splits,
+        "ssd_sweeps": plan.ssd_sweeps(),
         "tensor_parallel_sizes": plan.tensor_parallel_sizes,
         "repeats": plan.repeats,
         "log_level": logging.getLogger("ssd").getEffectiveLevel(),
@@ -53,18 +49,7 @@ def run(args: argparse.Namespace) -> dict:
 
     plan = _plan(args)
     settings = {name: SETTINGS[name].threads() for name in plan.settings}
-    labels = [
-        v.label
-        for v in variants(
-            plan.modes,
-            plan.saguaro_c,
-            plan.ssd_budgets,
-            plan.draft_workers,
-            plan.draft_transports,
-            plan.tensor_parallel_sizes,
-            plan.draft_splits,
-        )
-    ]
+    labels = [v.label for v in variants(plan.modes, plan.ssd_sweeps(), plan.tensor_parallel_sizes)]
     runs_per_setting = len(labels) * len(plan.temperatures) * len(plan.batch_sizes) * plan.repeats
     total = 1 + (0 if plan.pair_stats_only else runs_per_setting * len(settings))
     results = new_results(plan, args, settings)

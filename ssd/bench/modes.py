@@ -167,6 +167,17 @@ def engine_mode(mode: str, needs_draft: bool = True, **llm_kwargs) -> Callable[[
     return build
 
 
+# The SSD options a bench can sweep, each with the tag its rows are labelled with (" D=2 split=sequences").
+SWEEP_TAGS = {
+    "saguaro_c": "C",
+    "ssd_budget": "B",
+    "draft_workers": "D",
+    "draft_transport": "tr",
+    "draft_split": "split",
+    "draft_worker_cpus": "cpus",
+}
+
+
 @dataclass(frozen=True)
 class Variant:
     """One row group of the bench: a mode, with SSD options where the plan sweeps them."""
@@ -180,29 +191,18 @@ class Variant:
     def record(self) -> dict:
         """What a record says about the variant besides its label."""
         out = {"base_mode": self.mode}
-        if "saguaro_c" in self.ssd_options:
-            out["saguaro_c"] = self.ssd_options["saguaro_c"]
-        if "ssd_budget" in self.ssd_options:
-            out["ssd_budget"] = self.ssd_options["ssd_budget"]
-        for key in ("draft_workers", "draft_transport", "draft_split"):
-            if key in self.ssd_options:
-                out[key] = self.ssd_options[key]
+        out.update({key: v for key, v in self.ssd_options.items() if key in SWEEP_TAGS})
         out.update(self.engine_options)
         return out
 
 
 def variants(
-    modes: list[str],
-    saguaro_c: list[float] | None,
-    budgets: list[int] | None,
-    workers: list[int] | None = None,
-    transports: list[str] | None = None,
-    tp_sizes: list[int] | None = None,
-    splits: list[str] | None = None,
+    modes: list[str], sweeps: dict[str, list] | None = None, tp_sizes: list[int] | None = None
 ) -> list[Variant]:
-    """Every mode once, every SSD mode once per (C, B, D, transport, split) combination of the
-    sweep, and each mode of this engine once per tensor-parallel size when those are swept."""
-    out = _ssd_variants(modes, saguaro_c, budgets, workers, transports, splits)
+    """Every mode once, every SSD mode once per combination of the swept SSD options (`sweeps`:
+    option -> values, options of SWEEP_TAGS), and each mode of this engine once per
+    tensor-parallel size when those are swept."""
+    out = _ssd_variants(modes, {key: v for key, v in (sweeps or {}).items() if v})
     if not tp_sizes:
         return out
     return [
@@ -212,29 +212,24 @@ def variants(
     ]
 
 
-def _ssd_variants(modes, saguaro_c, budgets, workers, transports, splits) -> list[Variant]:
+def _ssd_variants(modes: list[str], sweeps: dict[str, list]) -> list[Variant]:
+    unknown = set(sweeps) - set(SWEEP_TAGS)
+    assert not unknown, unknown
+    keys = [key for key in SWEEP_TAGS if key in sweeps]  # labels in SWEEP_TAGS' order
     out = []
     for name in modes:
-        if not MODES[name].ssd or all(x is None for x in (saguaro_c, budgets, workers, transports, splits)):
+        if not MODES[name].ssd or not keys:
             out.append(Variant(name, name, {}))
             continue
-        for c, b, d, tr, sp in itertools.product(
-            saguaro_c or [None], budgets or [None], workers or [None], transports or [None], splits or [None]
-        ):
-            values = (
-                ("saguaro_c", "C", c),
-                ("ssd_budget", "B", b),
-                ("draft_workers", "D", d),
-                ("draft_transport", "tr", tr),
-                ("draft_split", "split", sp),
-            )
-            if sp == "sequences" and (d or 1) == 1:  # one worker has nothing to split
-                continue
-            options = {key: v for key, _, v in values if v is not None}
-            if b is not None:  # a swept budget is the budget: the sizer would move it
+        for values in itertools.product(*(sweeps[key] for key in keys)):
+            options = dict(zip(keys, values))
+            if options.get("draft_split") == "sequences" and options.get("draft_workers", 1) == 1:
+                continue  # one worker has nothing to split
+            if "ssd_budget" in options:  # a swept budget is the budget: the sizer would move it
                 options["ssd_autobudget"] = False
             suffix = "".join(
-                f" {tag}={v:g}" if not isinstance(v, str) else f" {tag}={v}" for _, tag, v in values if v is not None
+                f" {SWEEP_TAGS[key]}={v}" if isinstance(v, str) else f" {SWEEP_TAGS[key]}={v:g}"
+                for key, v in zip(keys, values)
             )
             out.append(Variant(name + suffix, name, options))
     return out

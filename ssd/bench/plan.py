@@ -127,6 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine measures both and runs the faster).",
     )
     parser.add_argument(
+        "--draft-worker-cpus",
+        default=None,
+        help="Comma-separated placements of the draft workers on this host's cores (shared, pinned; see "
+        "draft_worker_cpus): every SSD mode runs once per value (rows labelled cpus=...). Default: the engine's "
+        "default (shared: the OS places them).",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         default=None,
         help="Comma-separated tensor_parallel_size values: every mode of this engine runs once per value with the "
@@ -172,8 +179,21 @@ class BenchPlan:
     draft_workers: list[int] | None = None
     draft_transports: list[str] | None = None
     draft_splits: list[str] | None = None
+    draft_worker_cpus: list[str] | None = None
     tensor_parallel_sizes: list[int] | None = None
     repeats: int = 1
+
+    def ssd_sweeps(self) -> dict[str, list]:
+        """The SSD options swept (modes.SWEEP_TAGS' keys), each with its values."""
+        swept = {
+            "saguaro_c": self.saguaro_c,
+            "ssd_budget": self.ssd_budgets,
+            "draft_workers": self.draft_workers,
+            "draft_transport": self.draft_transports,
+            "draft_split": self.draft_splits,
+            "draft_worker_cpus": self.draft_worker_cpus,
+        }
+        return {key: values for key, values in swept.items() if values}
 
 
 def demo_pair() -> tuple[str, str]:
@@ -229,7 +249,8 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         ssd_budgets=budgets,
         draft_workers=workers,
         draft_transports=transports,
-        draft_splits=_draft_splits(get("draft_splits")),
+        draft_splits=_names(get("draft_splits"), "draft-splits", ("auto", "outcomes", "sequences")),
+        draft_worker_cpus=_names(get("draft_worker_cpus"), "draft-worker-cpus", ("shared", "pinned")),
         tensor_parallel_sizes=_tp_sizes(get("tensor_parallel_size")),
         repeats=repeats,
     )
@@ -280,14 +301,14 @@ def _pool_values(workers: str | None, transports: str | None) -> tuple[list[int]
     return counts, names
 
 
-def _draft_splits(splits: str | None) -> list[str] | None:
-    """--draft-splits as a list (None when not given), validated."""
-    if splits is None:
+def _names(value: str | None, flag: str, allowed: tuple[str, ...]) -> list[str] | None:
+    """A comma-separated flag of names as a list (None when not given), each one of `allowed`."""
+    if value is None:
         return None
-    names = _split(splits, "draft-splits")
-    unknown = [s for s in names if s not in ("auto", "outcomes", "sequences")]
+    names = _split(value, flag)
+    unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise ValueError(f"--draft-splits: unknown {unknown}; choose from auto, outcomes, sequences")
+        raise ValueError(f"--{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
     return names
 
 

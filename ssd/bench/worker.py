@@ -57,15 +57,7 @@ def _run_modes(spec: dict, emit: Callable[[dict], None]) -> None:
     )
     max_tokens, seed = spec["max_tokens"], spec["seed"]
     runners: dict[str, object] = {}
-    todo = variants(
-        spec["modes"],
-        spec.get("saguaro_c"),
-        spec.get("ssd_budgets"),
-        spec.get("draft_workers"),
-        spec.get("draft_transports"),
-        spec.get("tensor_parallel_sizes"),
-        spec.get("draft_splits"),
-    )
+    todo = variants(spec["modes"], spec.get("ssd_sweeps"), spec.get("tensor_parallel_sizes"))
     try:
         for v in todo:
             if any(MODES[v.mode].supports(b) for b in spec["batch_sizes"]):

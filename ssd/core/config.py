@@ -186,6 +186,13 @@ class EngineArgs(BaseModel):
         "worker's core and costs a wake-up.",
     )
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
+    draft_worker_cpus: Literal["shared", "pinned"] = Field(
+        "shared",
+        description="SSD, draft workers this process forks (draft_launcher process): shared (default) lets the OS "
+        "place them; pinned runs each on cores of its own (draft_tensor_parallel_size x draft_num_threads of them, "
+        "taken from the highest of the cores this process may use, at least one left to the target), so a worker "
+        "keeps its caches and never queues behind the target's threads.",
+    )
     draft_deadline_s: float = Field(
         30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it."
     )
@@ -286,6 +293,23 @@ class _Resolved:
         busy = self.draft_workers * self.draft_tensor_parallel_size * self.draft_num_threads
         return max(1, (cpus - busy) // self.tensor_parallel_size)
 
+    def draft_cpu_sets(self, cpus: list[int]) -> list[tuple[int, ...]]:
+        """The cores each forked draft worker is pinned to, one set per worker of the D, taken
+        from `cpus` (the cores this process may use) from the highest down; [] when the workers
+        are shared (the OS places them)."""
+        if self.draft_worker_cpus == "shared":
+            return []
+        per = self.draft_tensor_parallel_size * self.draft_num_threads
+        need = self.draft_workers * per
+        if need >= len(cpus):
+            raise ValueError(
+                f"draft_worker_cpus='pinned' gives {self.draft_workers} draft worker(s) {per} core(s) each and the "
+                f"target at least one, {need + 1} in all; this process may use {len(cpus)}: lower draft_workers or "
+                "draft_num_threads, or set draft_worker_cpus to 'shared'"
+            )
+        top = sorted(cpus)[-need:]
+        return [tuple(top[i * per : (i + 1) * per]) for i in range(self.draft_workers)]
+
     @property
     def kv_cache_bytes(self) -> int:
         """kv_cache_gib in bytes: what each KV cache may take at its first forward."""
@@ -331,11 +355,16 @@ else:
 
 
 def available_cpus() -> int:
-    """The cores this process may run on."""
+    """How many cores this process may run on."""
+    return len(cpu_ids())
+
+
+def cpu_ids() -> list[int]:
+    """The cores this process may run on, in order."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def fingerprint(*parts) -> int:

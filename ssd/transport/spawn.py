@@ -14,6 +14,10 @@ link) travels with the fork:
 - torch, grpc: the worker listens on a port it chose, reports its address on a pipe, and is
   reached as a remote worker would be.
 
+Placement: with draft_worker_cpus pinned each worker runs on cores of its own
+(EngineConfig.draft_cpu_sets), set before its threads start; a replacement takes the cores its
+dead predecessor left.
+
 Lifetime: a worker exits when this process closes its lifeline or dies, however it dies, and is
 killed with the fork server (which ends with this process); the link shuts it down on close() or
 interpreter exit, and kills it if it will not go. The fork server reaps it.
@@ -30,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, config_fingerprint
+from ssd.core.config import CONNECTABLE_TRANSPORTS, EngineConfig, config_fingerprint, cpu_ids
 from ssd.core.forked import ForkedProcess, fork
 from ssd.core.protocol import DrafterUnavailable
 from ssd.transport.channel import ChannelClosed
@@ -57,6 +61,9 @@ class SpawnedWorkers:
         self.worker_main, self.preload = worker_main, tuple(preload)
         self.feed = None  # the shm workers' feed (shm_feed.FeedWriter), made with the first of them
         self.lock = threading.Lock()  # refills acquire workers from threads of their own
+        # Cores of each worker's own ([]: the OS places them); a replacement takes the freed ones.
+        self.cpu_sets = config.draft_cpu_sets(cpu_ids())
+        self.placed: list[tuple[ForkedProcess, int]] = []  # (worker, index of its cpu set)
 
     def acquire(self) -> WorkerLink:
         transport = self.config.draft_transport
@@ -81,13 +88,30 @@ class SpawnedWorkers:
             feed.close()
 
     def _fork(self, link: dict, fds: Sequence[int] = ()) -> ForkedProcess:
-        spec = {
-            "config": asdict(self.config),
-            "vocab": self.vocab,
-            "log_level": logging.getLogger("ssd").getEffectiveLevel(),
-            "link": link,
-        }
-        return fork(self.worker_main, (spec,), fds, WORKER_NAME, self.preload)
+        with self.lock:
+            index = self._free_cpu_set()
+            spec = {
+                "config": asdict(self.config),
+                "vocab": self.vocab,
+                "log_level": logging.getLogger("ssd").getEffectiveLevel(),
+                "link": link,
+                "cpus": None if index is None else list(self.cpu_sets[index]),
+            }
+            process = fork(self.worker_main, (spec,), fds, WORKER_NAME, self.preload)
+            if index is not None:
+                self.placed.append((process, index))
+            return process
+
+    def _free_cpu_set(self) -> int | None:
+        """The cpu set held by the fewest live workers (a dead worker's, when one is being
+        replaced); None when workers are not pinned."""
+        if not self.cpu_sets:
+            return None
+        self.placed = [(p, i) for p, i in self.placed if p.poll() is None]
+        held = [0] * len(self.cpu_sets)
+        for _, i in self.placed:
+            held[i] += 1
+        return held.index(min(held))
 
     def _shm_pair(self) -> WorkerLink:
         from ssd.transport.shm_channel import SPIN_S, Mailbox, MailboxReader, ShmChannel

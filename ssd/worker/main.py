@@ -93,7 +93,8 @@ def load_drafter(cfg: EngineConfig, vocab: int) -> TreeDrafter:
 
 def run_forked(child: ForkedChild, spec: dict) -> int:
     """A forked worker's life (ssd.core.forked runs it): load the draft, then serve. spec:
-    {"config": EngineConfig fields, "vocab": int, "log_level": int, "link": ...} with link
+    {"config": EngineConfig fields, "vocab": int, "log_level": int, "cpus": [int] | None (its own
+    cores, EngineConfig.draft_cpu_sets), "link": ...} with link
     {"kind": "shm", "inbox": MailboxFds | None, "feed": FeedPort.handle() | None, "outbox": MailboxFds,
     "spin_s": float} (one session, until SHUTDOWN, reading a mailbox or its pool's feed),
     {"kind": "gloo", "store_dir": str}, or
@@ -104,6 +105,8 @@ def run_forked(child: ForkedChild, spec: dict) -> int:
         format=f"%(asctime)s %(levelname)s [{WORKER_NAME} {os.getpid()}] %(name)s: %(message)s",
     )
     cfg = EngineConfig(**spec["config"])
+    if spec.get("cpus"):  # before any thread starts: torch's threads keep the cores they start on
+        os.sched_setaffinity(0, spec["cpus"])
     set_process_threads(cfg.draft_num_threads)
     fp = config_fingerprint(cfg, spec["vocab"])
     link = spec["link"]
