@@ -298,6 +298,9 @@ def test_draft_workers_and_transport_rows(pair, tmp_path, caplog):
         bench.run(
             parse(["--target", target, "--draft", draft, "--draft-worker-cpus", "own", "--out-dir", str(tmp_path)])
         )
+    too_many = ["--draft-workers", f"1,{bench.available_cpus()}", "--draft-worker-cpus", "shared,pinned"]
+    with pytest.raises(ValueError, match="--draft-worker-cpus pinned .* lower --draft-workers or leave out pinned"):
+        bench.run(parse(["--target", target, "--draft", draft, *too_many, "--out-dir", str(tmp_path)]))
 
 
 def test_tensor_parallel_rows(pair, tmp_path):

@@ -117,18 +117,25 @@ def test_the_writer_waits_for_an_attached_reader_and_drops_one_that_stops_readin
 
 def test_a_write_to_a_released_reader_or_after_close_says_the_channel_is_closed(feed):
     """A link closed after its pool (at interpreter exit, after a failure) sends its SHUTDOWN to a
-    port the feed no longer has: ChannelClosed, which a closing link expects (it was a KeyError)."""
+    port the feed no longer has: ChannelClosed, which a closing link expects (it was a KeyError);
+    so does a stale port whose index a new worker has now, and any write once the feed is closed."""
     writer = feed()
     (p0, r0), (p1, r1) = _reader(writer), _reader(writer)
     p0.close()
     with pytest.raises(ChannelClosed, match="released"):
         p0.write(_msg(1), SECOND)
-    writer.write(_msg(2), p1.index, SECOND)
-    assert _read(r1)[0] == 2
-    writer.close()
+    (p2, r2) = _reader(writer)  # a new worker's port, at the index p0 had
+    assert p2.index == p0.index
     with pytest.raises(ChannelClosed, match="released"):
+        p0.write(_msg(1), SECOND)  # never into the new worker's messages
+    writer.write(_msg(2), p1.index, SECOND)
+    assert _read(r1)[0] == 2 and not r2.poll()
+    writer.close()
+    with pytest.raises(ChannelClosed, match="closed"):
         p1.write(_msg(3), SECOND)
-    r0.close(), r1.close()
+    with pytest.raises(ChannelClosed, match="closed"):
+        writer.write(_msg(4), ALL, SECOND)
+    r0.close(), r1.close(), r2.close()
 
 
 def test_a_reader_whose_worker_exited_is_dropped_without_waiting_for_the_deadline(feed):

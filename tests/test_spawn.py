@@ -72,7 +72,7 @@ def test_pinned_workers_run_on_cores_of_their_own_and_a_replacement_takes_the_de
 
 def test_pinning_more_workers_than_the_cores_allow_is_refused_when_the_engine_starts(tiny_pair):
     with pytest.raises(ValueError, match="draft_worker_cpus='pinned'.*set draft_worker_cpus to 'shared'"):
-        LLM(*tiny_pair, mode="ssd", k=3, draft_workers=available_cpus(), draft_worker_cpus="pinned")
+        LLM(*tiny_pair, mode="ssd", k=3, draft_num_threads=available_cpus(), draft_worker_cpus="pinned")
     assert live_draft_workers() == []
 
 

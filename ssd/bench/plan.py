@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ssd.bench.modes import MODES, SETTINGS
+from ssd.bench.modes import MODES, SETTINGS, available_cpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +221,13 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         )
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
     workers, transports = _pool_values(get("draft_workers"), get("draft_transports"))
+    placements = _names(get("draft_worker_cpus"), "draft-worker-cpus", ("shared", "pinned"))
+    most = max(workers or [1])
+    if "pinned" in (placements or []) and most >= available_cpus():
+        raise ValueError(
+            f"--draft-worker-cpus pinned gives each of up to {most} draft workers a core and the target one, "
+            f"{most + 1} in all; this machine has {available_cpus()}: lower --draft-workers or leave out pinned"
+        )
     k, num_prompts, max_tokens, reps = get("k", 6), get("num_prompts", 8), get("max_tokens", 128), get("pair_reps", 50)
     repeats = get("repeats", 1)
     counts = {"k": k, "num-prompts": num_prompts, "max-tokens": max_tokens, "pair-reps": reps, "repeats": repeats}
@@ -250,7 +257,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
         draft_workers=workers,
         draft_transports=transports,
         draft_splits=_names(get("draft_splits"), "draft-splits", ("auto", "outcomes", "sequences")),
-        draft_worker_cpus=_names(get("draft_worker_cpus"), "draft-worker-cpus", ("shared", "pinned")),
+        draft_worker_cpus=placements,
         tensor_parallel_sizes=_tp_sizes(get("tensor_parallel_size")),
         repeats=repeats,
     )

@@ -188,10 +188,11 @@ class EngineArgs(BaseModel):
     draft_num_threads: int = Field(1, ge=1, description="SSD: torch threads of the draft process.")
     draft_worker_cpus: Literal["shared", "pinned"] = Field(
         "shared",
-        description="SSD, draft workers this process forks (draft_launcher process): shared (default) lets the OS "
-        "place them; pinned runs each on cores of its own (draft_tensor_parallel_size x draft_num_threads of them, "
-        "taken from the highest of the cores this process may use, at least one left to the target), so a worker "
-        "keeps its caches and never queues behind the target's threads.",
+        description="SSD, draft workers this engine forks (draft_launcher process): shared (default) lets the OS "
+        "place them; pinned runs each on cores of its own among them (draft_tensor_parallel_size x "
+        "draft_num_threads, the highest of the cores this process may use, at least one left below them), so a "
+        "worker keeps its caches. The target's own placement is unchanged (its threads leave the workers' cores: "
+        "num_threads); engines in one process pin theirs to the same cores.",
     )
     draft_deadline_s: float = Field(
         30.0, gt=0, description="SSD: seconds the target waits for a drafter reply before going on without it."
@@ -304,8 +305,8 @@ class _Resolved:
         if need >= len(cpus):
             raise ValueError(
                 f"draft_worker_cpus='pinned' gives {self.draft_workers} draft worker(s) {per} core(s) each and the "
-                f"target at least one, {need + 1} in all; this process may use {len(cpus)}: lower draft_workers or "
-                "draft_num_threads, or set draft_worker_cpus to 'shared'"
+                f"target at least one, {need + 1} in all; this process may use {len(cpus)}: lower draft_workers, "
+                "draft_num_threads or draft_tensor_parallel_size, or set draft_worker_cpus to 'shared'"
             )
         top = sorted(cpus)[-need:]
         return [tuple(top[i * per : (i + 1) * per]) for i in range(self.draft_workers)]

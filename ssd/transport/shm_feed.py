@@ -143,12 +143,18 @@ class FeedWriter:
             self.ports[index] = port
             return port
 
-    def write(self, data: torch.Tensor, to: int, timeout: datetime.timedelta | None) -> list[FeedPort]:
-        """Write `data` (uint8 [n], n > 0) for reader `to`, or for every attached reader (ALL).
-        Waits for room up to `timeout` (None: while the laggards live); a reader that exits or
-        stays behind past it is dropped. -> the ports dropped during this write."""
+    def write(
+        self, data: torch.Tensor, to: int, timeout: datetime.timedelta | None, port: FeedPort | None = None
+    ) -> list[FeedPort]:
+        """Write `data` (uint8 [n], n > 0) for reader `to` (through `port`, when given: its port), or
+        for every attached reader (ALL). Waits for room up to `timeout` (None: while the laggards
+        live); a reader that exits or stays behind past it is dropped. -> the ports dropped during
+        this write."""
         with self.lock:
-            if to != ALL and to not in self.ports:  # released, or the feed closed: its worker is gone
+            if self.mapping.map.closed:
+                raise ChannelClosed("the pool's feed is closed")
+            # A released index may be a new worker's by now: only its own port writes to it.
+            if to != ALL and (to not in self.ports or (port is not None and self.ports[to] is not port)):
                 raise ChannelClosed(f"feed reader {to} was released (its worker left, or the pool closed)")
             if to != ALL and not self.ports[to].attached:
                 self.ports[to].attached = True
@@ -237,7 +243,7 @@ class FeedPort:
     def write(self, data: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         if self.lost is not None:
             raise ChannelClosed(f"the draft worker's feed reader was dropped: {self.lost}")
-        self.writer.write(data, self.index, timeout)
+        self.writer.write(data, self.index, timeout, self)
         if self.lost is not None:  # dropped while this write waited for room behind it
             raise ChannelTimeout(f"the draft worker's feed reader was dropped: {self.lost}")
 

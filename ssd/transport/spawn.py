@@ -64,6 +64,7 @@ class SpawnedWorkers:
         # Cores of each worker's own ([]: the OS places them); a replacement takes the freed ones.
         self.cpu_sets = config.draft_cpu_sets(cpu_ids())
         self.placed: list[tuple[ForkedProcess, int]] = []  # (worker, index of its cpu set)
+        self.placing = threading.Lock()
 
     def acquire(self) -> WorkerLink:
         transport = self.config.draft_transport
@@ -88,25 +89,27 @@ class SpawnedWorkers:
             feed.close()
 
     def _fork(self, link: dict, fds: Sequence[int] = ()) -> ForkedProcess:
-        with self.lock:
+        if not self.cpu_sets:
+            return fork(self.worker_main, (self._spec(link, None),), fds, WORKER_NAME, self.preload)
+        with self.placing:  # a set is chosen and taken at once (refills fork from threads of their own)
             index = self._free_cpu_set()
-            spec = {
-                "config": asdict(self.config),
-                "vocab": self.vocab,
-                "log_level": logging.getLogger("ssd").getEffectiveLevel(),
-                "link": link,
-                "cpus": None if index is None else list(self.cpu_sets[index]),
-            }
+            spec = self._spec(link, list(self.cpu_sets[index]))
             process = fork(self.worker_main, (spec,), fds, WORKER_NAME, self.preload)
-            if index is not None:
-                self.placed.append((process, index))
+            self.placed.append((process, index))
             return process
 
-    def _free_cpu_set(self) -> int | None:
+    def _spec(self, link: dict, cpus: list[int] | None) -> dict:
+        return {
+            "config": asdict(self.config),
+            "vocab": self.vocab,
+            "log_level": logging.getLogger("ssd").getEffectiveLevel(),
+            "link": link,
+            "cpus": cpus,
+        }
+
+    def _free_cpu_set(self) -> int:
         """The cpu set held by the fewest live workers (a dead worker's, when one is being
-        replaced); None when workers are not pinned."""
-        if not self.cpu_sets:
-            return None
+        replaced)."""
         self.placed = [(p, i) for p, i in self.placed if p.poll() is None]
         held = [0] * len(self.cpu_sets)
         for _, i in self.placed:

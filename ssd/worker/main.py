@@ -105,7 +105,7 @@ def run_forked(child: ForkedChild, spec: dict) -> int:
         format=f"%(asctime)s %(levelname)s [{WORKER_NAME} {os.getpid()}] %(name)s: %(message)s",
     )
     cfg = EngineConfig(**spec["config"])
-    if spec.get("cpus"):  # before any thread starts: torch's threads keep the cores they start on
+    if spec.get("cpus"):  # before the draft loads: torch's threads and a split draft's ranks inherit it
         os.sched_setaffinity(0, spec["cpus"])
     set_process_threads(cfg.draft_num_threads)
     fp = config_fingerprint(cfg, spec["vocab"])
