@@ -177,10 +177,12 @@ def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(peaked_p
 
 def test_the_check_fails_on_a_board_that_publishes_the_wrong_distribution(peaked_pair, peaked_target, monkeypatch):
     """The same power test for the hits the target reads off a worker's board (the worker's
-    replies right, its board wrong): the pool of four_workers_boards."""
+    replies right, its board wrong): the pool of four_workers_boards. 500 samples gave p ~ 1e-122
+    in two runs (300: 1e-32 to 1e-41), a margin that holds even if far fewer hits come off boards
+    than the 0.7-1.0 a round measured (at least 0.1 is asserted)."""
     monkeypatch.setattr(proposers, "run_forked", forked_targets.neighbour_board_worker)
     params, options, _ = CASES["four_workers_boards"]
-    prompt_ids, samples, m = run_case(peaked_pair, params, options, 1000, 321)
+    prompt_ids, samples, m = run_case(peaked_pair, params, options, 500, 321)
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
     assert m["ssd"]["board_reads"] > 0.1, m["ssd"]
     assert min(p for p, _, _ in result.values()) < 1e-8, result
