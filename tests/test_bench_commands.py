@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import constrained, grammar_cost, pack_time, processing_cost, processing_share, vocab_speed
+from benchmarks import (
+    constrained,
+    exchange_steps,
+    grammar_cost,
+    pack_time,
+    processing_cost,
+    processing_share,
+    vocab_speed,
+)
 from loadtest import offline
 from loadtest.bench import median_cell
 
@@ -102,3 +110,21 @@ def test_the_load_benchmarks_repeats_are_a_median_with_its_range():
     cell = median_cell([run(250.0), run(220.0, failures=1), run(265.0)])
     assert (cell["tok_per_s"], cell["req_per_s"], cell["failures"]) == (250.0, 5.0, 1)
     assert (cell["tok_per_s_min"], cell["tok_per_s_max"], len(cell["runs"])) == (220.0, 265.0, 3)
+
+
+def test_exchange_steps_times_the_pool_steps_in_place_and_puts_them_back(tiny_pair, tmp_path):
+    """Two workers (boards, where the host has them): each step is timed per call; the steps are
+    the pool's own again afterwards."""
+    from ssd.transport.pool_client import PoolClient
+
+    before = PoolClient.resolve
+    out = tmp_path / "exchange_steps.json"
+    args = ["--target", tiny_pair[0], "--draft", tiny_pair[1], "--workers", "1,2", "--k", "3"]
+    assert exchange_steps.main([*args, "--num-prompts", "2", "--max-tokens", "12", "--out", str(out)]) == 0
+    one, two = json.loads(out.read_text())
+    assert (one["draft_workers"], two["draft_workers"]) == (1, 2) and two["target_exchange_ms"] > 0
+    for run in (one, two):
+        steps = run["steps"]
+        assert steps["resolve"]["calls"] == steps["reply"]["calls"] > 0, steps
+        assert steps["resolve"]["wall_ms"] >= steps["resolve"]["cpu_ms"] * 0.5 > 0, steps
+    assert PoolClient.resolve is before
