@@ -1,7 +1,8 @@
 """Where the target's time in a draft pool's exchange goes (`python -m benchmarks.exchange_steps`):
 each step of the pool's round on the target's thread (ssd/transport/pool_client.py and the board
 reads it calls), timed in place while an SSD engine with D draft workers generates: wall time and
-the thread's CPU time, medians per call, next to the engine's own `target_exchange_ms`.
+the thread's CPU time, medians per call, next to the engine's own `target_exchange_ms`, and the
+round's key (board_key) timed again alone in a loop, on the last round's message.
 
 Why in place: the steps run between the target's forwards, which have just evicted the caches, so
 the same calls in a loop alone take a fraction of the time. A step whose CPU time is its wall
@@ -17,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+import timeit
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -38,8 +40,9 @@ def _owner(path: str):
 
 
 @contextmanager
-def timed_steps(times: dict[str, list[tuple[float, float]]]):
-    """Wrap every step of STEPS to append (wall s, CPU s) per call to times[name]; undone on exit."""
+def timed_steps(times: dict[str, list[tuple[float, float]]], last: dict[str, tuple] | None = None):
+    """Wrap every step of STEPS to append (wall s, CPU s) per call to times[name] (and keep each
+    step's latest arguments in last[name]); undone on exit."""
     originals = []
     for path, names in STEPS.items():
         owner = _owner(path)
@@ -48,6 +51,8 @@ def timed_steps(times: dict[str, list[tuple[float, float]]]):
             originals.append((owner, name, original))
 
             def wrapped(*args, _f=original, _name=name, **kwargs):
+                if last is not None:
+                    last[_name] = args
                 wall, cpu = time.perf_counter(), time.thread_time()
                 try:
                     return _f(*args, **kwargs)
@@ -72,10 +77,16 @@ def measure(target: str | None, draft: str | None, workers: int, temperature: fl
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1)
     with LLM(target, draft, mode="ssd", draft_workers=workers, draft_split="outcomes", k=k) as llm:
         llm.generate(prompts[:1], params)
-        with timed_steps(times):
+        last: dict[str, tuple] = {}
+        with timed_steps(times, last):
             for prompt in prompts:
                 llm.generate([prompt], params)
         ssd = llm.metrics()["ssd"]
+    # The same call alone, in a loop with warm caches: what the in-place figures compare to.
+    alone_ms = None
+    if "board_key" in last:
+        (msg,) = last["board_key"]
+        alone_ms = round(1e3 * min(timeit.repeat(msg.board_key, number=200, repeat=5)) / 200, 4)
     steps = {
         name: {
             "calls": len(v),
@@ -91,6 +102,7 @@ def measure(target: str | None, draft: str | None, workers: int, temperature: fl
         "target_exchange_ms": ssd["target_exchange_ms"],
         "board_reads": ssd["board_reads"],
         "steps": steps,
+        "board_key_alone_ms": alone_ms,
     }
 
 
@@ -118,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             f"D={run['draft_workers']} T={run['temperature']:g}: target exchange {run['target_exchange_ms']} ms, "
             f"board reads {run['board_reads']} a round\n"
         )
+        if run["board_key_alone_ms"] is not None:
+            sys.stdout.write(f"  board_key alone, in a loop: {run['board_key_alone_ms']:.4f} ms\n")
         for name, s in run["steps"].items():
             sys.stdout.write(
                 f"  {name:13s} calls {s['calls']:5d}  wall {s['wall_ms']:.3f} ms  cpu {s['cpu_ms']:.3f} ms  "

@@ -128,3 +128,6 @@ def test_exchange_steps_times_the_pool_steps_in_place_and_puts_them_back(tiny_pa
         assert steps["resolve"]["calls"] == steps["reply"]["calls"] > 0, steps
         assert steps["resolve"]["wall_ms"] >= steps["resolve"]["cpu_ms"] * 0.5 > 0, steps
     assert PoolClient.resolve is before
+    assert one["board_key_alone_ms"] is None  # no boards for a pool of one
+    if "board_key" in two["steps"]:  # boards (x86-64 hosts)
+        assert two["board_key_alone_ms"] > 0
