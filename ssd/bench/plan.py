@@ -220,7 +220,8 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
             f"modes {[m for m in modes if MODES[m].needs_draft]} need a draft model: pass --draft or use --modes ar"
         )
     saguaro_c, budgets = _ssd_values(get("saguaro_c"), get("ssd_budget"))
-    workers, transports = _pool_values(get("draft_workers"), get("draft_transports"))
+    workers = _integers(get("draft_workers"), "draft-workers", 1, 64) if get("draft_workers") is not None else None
+    transports = _names(get("draft_transports"), "draft-transports", ("shm", "gloo", "torch", "grpc"))
     placements = _names(get("draft_worker_cpus"), "draft-worker-cpus", ("shared", "pinned"))
     most = max(workers or [1])
     if "pinned" in (placements or []) and most >= available_cpus():
@@ -293,19 +294,6 @@ def _grid(get) -> tuple[list[float], list[int], list[str], list[str]]:
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
     return temperatures, batch_sizes, settings, modes
-
-
-def _pool_values(workers: str | None, transports: str | None) -> tuple[list[int] | None, list[str] | None]:
-    """--draft-workers and --draft-transports as lists (None when not given), validated."""
-    counts = names = None
-    if workers is not None:
-        counts = _integers(workers, "draft-workers", 1, 64)
-    if transports is not None:
-        names = _split(transports, "draft-transports")
-        unknown = [t for t in names if t not in ("shm", "gloo", "torch", "grpc")]
-        if unknown:
-            raise ValueError(f"--draft-transports: unknown {unknown}; choose from shm, gloo, torch, grpc")
-    return counts, names
 
 
 def _names(value: str | None, flag: str, allowed: tuple[str, ...]) -> list[str] | None:

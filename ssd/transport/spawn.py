@@ -15,7 +15,7 @@ link) travels with the fork:
   reached as a remote worker would be.
 
 Placement: with draft_worker_cpus pinned each worker runs on cores of its own
-(EngineConfig.draft_cpu_sets), set before its threads start; a replacement takes the cores its
+(EngineConfig.draft_cpu_sets), set before its draft loads; a replacement takes the cores its
 dead predecessor left.
 
 Lifetime: a worker exits when this process closes its lifeline or dies, however it dies, and is
