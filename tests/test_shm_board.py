@@ -6,6 +6,7 @@ mass. Real memfds; one test writes from a forked process, as a worker does."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import signal
@@ -13,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from ssd.core.protocol import GridMsg
+from ssd.core.protocol import BeginRoundMsg, GridMsg
 from ssd.transport import shm_board
 from ssd.transport.shm_board import BoardReader, BoardWriter, holds_round
 
@@ -74,7 +75,8 @@ def test_a_build_reads_as_its_whole_depths_so_far(open_board, monkeypatch):
     monkeypatch.setattr(_Spy, "hook", lambda: mid_add.append(reader.read(7, 1, 2, True)))
     assert reader.grid(7) is None and reader.read(7, 1, 2, False) is None
     writer.start(7, grid, N, K, V, probs=True, build_us=123)
-    outcome, candidates = reader.grid(7)
+    read = reader.grid(7)
+    outcome, candidates = torch.tensor(read.outcome), torch.tensor(read.candidates)
     assert torch.equal(outcome, grid.outcome) and torch.equal(candidates, grid.candidates)
     assert reader.read(7, 1, 2, False) is None  # no depth yet
     for d in range(K):
@@ -106,7 +108,7 @@ def test_the_last_build_stays_readable_while_the_next_is_written(open_board):
     def check(key: int, depth: int) -> None:
         grid, tokens, probs = builds[key]
         _assert_prefix(reader.read(key, 0, 1, True), tokens, probs, 0, 1, depth)
-        assert torch.equal(reader.grid(key)[1], grid.candidates)
+        assert torch.equal(torch.tensor(reader.grid(key).candidates), grid.candidates)
 
     build(11, K)
     assert reader.read(12, 0, 1, False) is None and reader.grid(12) is None  # another round's key
@@ -154,11 +156,11 @@ def test_a_bank_rewritten_while_read_reads_as_nothing(open_board, monkeypatch, a
     writer.start(41, _grid(6), N, K, V, True, 0)
     for d in range(K):
         writer.add(d, tokens[d], probs[d])
-    layout = reader._banks.arrays
+    ints = reader._banks.ints
 
     def rewrite_mid_read(*args):
-        views = layout(*args)  # the reader holds bank 0's version: the worker moves on to bank 1, then back
-        monkeypatch.setattr(reader._banks, "arrays", layout)
+        views = ints(*args)  # the reader holds bank 0's version: the worker moves on to bank 1, then back
+        monkeypatch.setattr(reader._banks, "ints", ints)
         writer.start(42, _grid(7), N, K, V, True, 0)
         writer.start(43, _grid(7), N, K, V, True, 0)
         writer.add(0, new_tokens[0], new_probs[0])
@@ -166,7 +168,7 @@ def test_a_bank_rewritten_while_read_reads_as_nothing(open_board, monkeypatch, a
 
     query = (lambda: reader.read(41, 0, 0, True)) if ask == "read" else (lambda: reader.grid(41))
     assert query() is not None
-    monkeypatch.setattr(reader._banks, "arrays", rewrite_mid_read)
+    monkeypatch.setattr(reader._banks, "ints", rewrite_mid_read)
     assert query() is None
     _assert_prefix(reader.read(43, 0, 0, True), new_tokens, new_probs, 0, 0, 1)
 
@@ -178,7 +180,7 @@ def test_a_bank_being_started_reads_as_nothing(open_board, monkeypatch):
     # Its key is already in the header while the grid is copied in: only the odd version tells.
     writer.start(44, GridMsg(8, grid.seq_ids, grid.outcome.as_subclass(_Spy), grid.candidates), N, K, V, True, 0)
     assert mid_start == [None]
-    assert torch.equal(reader.grid(44)[0], grid.outcome)
+    assert torch.equal(torch.tensor(reader.grid(44).outcome), grid.outcome)
 
 
 def test_a_draw_without_mass_reads_as_nothing(open_board):
@@ -216,7 +218,7 @@ def test_a_worker_process_depths_are_seen_by_the_target(open_board):
             assert select.select([done_r], [], [], 10)[0] and os.read(done_r, 1), "the worker process stalled"
             out = reader.read(61, 1, 1, True)
             if d == 0:
-                assert out is None and torch.equal(reader.grid(61)[1], grid.candidates)
+                assert out is None and torch.equal(torch.tensor(reader.grid(61).candidates), grid.candidates)
             else:
                 _assert_prefix(out, tokens, probs, 1, 1, d)
                 assert out.build_us == 5
@@ -228,3 +230,39 @@ def test_a_worker_process_depths_are_seen_by_the_target(open_board):
             os.kill(pid, signal.SIGKILL), os.waitpid(pid, 0)
         for fd in (go_r, go_w, done_r, done_w):
             os.close(fd)
+
+
+def _round(round_id=5, spec=((4, 8, 15, 0), (16, 23, 0, 0)), drafts=(3, 2), committed=(7, 9)) -> BeginRoundMsg:
+    return BeginRoundMsg(round_id, [1, 2], torch.tensor(spec), torch.tensor(drafts), [3, 2, 1, 1, 1], list(committed))
+
+
+def test_a_round_key_names_its_content_and_nothing_else():
+    """A bank is found by its round's key: rounds that same_round calls equal share one (the padding
+    past a row's drafts is not content), and a round that differs in anything that is has another."""
+    base = _round()
+    padded = _round(spec=((4, 8, 15, -7), (16, 23, 99, 5)))
+    assert base.same_round(padded) and base.board_key() == padded.board_key()
+    others = [
+        _round(round_id=6),
+        _round(spec=((4, 8, 14, 0), (16, 23, 0, 0))),  # a drafted token
+        _round(drafts=(3, 1)),  # one draft fewer, the same tokens
+        _round(spec=((4, 8, 15, 16), (23, 0, 0, 0)), drafts=(4, 1)),  # the same tokens, split otherwise
+        _round(committed=(7, 10)),
+        dataclasses.replace(base, seq_ids=[1, 3]),
+        dataclasses.replace(base, fanout=[3, 2, 1, 1, 2]),
+    ]
+    keys = {base.board_key()} | {other.board_key() for other in others}
+    assert len(keys) == 1 + len(others)
+    assert not any(base.same_round(other) for other in others)
+    assert all(0 <= key < 1 << 62 for key in keys)  # a bank header's int64, never -1 (no build)
+
+
+def test_the_grid_read_off_a_board_finds_the_branches_the_grid_message_does(open_board):
+    reader, writer = open_board()
+    grid = _grid(12)
+    writer.start(71, grid, N, K, V, False, 0)
+    read = reader.grid(71)
+    pairs = [(a, t) for a, t in zip(grid.outcome.flatten().tolist(), grid.candidates.flatten().tolist())]
+    for accepted, bonus in [*pairs[:3], (99, 99)]:  # a hit at the start of each row, and a miss
+        assert read.branches([accepted] * ROWS, [bonus] * ROWS) == grid.branches([accepted] * ROWS, [bonus] * ROWS)
+    assert all(read.rank(r, n) == grid.rank(r, n) for r in range(ROWS) for n in range(WIDTH))

@@ -29,10 +29,10 @@ from __future__ import annotations
 import array
 import enum
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy
 import torch
 
 from ssd.core.sampling import SequenceSampling
@@ -118,15 +118,14 @@ class BeginRoundMsg:
         """A number that names this round's content (what same_round compares), by which a
         worker's board publishes the round's build and the target finds it
         (ssd/transport/shm_board.py): a digest of its bytes, the same in every process (Python's
-        own hash of bytes is salted per process), in one pass at any batch size."""
-        spec = self.spec_tokens.numpy().astype(numpy.int64, copy=False)
-        real = (
-            numpy.arange(spec.shape[1]) < self.num_draft.numpy()[:, None]
-        )  # padding past a row's drafts is not content
-        digest = hashlib.blake2b(digest_size=8)
+        own hash of bytes is salted per process)."""
+        # Python lists, not array operations: the key is taken between the target's forwards, whose
+        # runs have just evicted the caches, where each call into numpy or torch costs ~10 us.
+        drafts = self.num_draft.tolist()
+        real = [t for row, n in zip(self.spec_tokens.tolist(), drafts) for t in row[:n]]  # padding is not content
         sizes = [self.round_id, len(self.seq_ids), len(self.fanout), len(self.committed)]
-        digest.update(array.array("q", sizes + list(self.seq_ids) + list(self.fanout) + list(self.committed)).tobytes())
-        digest.update(numpy.where(real, spec, -1).tobytes())
+        content = sizes + list(self.seq_ids) + list(self.fanout) + list(self.committed) + drafts + real
+        digest = hashlib.blake2b(array.array("q", content).tobytes(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
 
     def same_round(self, other: BeginRoundMsg) -> bool:
@@ -187,20 +186,30 @@ class GridMsg:
     def branches(self, accepted: list[int], bonus: list[int]) -> list[int]:
         """Per row, the number of the branch of its outcome (accepted[r], bonus[r]), -1 where the
         grid has none (a miss)."""
-        out = []
-        for r, (a, t) in enumerate(zip(accepted, bonus)):
-            n = branch_of(self.outcome[r].tolist(), self.candidates[r].tolist(), a, t)
-            out.append(-1 if n is None else n)
-        return out
+        return grid_branches(self.outcome.tolist(), self.candidates.tolist(), accepted, bonus)
 
     def rank(self, row: int, branch: int) -> int:
-        """The rank of branch `branch` among its outcome's candidates (branches are numbered by
-        outcome, then rank: ssd/drafting/tree.py)."""
-        outcome = self.outcome[row].tolist()
-        return branch - outcome.index(outcome[branch])
+        """The rank of branch `branch` among its outcome's candidates."""
+        return branch_rank(self.outcome[row].tolist(), branch)
 
 
-def branch_of(outcome: list[int], candidates: list[int], accepted: int, bonus: int) -> int | None:
+def grid_branches(outcome: list, candidates: list, accepted: list[int], bonus: list[int]) -> list[int]:
+    """GridMsg.branches over a grid's rows as lists (outcome, candidates: [b][N] ints)."""
+    out = []
+    for row_outcome, row_candidates, a, t in zip(outcome, candidates, accepted, bonus):
+        n = branch_of(row_outcome, row_candidates, a, t)
+        out.append(-1 if n is None else n)
+    return out
+
+
+def branch_rank(outcome: Sequence[int], branch: int) -> int:
+    """The rank of branch `branch` of a row whose branches stand for `outcome` ([N] tokens
+    accepted) among its outcome's candidates: branches are numbered by outcome, then rank
+    (ssd/drafting/tree.py)."""
+    return branch - outcome.index(outcome[branch])
+
+
+def branch_of(outcome: Sequence[int], candidates: Sequence[int], accepted: int, bonus: int) -> int | None:
     """The number of the branch of one row's grid (outcome [N], candidates [N]) that stands for
     the outcome (accepted, bonus), None where there is none."""
     return next((n for n, pair in enumerate(zip(outcome, candidates)) if pair == (accepted, bonus)), None)

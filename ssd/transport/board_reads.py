@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.core.protocol import BeginRoundMsg, DrafterCounters, GridMsg, ResolveMsg, SpeculationReply
-from ssd.transport.shm_board import BoardReader, Branch, holds_round
+from ssd.core.protocol import BeginRoundMsg, DrafterCounters, SpeculationReply
+from ssd.transport.shm_board import BoardGrid, BoardReader, Branch, holds_round
 
 # How often a target waiting for a round's grid on the boards checks that a worker is still alive
 # to fork it (a process poll costs a system call; the wait itself is microseconds a try).
@@ -37,8 +37,8 @@ def on_boards(msg: BeginRoundMsg, boards: list[BoardReader | None], live: int) -
 
 
 def board_grid(
-    rnd: BeginRoundMsg, key: int, boards: list[BoardReader | None], deadline_s: float, alive: Callable[[], bool]
-) -> GridMsg | None:
+    key: int, boards: list[BoardReader | None], deadline_s: float, alive: Callable[[], bool]
+) -> BoardGrid | None:
     """The round's branch grid off the first board that has it (every shard forks the whole grid
     alike), waiting for one to fork it (yielding the core meanwhile) up to the deadline, or until
     `alive()` (asked every LIVENESS_S) says no worker is left to fork it; None then."""
@@ -48,7 +48,7 @@ def board_grid(
         for board in boards:
             got = None if board is None else board.grid(key)
             if got is not None:
-                return GridMsg(rnd.round_id, list(rnd.seq_ids), *got)
+                return got
         now = time.monotonic()
         if now > end:
             return None
@@ -73,45 +73,47 @@ class BoardHits:
 
 def read_hits(
     rnd: BeginRoundMsg,
-    msg: ResolveMsg,
-    grid: GridMsg,
+    answering: list[int],
+    grid: BoardGrid,
     branches: list[int],
     boards: list[BoardReader | None],
     greedy: list[bool],
     key: int,
 ) -> BoardHits:
-    """For each row whose answering shard (msg.answering) holds its hit (branches [b]: each row's
-    branch in the grid, -1 where none) and has a board: that branch, as deep as the board has it
-    (a sampled row's only with its distributions)."""
-    b, d, k = len(msg.seq_ids), len(boards), rnd.spec_tokens.shape[1]
+    """For each row whose answering shard (answering [b]: ResolveMsg.answering) holds its hit
+    (branches [b]: each row's branch in the grid, -1 where none) and has a board: that branch, as
+    deep as the board has it (a sampled row's only with its distributions)."""
+    b, d, k = len(rnd.seq_ids), len(boards), rnd.spec_tokens.shape[1]
     taken, found = [0] * b, {}  # found: shard -> [(row, branch, rank)]
     for r, n in enumerate(branches):
         w = n % d if n >= 0 else -1
-        if w < 0 or msg.answering[r] != w or boards[w] is None:
+        if w < 0 or answering[r] != w or boards[w] is None:
             continue
         branch = boards[w].read(key, r, n // d, with_probs=not greedy[r])
         if branch is not None:
             taken[r] = len(branch.tokens)
             found.setdefault(w, []).append((r, branch, grid.rank(r, n)))
-    parts = {w: _reply(rnd.round_id, msg.seq_ids, rows, greedy, k) for w, rows in found.items()}
+    parts = {w: _reply(rnd.round_id, rnd.seq_ids, rows, greedy, k) for w, rows in found.items()}
     return BoardHits(taken, parts)
 
 
 def _reply(round_id: int, seq_ids: list[int], rows: list[tuple[int, Branch, int]], greedy, k: int) -> SpeculationReply:
-    """One shard's rows read off its board, as the reply it would have sent for them."""
+    """One shard's rows read off its board, as the reply it would have sent for them: built as
+    lists, then one tensor a field (each call into torch costs the target's cold caches ~10 us:
+    shm_board._Banks.ints)."""
     b = len(seq_ids)
-    hit, tokens = torch.zeros(b, dtype=torch.bool), torch.zeros(b, k, dtype=torch.long)
-    num_draft, rank = torch.zeros(b, dtype=torch.long), torch.full((b,), -1, dtype=torch.long)
+    hit, num_draft, rank = [False] * b, [0] * b, [-1] * b
+    tokens = [[0] * k for _ in range(b)]
     vocab = next((branch.probs.shape[-1] for _, branch, _ in rows if branch.probs is not None), None)
     probs = None if vocab is None else torch.zeros(b, k, vocab)
     for r, branch, place in rows:
         depth = len(branch.tokens)
         hit[r], num_draft[r], rank[r] = True, depth, place
-        tokens[r, :depth] = torch.tensor(branch.tokens)
+        tokens[r][:depth] = branch.tokens
         if branch.probs is not None:
             probs[r, :depth] = branch.probs
     build = max(branch.build_us for _, branch, _ in rows) / 1e6
     return SpeculationReply(
-        round_id, list(seq_ids), hit, tokens, probs, num_draft, build, DrafterCounters(), hit.clone(), rank,
-        torch.tensor(greedy, dtype=torch.bool),
+        round_id, list(seq_ids), torch.tensor(hit), torch.tensor(tokens), probs, torch.tensor(num_draft), build,
+        DrafterCounters(), torch.tensor(hit), torch.tensor(rank), torch.tensor(greedy, dtype=torch.bool),
     )  # fmt: skip

@@ -56,6 +56,7 @@ from ssd.transport.link import WorkerLink, WorkerProvider, announce
 from ssd.transport.pool_state import PoolTally, SeqView, Shard, shard_seed
 from ssd.transport.refills import Refills
 from ssd.transport.rows import assemble, merge_shards, take
+from ssd.transport.shm_board import BoardGrid
 from ssd.transport.wire import HEADER, Encoded
 
 logger = logging.getLogger(__name__)
@@ -240,17 +241,19 @@ class PoolClient:
         assert rnd is not None and rnd.round_id == msg.round_id, "resolve() without its begin_round()"
         grid = self._grid(rnd) if self.split == "outcomes" else None
         backup = self._backup_shard()  # after the grid's read, which may have lost its shard
+        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
         self.board_parts = {}
         if self.split == "outcomes":
             # Each row's branch in the grid (-1: none), found once for the answers and the boards.
-            branches = None if grid is None else grid.branches(msg.num_accepted.tolist(), msg.bonus_tokens.tolist())
-            answering = self._answering(branches, backup)
-            msg = dataclasses.replace(msg, answering=answering, backup_shard=-1 if backup is None else backup)
+            branches = None if grid is None else grid.branches(accepted, bonus)
+            answering, taken = self._answering(branches, backup), []
             if answering and self.round_key is not None:  # hits on their workers' boards: no reply to wait for
                 greedy = [self.seqs[s].sampling.greedy for s in msg.seq_ids]
-                hits = read_hits(rnd, msg, grid, branches, self._boards(), greedy, self.round_key)
-                msg = dataclasses.replace(msg, taken=hits.taken) if hits.any else msg
-                self.board_parts = hits.parts
+                hits = read_hits(rnd, answering, grid, branches, self._boards(), greedy, self.round_key)
+                taken, self.board_parts = (hits.taken if hits.any else []), hits.parts
+            msg = dataclasses.replace(
+                msg, answering=answering, backup_shard=-1 if backup is None else backup, taken=taken
+            )
         self.outcome = msg
 
         encoded = Encoded.of(MsgType.RESOLVE, msg) if self.split == "outcomes" else None  # once for all
@@ -264,9 +267,8 @@ class PoolClient:
             self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
         # at the next round's start): after the sends, which the target's reply waits for.
-        accepted, bonus = msg.num_accepted.tolist(), msg.bonus_tokens.tolist()
-        for r, s in enumerate(msg.seq_ids):
-            self.seqs[s].tokens.extend(rnd.spec_tokens[r, : accepted[r]].tolist() + [bonus[r]])
+        for s, spec, a, t in zip(msg.seq_ids, rnd.spec_tokens.tolist(), accepted, bonus):
+            self.seqs[s].tokens.extend(spec[:a] + [t])
         self.tally.round_s += time.perf_counter() - started
 
     def _announce(self, msg: Encoded, outcome: ResolveMsg | None) -> bool:
@@ -288,13 +290,13 @@ class PoolClient:
         """Each shard's board, None where it has none (a transport other than shm) or is lost."""
         return [None if s.link is None else s.link.board for s in self.shards]
 
-    def _grid(self, rnd: BeginRoundMsg) -> GridMsg | None:
+    def _grid(self, rnd: BeginRoundMsg) -> GridMsg | BoardGrid | None:
         """The round's branch grid off its workers' boards, or from its grid shard (waited for,
         within the deadline); None where the round named none or its shard is lost."""
         live = next((s.link for s in self.shards if s.link is not None), None)
         if self.round_key is not None and live is not None:
             alive = lambda: any(s.link is not None and s.link.is_alive() for s in self.shards)  # noqa: E731
-            grid = board_grid(rnd, self.round_key, self._boards(), live.deadline.total_seconds(), alive)
+            grid = board_grid(self.round_key, self._boards(), live.deadline.total_seconds(), alive)
             self.tally.grids_missed += int(grid is None)
             return grid
         w = rnd.grid_shard
@@ -352,8 +354,8 @@ class PoolClient:
         if self.split == "sequences":  # each worker predicts its own rows' next round: no hints
             merged = self._assemble(msg.round_id, msg.seq_ids, replies)
         else:
-            for w, part in self.board_parts.items():
-                self.tally.read_off_board(w, part)
+            for w in self.board_parts:
+                self.tally.read_off_board(w, sum(a == w and t > 0 for a, t in zip(msg.answering, msg.taken)))
             merged = merge_shards(msg, [*self.board_parts.values(), *replies.values()], self.counters())
             if not msg.answering:
                 self._hint(msg, merged, replies)

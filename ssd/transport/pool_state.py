@@ -93,9 +93,8 @@ class PoolTally:
         self.latest[w], self._summed = reply.counters, None
         self.shard_hits[w] += int(reply.hit.sum())
 
-    def read_off_board(self, w: int, part: SpeculationReply) -> None:
-        """Shard w's hits the target read off its board (its counters come with its next reply)."""
-        hits = int(part.hit.sum())
+    def read_off_board(self, w: int, hits: int) -> None:
+        """Shard w's `hits` rows the target read off its board (its counters come with its next reply)."""
         self.shard_hits[w] += hits
         self.board_rows += hits
 

@@ -37,16 +37,14 @@ import platform
 import struct
 from dataclasses import dataclass
 
-import numpy
 import torch
 
-from ssd.core.protocol import GridMsg
+from ssd.core.protocol import GridMsg, branch_rank, grid_branches
 
 # Bank header fields (int64 each).
 VERSION, KEY, ROWS, BRANCHES, K, VOCAB, HAS_PROBS, DEPTH, BUILD_US, GRID = range(10)
 BANK_HEADER = 16  # int64s: room for fields added later
 _FIELDS = struct.Struct(f"<{GRID + 1}q")
-_NUMPY = {torch.int64: numpy.int64, torch.float32: numpy.float32}
 DEFAULT_BANK_BYTES = 8 << 20  # a bank's room; its pages are touched only where written
 
 
@@ -73,22 +71,21 @@ class _Banks:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.raw = [raw[i * bank_bytes : (i + 1) * bank_bytes] for i in range(2)]
         self.header = [bank[: BANK_HEADER * 8].view(torch.int64) for bank in self.raw]
-        # The reader's: numpy views and struct reads cost it a fraction of torch's per-call overhead,
-        # on the target's thread between its verification and its next forward.
-        self.np_raw = [a.numpy() for a in self.raw]
 
     def fields(self, bank: int) -> tuple[int, ...]:
         """Bank `bank`'s header fields VERSION..GRID, in one read."""
         return _FIELDS.unpack_from(self._map, bank * self.bank_bytes)
 
-    def arrays(self, bank: int, rows: int, grid: int, branches: int, k: int, vocab: int, probs: bool):
-        """layout() as numpy views, for the reader."""
-        sizes = _sizes(rows, grid, branches, k, vocab)
-        start, out = BANK_HEADER * 8, []
-        for (dtype, shape), nbytes in zip(_SHAPES(rows, grid, branches, k, vocab)[: 3 if probs else 2], sizes):
-            out.append(self.np_raw[bank][start : start + nbytes].view(_NUMPY[dtype]).reshape(shape))
-            start += nbytes
-        return out[0], out[1], out[2] if probs else None
+    # The reader's: struct reads into Python ints and one copy for a distribution cost the target a
+    # fraction of numpy's or torch's views, on its thread between its verification and its next
+    # forward (whose runs have just evicted the caches, where every call into them costs ~10 us).
+    def ints(self, bank: int, start: int, count: int) -> tuple[int, ...]:
+        """`count` int64s of bank `bank` from its byte `start`, in one read."""
+        return struct.unpack_from(f"<{count}q", self._map, bank * self.bank_bytes + start)
+
+    def floats(self, bank: int, start: int, count: int) -> torch.Tensor:
+        """A copy of `count` float32s of bank `bank` from its byte `start`."""
+        return self.raw[bank][start : start + 4 * count].view(torch.float32).clone()
 
     def layout(self, bank: int, rows: int, grid: int, branches: int, k: int, vocab: int, probs: bool):
         """-> views of bank `bank`: the grid [2, b, G] int64 (outcome, candidates), tokens [b, N, K]
@@ -102,7 +99,7 @@ class _Banks:
         return out[0], out[1], out[2] if probs else None
 
     def close(self) -> None:
-        self.raw, self.header, self.np_raw = [], [], []
+        self.raw, self.header = [], []
         self._map.close()
 
 
@@ -178,6 +175,22 @@ class BoardWriter:
 
 
 @dataclass(frozen=True)
+class BoardGrid:
+    """A round's branch grid as read off a board (GridMsg's content, as Python ints)."""
+
+    outcome: list[tuple[int, ...]]  # [b][G]: tokens accepted that each branch stands for
+    candidates: list[tuple[int, ...]]  # [b][G]: its bonus token
+
+    def branches(self, accepted: list[int], bonus: list[int]) -> list[int]:
+        """GridMsg.branches."""
+        return grid_branches(self.outcome, self.candidates, accepted, bonus)
+
+    def rank(self, row: int, branch: int) -> int:
+        """GridMsg.rank."""
+        return branch_rank(self.outcome[row], branch)
+
+
+@dataclass(frozen=True)
 class Branch:
     """A branch read off a board."""
 
@@ -210,15 +223,18 @@ class BoardReader:
     def _unchanged(self, bank: int, version: int) -> bool:
         return self._banks.fields(bank)[VERSION] == version
 
-    def grid(self, key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The branch grid of round `key` (outcome, candidates: [b, G] each, copies), None where
-        this board has no build of that round (not forked yet, or rewritten while read)."""
+    def grid(self, key: int) -> BoardGrid | None:
+        """The branch grid of round `key`, None where this board has no build of that round (not
+        forked yet, or rewritten while read)."""
         found = self._bank(key)
         if found is None:
             return None
-        bank, version, (rows, branches, k, vocab, has_probs, _depth, _build_us, width) = found
-        cells = torch.from_numpy(self._banks.arrays(bank, rows, width, branches, k, vocab, False)[0].copy())
-        return (cells[0], cells[1]) if self._unchanged(bank, version) else None
+        bank, version, (rows, _branches, _k, _vocab, _has_probs, _depth, _build_us, width) = found
+        cells = self._banks.ints(bank, BANK_HEADER * 8, 2 * rows * width)
+        if not self._unchanged(bank, version):
+            return None
+        per_row = [cells[i * width : (i + 1) * width] for i in range(2 * rows)]
+        return BoardGrid(per_row[:rows], per_row[rows:])
 
     def read(self, key: int, row: int, branch: int, with_probs: bool) -> Branch | None:
         """Branch `branch` of row `row` of the build of round `key`, as far as it is published;
@@ -231,9 +247,13 @@ class BoardReader:
         depth = self._banks.fields(bank)[DEPTH]  # read after the fields: it only grows
         if depth == 0 or (with_probs and not has_probs) or row >= rows or branch >= branches:
             return None
-        _, tokens, probs = self._banks.arrays(bank, rows, width, branches, k, vocab, bool(has_probs))
-        drawn = tokens[row, branch, :depth].tolist()
-        kept = torch.from_numpy(probs[row, branch, :depth].copy()) if with_probs else None
+        grid_bytes, tokens_bytes = _sizes(rows, width, branches, k, vocab)[:2]
+        cell = row * branches + branch  # its place in tokens [b, N, K] and probs [b, N, K, V]
+        drawn = list(self._banks.ints(bank, BANK_HEADER * 8 + grid_bytes + 8 * k * cell, depth))
+        kept = None
+        if with_probs:
+            start = BANK_HEADER * 8 + grid_bytes + tokens_bytes + 4 * k * vocab * cell
+            kept = self._banks.floats(bank, start, depth * vocab).view(depth, vocab)
         return Branch(drawn, kept, build_us) if self._unchanged(bank, version) and min(drawn) >= 0 else None
 
     def close(self) -> None:
