@@ -266,3 +266,24 @@ def test_the_grid_read_off_a_board_finds_the_branches_the_grid_message_does(open
     for accepted, bonus in [*pairs[:3], (99, 99)]:  # a hit at the start of each row, and a miss
         assert read.branches([accepted] * ROWS, [bonus] * ROWS) == grid.branches([accepted] * ROWS, [bonus] * ROWS)
     assert all(read.rank(r, n) == grid.rank(r, n) for r in range(ROWS) for n in range(WIDTH))
+
+
+def test_a_build_that_drops_its_distributions_mid_read_gives_none_of_them(open_board, monkeypatch):
+    """add() clears HAS_PROBS without a new version when a depth is drawn without distributions
+    (a worker's rounds on a GPU): a read that saw them kept, then that depth, must not return
+    distributions that were never written."""
+    reader, writer = open_board()
+    tokens, _ = _depths(13)
+    writer.start(81, _grid(13), N, K, V, True, 0)
+    fields, calls = reader._banks.fields, []
+
+    def first_depth_between_reads(bank):
+        calls.append(bank)
+        if len(calls) == 2:  # the depth's read, after the header's
+            writer.add(0, tokens[0], None)
+        return fields(bank)
+
+    monkeypatch.setattr(reader._banks, "fields", first_depth_between_reads)
+    assert reader.read(81, 0, 0, True) is None
+    monkeypatch.setattr(reader._banks, "fields", fields)
+    assert reader.read(81, 0, 0, True) is None and reader.read(81, 0, 0, False).tokens == tokens[:1, 0, 0].tolist()

@@ -123,7 +123,7 @@ class BeginRoundMsg:
         # runs have just evicted the caches, where each call into numpy or torch costs ~10 us.
         drafts = self.num_draft.tolist()
         real = [t for row, n in zip(self.spec_tokens.tolist(), drafts) for t in row[:n]]  # padding is not content
-        sizes = [self.round_id, len(self.seq_ids), len(self.fanout), len(self.committed)]
+        sizes = [self.round_id, len(self.seq_ids), len(self.fanout), len(self.committed), len(drafts)]
         content = sizes + list(self.seq_ids) + list(self.fanout) + list(self.committed) + drafts + real
         digest = hashlib.blake2b(array.array("q", content).tobytes(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
@@ -196,7 +196,7 @@ class GridMsg:
 def grid_branches(outcome: list, candidates: list, accepted: list[int], bonus: list[int]) -> list[int]:
     """GridMsg.branches over a grid's rows as lists (outcome, candidates: [b][N] ints)."""
     out = []
-    for row_outcome, row_candidates, a, t in zip(outcome, candidates, accepted, bonus):
+    for row_outcome, row_candidates, a, t in zip(outcome, candidates, accepted, bonus, strict=True):
         n = branch_of(row_outcome, row_candidates, a, t)
         out.append(-1 if n is None else n)
     return out

@@ -267,7 +267,7 @@ class PoolClient:
             self._each(send)
         # The committed tokens, as every drafter records them (a replacement is admitted with them,
         # at the next round's start): after the sends, which the target's reply waits for.
-        for s, spec, a, t in zip(msg.seq_ids, rnd.spec_tokens.tolist(), accepted, bonus):
+        for s, spec, a, t in zip(msg.seq_ids, rnd.spec_tokens.tolist(), accepted, bonus, strict=True):
             self.seqs[s].tokens.extend(spec[:a] + [t])
         self.tally.round_s += time.perf_counter() - started
 
