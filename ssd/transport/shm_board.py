@@ -220,8 +220,12 @@ class BoardReader:
                 return bank, fields[VERSION], fields[ROWS:]
         return None
 
-    def _unchanged(self, bank: int, version: int) -> bool:
-        return self._banks.fields(bank)[VERSION] == version
+    def _unchanged(self, bank: int, version: int, with_probs: bool = False) -> bool:
+        """Whether the bank is as it was at `version` and, with_probs, its build still keeps its
+        distributions: add() clears HAS_PROBS without a new version (a depth drawn without any),
+        so a read that saw it set and then that depth would copy distributions never written."""
+        fields = self._banks.fields(bank)
+        return fields[VERSION] == version and (not with_probs or fields[HAS_PROBS] == 1)
 
     def grid(self, key: int) -> BoardGrid | None:
         """The branch grid of round `key`, None where this board has no build of that round (not
@@ -229,8 +233,8 @@ class BoardReader:
         found = self._bank(key)
         if found is None:
             return None
-        bank, version, (rows, _branches, _k, _vocab, _has_probs, _depth, _build_us, width) = found
-        if BANK_HEADER * 8 + 16 * rows * width > self._banks.bank_bytes:  # a header read while rewritten
+        bank, version, (rows, branches, k, vocab, _has_probs, _depth, _build_us, width) = found
+        if not _fits(self._banks.bank_bytes, rows, width, branches, k, vocab, False):  # read while rewritten
             return None
         cells = self._banks.ints(bank, BANK_HEADER * 8, 2 * rows * width)
         if not self._unchanged(bank, version):
@@ -249,23 +253,16 @@ class BoardReader:
         depth = self._banks.fields(bank)[DEPTH]  # read after the fields: it only grows
         if depth == 0 or depth > k or (with_probs and not has_probs) or row >= rows or branch >= branches:
             return None
-        grid_bytes, tokens_bytes, probs_bytes = _sizes(rows, width, branches, k, vocab)
-        if BANK_HEADER * 8 + grid_bytes + tokens_bytes + (probs_bytes if with_probs else 0) > self._banks.bank_bytes:
-            return None  # a header read while rewritten
+        if not _fits(self._banks.bank_bytes, rows, width, branches, k, vocab, with_probs):  # read while rewritten
+            return None
+        grid_bytes, tokens_bytes = _sizes(rows, width, branches, k, vocab)[:2]
         cell = row * branches + branch  # its place in tokens [b, N, K] and probs [b, N, K, V]
         drawn = list(self._banks.ints(bank, BANK_HEADER * 8 + grid_bytes + 8 * k * cell, depth))
         kept = None
         if with_probs:
             start = BANK_HEADER * 8 + grid_bytes + tokens_bytes + 4 * k * vocab * cell
             kept = self._banks.floats(bank, start, depth * vocab).view(depth, vocab)
-        return Branch(drawn, kept, build_us) if self._still(bank, version, with_probs) and min(drawn) >= 0 else None
-
-    def _still(self, bank: int, version: int, with_probs: bool) -> bool:
-        """Whether the bank is as it was at `version` and, with_probs, its build still keeps its
-        distributions: add() clears HAS_PROBS without a new version (a depth drawn without any),
-        so a read that saw it set and then that depth would copy distributions never written."""
-        fields = self._banks.fields(bank)
-        return fields[VERSION] == version and (not with_probs or fields[HAS_PROBS] == 1)
+        return Branch(drawn, kept, build_us) if self._unchanged(bank, version, with_probs) and min(drawn) >= 0 else None
 
     def close(self) -> None:
         self._banks.close()
