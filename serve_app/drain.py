@@ -147,8 +147,19 @@ def deployed_by(app_name: str) -> str | None:
         return None
 
 
-def remove_board(app_name: str) -> None:
+def remove_board(app_name: str, wait_s: float = 10.0) -> None:
+    """Kill the application's board and wait (up to wait_s) until its name is free: ray.kill
+    returns before the actor is gone, and meanwhile a deploy's reset_board (get_if_exists) would
+    be handed the dying board and deployed_by would still read it."""
     try:
         ray.kill(ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE))
     except ValueError:  # never created: no ingress ever reported
-        pass
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    logger.warning("the drain board of %r was killed but its name was still taken after %.0f s", app_name, wait_s)

@@ -305,4 +305,8 @@ def test_the_drain_board_names_the_current_deploy(served):
     reset_board("owner-test", "second")
     assert deployed_by("owner-test") == "second"
     remove_board("owner-test")
+    assert deployed_by("owner-test") is None  # once removed, gone (ray.kill alone returns before)
+    reset_board("owner-test", "third")  # a new deploy right after gets a board of its own
+    assert deployed_by("owner-test") == "third"
+    remove_board("owner-test")
     assert deployed_by("owner-test") is None
