@@ -205,7 +205,9 @@ def test_a_stopped_worker_host_is_noticed_by_the_keepalive():
         channel = connect_grpc(worker.line(), FP, 30 * S, keepalive=datetime.timedelta(seconds=0.5))
         channel.send(MsgType.RELEASE, ReleaseMsg([1]), 10 * S)
         assert channel.recv(10 * S)[1].seq_ids == [1]
-        for _ in range(50):  # pings on an idle session do not end it (the server's ping policy allows them)
+        # Pings on an idle session do not end it (the server's ping policy allows them): 2.5 s is
+        # 5 pings, past gRPC's default limit of 2 strikes.
+        for _ in range(25):
             time.sleep(0.1)
             assert not channel.poll()
         channel.send(MsgType.RELEASE, ReleaseMsg([2]), 10 * S)

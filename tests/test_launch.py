@@ -9,10 +9,12 @@ prints the greedy token ids, which must equal Hugging Face `generate` on the tar
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from refimpl import hf_greedy
@@ -70,20 +72,62 @@ def expected(tiny_pair) -> list[int]:
     return hf_greedy(tiny_pair[0], [PROMPT], MAX_TOKENS)[0]
 
 
-def run_python(args: list[str], stdin: str | None = None, cwd: str | None = None, timeout: float = 240) -> dict:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+@pytest.fixture(scope="module")
+def launched(script, tmp_path_factory):
+    """Every case's interpreter, started at once (each spends most of its ~8 s importing and
+    loading, on one core; one after another they took 44 s): case -> its run."""
+    folder = tmp_path_factory.mktemp("no_guard")
+    (folder / "no_guard.py").write_text(script)
+    cases = {
+        "stdin": Run(["-"], stdin=script),
+        "python_c": Run(["-c", script]),
+        "no_guard": Run([str(folder / "no_guard.py")], cwd=str(folder)),
+        "notebook": Run(["-c", NOTEBOOK.format(cell=script)]),
     }
-    out = subprocess.run(
-        [sys.executable, *args], input=stdin, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, (out.stdout[-2000:], out.stderr[-3000:])
-    return json.loads(line[len("RESULT ") :])
+    if importlib.util.find_spec("ray") is not None:
+        cases["ray_actor"] = Run(["-c", RAY_ACTOR.format(cell=script)], timeout=300)
+    yield cases
+    for run in cases.values():
+        run.stop()
+
+
+class Run:
+    """One case: `python args` in a fresh interpreter, started now."""
+
+    def __init__(self, args: list[str], stdin: str | None = None, cwd: str | None = None, timeout: float = 240) -> None:
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
+        if stdin is not None:  # the whole script now (a few KB: the pipe holds it), so the case runs now
+            self.proc.stdin.write(stdin)
+            self.proc.stdin.close()
+            self.proc.stdin = None  # communicate() then leaves it alone
+        self.deadline = time.monotonic() + timeout
+
+    def result(self) -> dict:
+        """What the case printed after RESULT, once it exited 0."""
+        out, err = self.proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+        assert self.proc.returncode == 0, err[-3000:]
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        assert line is not None, (out[-2000:], err[-3000:])
+        return json.loads(line[len("RESULT ") :])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # a case that failed or timed out: no process outlives the module
+            self.proc.kill()
+            self.proc.communicate()
 
 
 def check(result: dict, expected: list[int]) -> None:
@@ -92,27 +136,26 @@ def check(result: dict, expected: list[int]) -> None:
     assert result["workers"] == 1 and result["left"] == 0, result
 
 
-def test_from_stdin(script, expected):
-    check(run_python(["-"], stdin=script), expected)
+def test_from_stdin(launched, expected):
+    check(launched["stdin"].result(), expected)
 
 
-def test_from_python_c(script, expected):
-    check(run_python(["-c", script]), expected)
+def test_from_python_c(launched, expected):
+    check(launched["python_c"].result(), expected)
 
 
-def test_from_a_script_without_main_guard(script, expected, tmp_path):
-    path = tmp_path / "no_guard.py"
-    path.write_text(script)
-    check(run_python([str(path)], cwd=str(tmp_path)), expected)
+def test_from_a_script_without_main_guard(launched, expected):
+    check(launched["no_guard"].result(), expected)
 
 
-def test_from_a_notebook_like_main_module(script, expected):
-    check(run_python(["-c", NOTEBOOK.format(cell=script)]), expected)
+def test_from_a_notebook_like_main_module(launched, expected):
+    check(launched["notebook"].result(), expected)
 
 
-def test_from_a_ray_actor(script, expected):
-    pytest.importorskip("ray")
-    result = run_python(["-c", RAY_ACTOR.format(cell=script)], timeout=300)
+def test_from_a_ray_actor(launched, expected):
+    if "ray_actor" not in launched:
+        pytest.skip("needs ray")
+    result = launched["ray_actor"].result()
     assert result["tokens"] == expected
     assert result["live"] == 1 and result["hit_rate"] > 0, result
     assert result["left"] == 0, result

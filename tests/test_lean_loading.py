@@ -151,9 +151,9 @@ def test_greedy_sd_on_lean_models_matches_hf_generate(tiny_pair, models, pair):
     assert [o.token_ids for o in out] == expected
 
 
-def _load_in_fresh_interpreter(lean: bool) -> tuple[str, list[str]]:
-    """Load the bundled draft through the loader, as a draft worker does, and run a forward in a
-    new interpreter -> (the model's class, which of HEAVY it imported)."""
+def _load_in_fresh_interpreter(lean: bool) -> subprocess.Popen:
+    """Start loading the bundled draft through the loader, as a draft worker does, and running a
+    forward, in a new interpreter; _loaded() reads what it found."""
     code = (
         "import sys, torch\n"
         "from ssd.core.config import EngineArgs\n"
@@ -164,17 +164,31 @@ def _load_in_fresh_interpreter(lean: bool) -> tuple[str, list[str]]:
         "runner.forward(runner.new_cache(), torch.tensor([[5, 9, 33]]))\n"
         f"print(type(runner.model).__name__, *[m for m in {HEAVY!r} if m in sys.modules])\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr
-    name, *heavy = run.stdout.split()
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def _loaded(run: subprocess.Popen) -> tuple[str, list[str]]:
+    """-> (the model's class, which of HEAVY it imported)."""
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    name, *heavy = out.split()
     return name, heavy
 
 
 def test_loading_a_draft_lean_imports_no_modeling_code(demo_pair):
-    assert _load_in_fresh_interpreter(lean=True) == ("LeanModel", [])
-    # The check fails on the Hugging Face path: from_pretrained imports modeling_utils.
-    name, heavy = _load_in_fresh_interpreter(lean=False)
-    assert name == "LlamaForCausalLM" and "transformers.modeling_utils" in heavy
+    lean, hf = _load_in_fresh_interpreter(lean=True), _load_in_fresh_interpreter(lean=False)  # both at once
+    try:
+        assert _loaded(lean) == ("LeanModel", [])
+        # The check fails on the Hugging Face path: from_pretrained imports modeling_utils.
+        name, heavy = _loaded(hf)
+        assert name == "LlamaForCausalLM" and "transformers.modeling_utils" in heavy
+    finally:
+        for run in (lean, hf):
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
 
 
 def test_other_checkpoints_load_through_hugging_face(models, tmp_path):

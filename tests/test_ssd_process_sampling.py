@@ -188,15 +188,18 @@ def test_the_check_fails_on_a_drafter_that_sends_the_wrong_distribution(peaked_p
 
 def test_the_check_fails_on_a_board_that_publishes_the_wrong_distribution(peaked_pair, peaked_target, monkeypatch):
     """The same power test for the hits the target reads off a worker's board (the worker's
-    replies right, its board wrong): the pool of four_workers_boards, its target as slow. 300
-    samples gave p = 1e-14 to 1e-25."""
+    replies right, its board wrong): the pool of four_workers_boards, its target as slow. The p
+    value varies far more than its sample count does: 500 samples gave 1e-28 to 1e-39 alone and
+    6e-8 in a CI run (without the slow target); 300 gave 1e-14 to 1e-25 alone and 2e-8 in a full
+    run here. So 500 samples, and a bar 10x below the suite's P_MIN rather than a far one: what
+    this test shows is that the check run by the suite fails."""
     monkeypatch.setattr(proposers, "run_forked", forked_targets.neighbour_board_worker)
     slow_target(monkeypatch)
-    params, options, _ = CASES["four_workers_boards"]
-    prompt_ids, samples, m = run_case(peaked_pair, params, options, 300, 321)
+    params, options, n = CASES["four_workers_boards"]
+    prompt_ids, samples, m = run_case(peaked_pair, params, options, n, 321)
     result = check_conditionals(peaked_target, prompt_ids, samples, params)
     assert m["ssd"]["board_reads"] > 1.0, m["ssd"]
-    assert min(p for p, _, _ in result.values()) < 1e-8, result
+    assert min(p for p, _, _ in result.values()) < P_MIN / 10, result
 
 
 def slow_target(monkeypatch) -> None:

@@ -218,10 +218,18 @@ def cache_hits_after(served) -> int:
     return r.json()["speculation"][0]["cache_hits"]
 
 
-def test_draft_worker_killed_under_16_streams(served, apps):
+@pytest.fixture(scope="module")
+def reference(served, apps) -> list[tuple[str, str | None]]:
+    """The 16 greedy streams on "rel" with its whole pool, before any fault: what each fault test's
+    streams must equal (greedy, so the same whatever the pool did in between)."""
     wait_for(lambda: len(pool_workers("rel")) == 2, 60, "both draft workers registered")
-    reference = stream_all(served)
-    assert all(finish == "length" for _, finish in reference)
+    texts = stream_all(served)
+    assert all(finish == "length" for _, finish in texts)
+    return texts
+
+
+def test_draft_worker_killed_under_16_streams(served, apps, reference):
+    wait_for(lambda: len(pool_workers("rel")) == 2, 60, "both draft workers registered")
     killed = {}
 
     def kill_leased():
@@ -240,9 +248,8 @@ def test_draft_worker_killed_under_16_streams(served, apps):
     assert cache_hits_after(served) > 0  # SSD resumed on a re-leased worker
 
 
-def test_whole_draft_pool_killed_under_16_streams(served, apps):
+def test_whole_draft_pool_killed_under_16_streams(served, apps, reference):
     wait_for(lambda: len(pool_workers("rel")) == 2, 60, "both draft workers registered")
-    reference = stream_all(served)
 
     def kill_all():
         for handle in replicas("rel", "DraftPool").values():
